@@ -1,0 +1,1 @@
+"""Read-only analyses shared by passes and codegen."""

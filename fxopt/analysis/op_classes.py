@@ -1,0 +1,143 @@
+"""What kind of op a node is, and whether the pointwise fuser may take it.
+
+This is the capability side of fusion: the pass asks here, codegen implements exactly these ops
+(tests/codegen/test_pointwise_ops.py checks the two tables agree).
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+_UNARY = ["abs", "neg", "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sqrt", "rsqrt",
+          "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh", "tanh", "asinh", "acosh", "atanh",
+          "sigmoid", "erf", "erfc", "reciprocal", "floor", "ceil", "round", "trunc", "sign", "relu",
+          "isnan", "isinf", "logical_not", "bitwise_not", "gelu", "silu", "clone", "leaky_relu",
+          "clamp_min", "clamp_max", "clamp", "hardtanh"]
+_BINARY_TENSOR_SCALAR = ["add", "sub", "mul", "div", "eq", "ne", "lt", "le", "gt", "ge", "fmod",
+                         "remainder", "bitwise_and", "bitwise_or", "bitwise_xor"]
+_BINARY = ["maximum", "minimum", "atan2", "logical_and", "logical_or", "logical_xor", "hypot"]
+
+
+def _collect() -> frozenset:
+    ops = set()
+    for name in _UNARY:
+        ops.add(getattr(aten, name).default)
+    for name in _BINARY_TENSOR_SCALAR:
+        ops.add(getattr(aten, name).Tensor)
+        ops.add(getattr(aten, name).Scalar)
+    for name in _BINARY:
+        ops.add(getattr(aten, name).default)
+    ops |= {aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor, aten.pow.Scalar, aten.rsub.Scalar,
+            aten.clamp.Tensor, aten.where.self, aten._to_copy.default, prims.convert_element_type.default,
+            aten.threshold_backward.default, aten.sigmoid_backward.default, aten.tanh_backward.default,
+            aten.gelu_backward.default, aten.silu_backward.default}
+    return frozenset(ops)
+
+
+POINTWISE_OPS = _collect()
+
+# Ops whose Triton lowering needs libdevice, which the Triton interpreter cannot run: on CPU tensors
+# under TRITON_INTERPRET=1 they stay ATen calls (with that reason), on the GPU they fuse.
+CUDA_ONLY_OPS = frozenset({
+    aten.tan.default, aten.asin.default, aten.acos.default, aten.atan.default, aten.sinh.default,
+    aten.cosh.default, aten.asinh.default, aten.acosh.default, aten.atanh.default, aten.atan2.default,
+    aten.erfc.default, aten.pow.Tensor_Tensor, aten.pow.Scalar, aten.fmod.Tensor, aten.fmod.Scalar,
+    aten.hypot.default,
+})
+
+SUPPORTED_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
+                              torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool})
+
+_MATMUL = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+           aten.convolution.default, aten._scaled_dot_product_flash_attention.default,
+           aten._scaled_dot_product_efficient_attention.default}
+
+
+def is_view(node: fx.Node) -> bool:
+    """An ATen op whose output aliases its input (permute, expand, view, slice, ...)."""
+    t = node.target
+    return node.op == "call_function" and isinstance(t, torch._ops.OpOverload) and t.is_view
+
+
+def classify(node: fx.Node) -> str:
+    """pointwise | view | reduction | matmul | random | creation | other."""
+    t = node.target
+    if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
+        return "other"
+    if t in POINTWISE_OPS:
+        return "pointwise"
+    if t.is_view:
+        return "view"
+    if t in _MATMUL:
+        return "matmul"
+    tags = set(t.tags)
+    if torch.Tag.nondeterministic_seeded in tags:
+        return "random"
+    if t.name().split("::")[-1].split(".")[0] in ("sum", "mean", "amax", "amin", "var", "var_mean",
+                                                   "prod", "max", "min", "argmax", "argmin", "any", "all",
+                                                   "_softmax", "_log_softmax", "native_layer_norm",
+                                                   "native_layer_norm_backward", "_softmax_backward_data",
+                                                   "_log_softmax_backward_data", "cumsum"):
+        return "reduction"
+    if t.name().split("::")[-1].split(".")[0] in ("full", "empty", "zeros", "ones", "arange", "scalar_tensor",
+                                                   "empty_strided", "full_like", "zeros_like", "ones_like",
+                                                   "empty_like", "iota"):
+        return "creation"
+    return "other"
+
+
+FALLBACK_REASONS = {
+    "matmul": "matmul/convolution runs as an ATen call (cuBLAS/cuDNN)",
+    "reduction": "reduction: stays an ATen call (reduction fusion is not built yet)",
+    "random": "random op: stays an ATen call so it draws from torch's generator",
+    "creation": "creation op: stays an ATen call (allocates its own output)",
+    "other": "no Triton lowering for this op yet",
+}
+
+
+def _tensor_vals(node: fx.Node):
+    for a in node.all_input_nodes:
+        v = a.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            yield a, v
+
+
+def pointwise_unsupported_reason(node: fx.Node, target: str) -> str | None:
+    """None when the pointwise fuser may take this node for `target`, else why it may not."""
+    if node.op != "call_function" or node.target not in POINTWISE_OPS:
+        return FALLBACK_REASONS.get(classify(node), FALLBACK_REASONS["other"])
+    out = node.meta.get("val")
+    if not isinstance(out, torch.Tensor):
+        return "no tensor metadata (meta['val']) on this node"
+    if out.dtype not in SUPPORTED_DTYPES:
+        return f"dtype {out.dtype} has no Triton lowering"
+    if out.numel() == 0:
+        return "empty tensor: nothing to compute"
+    for inp, v in _tensor_vals(node):
+        if v.dtype not in SUPPORTED_DTYPES:
+            return f"input '{inp.name}' has dtype {v.dtype}, which has no Triton lowering"
+        if v.device != out.device:
+            return f"input '{inp.name}' is on {v.device} while the result is on {out.device}"
+    if target == "interpret" and node.target in CUDA_ONLY_OPS:
+        return "needs libdevice, which the Triton interpreter cannot run (fuses on the GPU)"
+    if out.dtype == torch.float64 and target == "interpret" and node.target in (aten.gelu.default,):
+        return "float64 gelu is not lowered for the interpreter"
+    t = node.target
+    if t is aten._to_copy.default:
+        extra = set(node.kwargs) - {"dtype", "memory_format", "layout", "device"}
+        if extra or node.kwargs.get("layout") not in (None, torch.strided):
+            return f"_to_copy with {sorted(extra) or 'a layout change'} is not a plain cast"
+    if t in (aten.gelu.default, aten.gelu_backward.default):
+        if node.kwargs.get("approximate", "none") not in ("none", "tanh"):
+            return "unknown gelu approximation"
+        if t is aten.gelu_backward.default and node.kwargs.get("approximate", "none") == "tanh":
+            return "tanh-approximate gelu_backward is not lowered yet"
+    if t in (aten.clamp.default, aten.clamp.Tensor, aten.hardtanh.default):
+        if any(isinstance(a, torch.Tensor) for a in node.args[1:]):
+            return "clamp bounds given as constants tensors"
+    if out.dtype.is_floating_point is False and t in (aten.div.Tensor, aten.div.Scalar):
+        return "integer division result"  # aten.div always returns float: unreachable, kept as a guard
+    return None

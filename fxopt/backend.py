@@ -1,0 +1,83 @@
+"""The torch.compile backend: options -> pre-autograd passes -> aot_autograd -> compiled callables.
+
+    f = torch.compile(model, backend="fxopt")                       # via the entry point
+    f = torch.compile(model, backend=fxopt.backend(verify=True))    # with options
+"""
+from __future__ import annotations
+
+import functools
+import threading
+
+import torch
+import torch.fx as fx
+from torch._decomp import core_aten_decompositions
+from torch._functorch.aot_autograd import aot_module_simplified
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+from . import pipeline
+from .compile import compile_aten_graph
+from .options import Environment, Options
+from .pass_manager import PassContext, PassManager
+from .report import Report
+
+_DUMP_REPORTS: dict[str, Report] = {}  # one accumulating report per dump directory in this process
+_lock = threading.Lock()
+
+
+@functools.lru_cache(maxsize=1)
+def decomposition_table() -> dict:
+    """Core-ATen decompositions: every graph fxopt sees is written in core ATen ops."""
+    return core_aten_decompositions()
+
+
+def compile_dynamo_graph(gm: fx.GraphModule, example_inputs, options: Options, report: Report | None = None):
+    """Compile one graph dynamo captured; forward and backward go through aot_autograd."""
+    env = Environment.read()
+    dump_dir = options.dump_dir or env.dump_dir
+    on_done = None
+    if report is None:
+        if dump_dir:
+            with _lock:
+                report = _DUMP_REPORTS.setdefault(dump_dir, Report())
+            on_done = lambda rep: rep.save(dump_dir)  # noqa: E731
+        else:
+            report = Report()
+    elif dump_dir:
+        on_done = lambda rep: rep.save(dump_dir)  # noqa: E731
+    ctx = PassContext(options=options, env=env, graph_name="torch")
+    pre = pipeline.pre_autograd_passes(options)
+    if pre:
+        gm, records, _ = PassManager(pre).run(gm, ctx)
+    compiler = functools.partial(compile_aten_graph, options=options, report=report, on_done=on_done)
+    # explain() wants the backward graph now; torch.compile compiles it at the first backward call
+    eager_backward = options.keep_graphs
+    with torch._functorch.config.patch(force_non_lazy_backward_lowering=eager_backward):
+        return _aot(gm, example_inputs, compiler)
+
+
+def _aot(gm, example_inputs, compiler):
+    return aot_module_simplified(
+        gm, example_inputs,
+        fw_compiler=functools.partial(compiler, graph_name="forward"),
+        bw_compiler=functools.partial(compiler, graph_name="backward"),
+        inference_compiler=functools.partial(compiler, graph_name="inference"),
+        decompositions=decomposition_table(),
+        partition_fn=min_cut_rematerialization_partition,
+        keep_inference_input_mutations=True,
+    )
+
+
+def fxopt_backend(gm: fx.GraphModule, example_inputs, **options):
+    """The backend registered as "fxopt" (entry point torch_dynamo_backends)."""
+    return compile_dynamo_graph(gm, example_inputs, Options.from_kwargs(**options))
+
+
+def backend(**options):
+    """A configured backend: torch.compile(model, backend=fxopt.backend(precision="bf16"))."""
+    opts = Options.from_kwargs(**options)
+
+    def fxopt_configured(gm: fx.GraphModule, example_inputs):
+        return compile_dynamo_graph(gm, example_inputs, opts)
+
+    fxopt_configured.options = opts
+    return fxopt_configured

@@ -1,0 +1,111 @@
+"""Index arithmetic for pointwise kernels: one flat `xindex` over the iteration domain, mapped to each
+operand's address through its strides (broadcast dims have stride 0).
+
+The domain's dims are put in the memory order of the first output (so its stores are coalesced, also
+for transposed layouts), size-1 dims are dropped, and adjacent dims that every operand walks
+contiguously are merged. Addresses are built and simplified as sympy expressions; an operand laid out
+like the domain itself indexes with `xindex` alone (no division or modulo).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+
+
+@dataclass(frozen=True)
+class Layout:
+    """An operand as the kernel sees it: sizes and strides in elements, offset from its pointer."""
+
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int = 0
+
+
+def broadcast_strides(layout: Layout, domain: tuple[int, ...]) -> tuple[int, ...]:
+    """Strides of `layout` over the domain's dims, right-aligned as torch broadcasting does."""
+    pad = len(domain) - len(layout.size)
+    if pad < 0:
+        raise ValueError(f"operand of shape {layout.size} does not broadcast to {domain}")
+    out = []
+    for d, dom in enumerate(domain):
+        k = d - pad
+        if k < 0 or layout.size[k] == 1:
+            out.append(0)
+        elif layout.size[k] == dom:
+            out.append(layout.stride[k])
+        else:
+            raise ValueError(f"operand of shape {layout.size} does not broadcast to {domain}")
+    return tuple(out)
+
+
+class IterationSpace:
+    """The loop nest of a pointwise kernel, flattened onto one index."""
+
+    def __init__(self, domain: tuple[int, ...], order_stride: tuple[int, ...], operands: list[Layout]):
+        self.numel = 1
+        for s in domain:
+            self.numel *= s
+        strides = [broadcast_strides(op, domain) for op in operands]
+        # outer -> inner in the memory order of the reference (first output) layout
+        dims = [d for d in sorted(range(len(domain)), key=lambda d: -order_stride[d]) if domain[d] != 1]
+        sizes = [domain[d] for d in dims]
+        per_op = [[s[d] for d in dims] for s in strides]
+        sizes, per_op = _merge_dims(sizes, per_op)
+        self.sizes = sizes
+        self.operand_strides = per_op
+        self.offsets = [op.offset for op in operands]
+        self.xindex = sympy.Symbol("xindex", integer=True, nonnegative=True)
+        self.coords = [sympy.Symbol(f"x{k}", integer=True, nonnegative=True) for k in range(len(sizes))]
+        self.pitches = [_prod(sizes[k + 1:]) for k in range(len(sizes))]
+
+    def address(self, i: int) -> sympy.Expr:
+        """The element offset of operand i at the current index, in coordinates x0..xk."""
+        terms = sum((s * x for s, x in zip(self.operand_strides[i], self.coords)), sympy.Integer(0))
+        contiguous = sum((p * x for p, x in zip(self.pitches, self.coords)), sympy.Integer(0))
+        if len(self.coords) > 0 and sympy.expand(terms - contiguous) == 0:
+            terms = self.xindex
+        return sympy.expand(terms + self.offsets[i])
+
+    def max_address(self, i: int) -> int:
+        return self.offsets[i] + sum(abs(s) * (n - 1) for s, n in zip(self.operand_strides[i], self.sizes))
+
+    def coord_lines(self, used: set[sympy.Symbol]) -> list[str]:
+        """Lines defining the coordinates that the addresses use, innermost first."""
+        lines = []
+        for k, (x, size, pitch) in enumerate(zip(self.coords, self.sizes, self.pitches)):
+            if x not in used:
+                continue
+            expr = "xindex" if pitch == 1 else f"(xindex // {pitch})"
+            if k > 0:  # the outermost coordinate never wraps
+                expr = f"{expr} % {size}"
+            lines.append(f"{x} = {expr}")
+        return lines
+
+
+def _prod(xs) -> int:
+    out = 1
+    for x in xs:
+        out *= x
+    return out
+
+
+def _merge_dims(sizes: list[int], per_op: list[list[int]]):
+    """Merge dim k into k+1 where every operand has stride[k] == stride[k+1] * size[k+1]."""
+    k = 0
+    sizes = list(sizes)
+    per_op = [list(s) for s in per_op]
+    while k + 1 < len(sizes):
+        if all(s[k] == s[k + 1] * sizes[k + 1] for s in per_op):
+            sizes[k + 1] *= sizes[k]
+            del sizes[k]
+            for s in per_op:
+                del s[k]
+        else:
+            k += 1
+    return sizes, per_op
+
+
+def print_index(expr: sympy.Expr) -> str:
+    """Python/Triton source for an address expression."""
+    return sympy.printing.pycode(expr) if not expr.is_Symbol else str(expr)

@@ -1,0 +1,263 @@
+"""Triton lowerings of ATen pointwise ops: each takes operand expressions and returns one expression.
+
+Operands arrive already cast to the op's compute dtype (see triton_pointwise.operand_dtype).
+Math is chosen per target and per result dtype:
+- target "interpret" (CPU, TRITON_INTERPRET=1) may only use tl/tl.math, so libdevice functions are
+  spelled with exp/log there (accurate to fp32 tolerances, checked in tests against float64);
+- on "cuda", fp32 results use exact libdevice math, and a result that eager rounds to bf16 may use
+  the hardware approximations `tanh.approx.f32` (max relative error 2^-10.99, PTX ISA) for tanh and
+  sigmoid: that is below bf16's rounding error (2^-9 relative, half an ulp of 8 significant bits),
+  so the stored bf16 value is as accurate as eager's. fp16 (2^-11) keeps exact math.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from .dtypes import TL_DTYPE
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+
+@dataclass(frozen=True)
+class LowerCtx:
+    target: str  # "cuda" | "interpret"
+    out_dtype: torch.dtype  # the dtype eager gives this node's result
+    compute: torch.dtype  # the dtype operands were cast to
+
+    @property
+    def approx_ok(self) -> bool:
+        """Hardware approximations allowed: on the GPU, for results eager rounds to bf16."""
+        return self.target == "cuda" and self.out_dtype == torch.bfloat16
+
+    @property
+    def exact(self) -> bool:
+        """libdevice (correctly rounded-ish) math: on the GPU for fp32/fp64 results."""
+        return self.target == "cuda" and self.out_dtype in (torch.float32, torch.float64)
+
+
+def _tanh_approx(x: str) -> str:
+    return (f'tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [{x}], '
+            f"dtype=tl.float32, is_pure=True, pack=1)")
+
+
+def _libdevice_or(name: str, fallback):
+    """libdevice.<name> on the GPU for exact results; `fallback(x)` (tl-only math) otherwise."""
+    def lower(c: LowerCtx, x: str) -> str:
+        return f"libdevice.{name}({x})" if c.target == "cuda" else fallback(x)
+    return lower
+
+
+def _exp(c, x):
+    return f"libdevice.exp({x})" if c.exact else f"tl.exp({x})"
+
+
+def _log(c, x):
+    return f"libdevice.log({x})" if c.exact else f"tl.log({x})"
+
+
+def _sigmoid(c, x):
+    if c.approx_ok:
+        return f"(0.5 * {_tanh_approx(f'0.5 * {x}')} + 0.5)"
+    return f"(1.0 / (1.0 + {_exp(c, f'-{x}')}))"
+
+
+def _tanh(c, x):
+    if c.approx_ok:
+        return _tanh_approx(x)
+    if c.target == "cuda":
+        return f"libdevice.tanh({x})"
+    return f"(1.0 - 2.0 / (tl.exp(2.0 * {x}) + 1.0))"
+
+
+def _erf(c, x):
+    return f"libdevice.erf({x})" if c.target == "cuda" else f"tl.math.erf({x})"
+
+
+def _sqrt(c, x):
+    return f"tl.sqrt_rn({x})" if c.out_dtype in (torch.float32, torch.float64) else f"tl.sqrt({x})"
+
+
+def _rsqrt(c, x):
+    return f"libdevice.rsqrt({x})" if c.exact else f"tl.math.rsqrt({x})"
+
+
+def _gelu(c, x, approximate="none"):
+    if approximate == "tanh":
+        inner = f"0.7978845608028654 * ({x} + 0.044715 * {x} * {x} * {x})"
+        return f"(0.5 * {x} * (1.0 + {_tanh(c, inner)}))"
+    return f"(0.5 * {x} * (1.0 + {_erf(c, f'{x} * 0.7071067811865476')}))"
+
+
+def _round_half_even(x: str) -> str:
+    return (f"tl.where((tl.floor({x} + 0.5) - {x} == 0.5) & (tl.floor({x} + 0.5) * 0.5 != "
+            f"tl.floor(tl.floor({x} + 0.5) * 0.5)), tl.floor({x} + 0.5) - 1.0, tl.floor({x} + 0.5))")
+
+
+def _pow_scalar(c, x, e):
+    """x ** e for a Python scalar e: small integer exponents multiply, others use exp2/log2 or libdevice."""
+    e = float(e)
+    if e == 0.0:
+        return f"({x} * 0 + 1)"
+    if e == 1.0:
+        return f"({x})"
+    if e == 2.0:
+        return f"({x} * {x})"
+    if e == 3.0:
+        return f"({x} * {x} * {x})"
+    if e == 0.5:
+        return _sqrt(c, x)
+    if e == -0.5:
+        return _rsqrt(c, x)
+    if e == -1.0:
+        return f"(1.0 / {x})"
+    if e == -2.0:
+        return f"(1.0 / ({x} * {x}))"
+    if c.target == "cuda":
+        return f"libdevice.pow({x}, {e!r})"
+    mag = f"tl.exp2({e!r} * tl.log2(tl.abs({x})))"
+    if e.is_integer():  # odd integer exponents keep the sign; negative bases are fine
+        return f"tl.where({x} < 0, -{mag}, {mag})" if int(e) % 2 else mag
+    return f"tl.exp2({e!r} * tl.log2({x}))"  # negative base: log2 gives nan, as pow does
+
+
+def _clamp(x, lo, hi):
+    out = x
+    if lo is not None:
+        out = f"tl.where({out} < {lo}, {lo}, {out})"
+    if hi is not None:
+        out = f"tl.where({out} > {hi}, {hi}, {out})"
+    return out  # comparisons with NaN are false, so NaN passes through as in torch.clamp
+
+
+def _cast(c, x):
+    return f"{x}.to({TL_DTYPE[c.out_dtype]})"
+
+
+def _sign(x):
+    return f"tl.where({x} > 0, 1, tl.where({x} < 0, -1, 0)).to({x}.dtype)"
+
+
+def _remainder(a, b):
+    return f"({a} - {b} * tl.floor({a} / {b}))"
+
+
+def _arg(node: fx.Node, i: int, name: str, default=None):
+    if len(node.args) > i:
+        return node.args[i]
+    return node.kwargs.get(name, default)
+
+
+# Each entry: (LowerCtx, node, operand expressions) -> expression. Operands follow node.args order.
+LOWERINGS = {
+    aten.abs.default: lambda c, n, o: f"tl.abs({o[0]})",
+    aten.neg.default: lambda c, n, o: f"(-{o[0]})",
+    aten.exp.default: lambda c, n, o: _exp(c, o[0]),
+    aten.exp2.default: lambda c, n, o: f"libdevice.exp2({o[0]})" if c.exact else f"tl.exp2({o[0]})",
+    aten.expm1.default: lambda c, n, o: _libdevice_or("expm1", lambda x: f"(tl.exp({x}) - 1.0)")(c, o[0]),
+    aten.log.default: lambda c, n, o: _log(c, o[0]),
+    aten.log2.default: lambda c, n, o: f"libdevice.log2({o[0]})" if c.exact else f"tl.log2({o[0]})",
+    aten.log10.default: lambda c, n, o: f"libdevice.log10({o[0]})" if c.exact else f"(tl.log2({o[0]}) * 0.30102999566398120)",
+    aten.log1p.default: lambda c, n, o: _libdevice_or("log1p", lambda x: f"tl.log(1.0 + {x})")(c, o[0]),
+    aten.sqrt.default: lambda c, n, o: _sqrt(c, o[0]),
+    aten.rsqrt.default: lambda c, n, o: _rsqrt(c, o[0]),
+    aten.sin.default: lambda c, n, o: f"libdevice.sin({o[0]})" if c.exact else f"tl.sin({o[0]})",
+    aten.cos.default: lambda c, n, o: f"libdevice.cos({o[0]})" if c.exact else f"tl.cos({o[0]})",
+    aten.tan.default: lambda c, n, o: f"libdevice.tan({o[0]})",
+    aten.asin.default: lambda c, n, o: f"libdevice.asin({o[0]})",
+    aten.acos.default: lambda c, n, o: f"libdevice.acos({o[0]})",
+    aten.atan.default: lambda c, n, o: f"libdevice.atan({o[0]})",
+    aten.sinh.default: lambda c, n, o: f"libdevice.sinh({o[0]})",
+    aten.cosh.default: lambda c, n, o: f"libdevice.cosh({o[0]})",
+    aten.asinh.default: lambda c, n, o: f"libdevice.asinh({o[0]})",
+    aten.acosh.default: lambda c, n, o: f"libdevice.acosh({o[0]})",
+    aten.atanh.default: lambda c, n, o: f"libdevice.atanh({o[0]})",
+    aten.tanh.default: lambda c, n, o: _tanh(c, o[0]),
+    aten.sigmoid.default: lambda c, n, o: _sigmoid(c, o[0]),
+    aten.erf.default: lambda c, n, o: _erf(c, o[0]),
+    aten.erfc.default: lambda c, n, o: f"libdevice.erfc({o[0]})",
+    aten.reciprocal.default: lambda c, n, o: f"(1.0 / {o[0]})",
+    aten.floor.default: lambda c, n, o: f"tl.floor({o[0]})" if c.compute.is_floating_point else o[0],
+    aten.ceil.default: lambda c, n, o: f"tl.ceil({o[0]})" if c.compute.is_floating_point else o[0],
+    aten.trunc.default: lambda c, n, o: (f"tl.where({o[0]} < 0, tl.ceil({o[0]}), tl.floor({o[0]}))"
+                                         if c.compute.is_floating_point else o[0]),
+    aten.round.default: lambda c, n, o: _round_half_even(o[0]) if c.compute.is_floating_point else o[0],
+    aten.sign.default: lambda c, n, o: _sign(o[0]),
+    aten.relu.default: lambda c, n, o: f"tl.where({o[0]} < 0, 0, {o[0]})",
+    aten.isnan.default: lambda c, n, o: f"({o[0]} != {o[0]})",
+    aten.isinf.default: lambda c, n, o: f"(tl.abs({o[0]}) == float(\"inf\"))",
+    aten.logical_not.default: lambda c, n, o: f"({o[0]} == 0)",
+    aten.bitwise_not.default: lambda c, n, o: f"({o[0]} == 0)" if c.compute == torch.bool else f"(~{o[0]})",
+    aten.gelu.default: lambda c, n, o: _gelu(c, o[0], n.kwargs.get("approximate", "none")),
+    aten.silu.default: lambda c, n, o: f"({o[0]} * {_sigmoid(c, o[0])})",
+    aten.clone.default: lambda c, n, o: o[0],
+    aten.leaky_relu.default: lambda c, n, o: f"tl.where({o[0]} > 0, {o[0]}, {o[0]} * {o[1] if len(o) > 1 else 0.01})",
+    aten.clamp_min.default: lambda c, n, o: _clamp(o[0], o[1], None),
+    aten.clamp_max.default: lambda c, n, o: _clamp(o[0], None, o[1]),
+    aten.clamp.default: lambda c, n, o: _clamp(o[0], o[1] if len(o) > 1 else None, o[2] if len(o) > 2 else None),
+    aten.clamp.Tensor: lambda c, n, o: _clamp(o[0], o[1] if len(o) > 1 else None, o[2] if len(o) > 2 else None),
+    aten.hardtanh.default: lambda c, n, o: _clamp(o[0], o[1] if len(o) > 1 else -1.0, o[2] if len(o) > 2 else 1.0),
+    aten.add.Tensor: lambda c, n, o: f"({o[0]} + {o[1]})" if len(o) < 3 else f"({o[0]} + {o[2]} * {o[1]})",
+    aten.add.Scalar: lambda c, n, o: f"({o[0]} + {o[1]})" if len(o) < 3 else f"({o[0]} + {o[2]} * {o[1]})",
+    aten.sub.Tensor: lambda c, n, o: f"({o[0]} - {o[1]})" if len(o) < 3 else f"({o[0]} - {o[2]} * {o[1]})",
+    aten.sub.Scalar: lambda c, n, o: f"({o[0]} - {o[1]})" if len(o) < 3 else f"({o[0]} - {o[2]} * {o[1]})",
+    aten.rsub.Scalar: lambda c, n, o: f"({o[1]} - {o[0]})" if len(o) < 3 else f"({o[1]} - {o[2]} * {o[0]})",
+    aten.mul.Tensor: lambda c, n, o: f"({o[0]} * {o[1]})",
+    aten.mul.Scalar: lambda c, n, o: f"({o[0]} * {o[1]})",
+    aten.div.Tensor: lambda c, n, o: f"({o[0]} / {o[1]})",
+    aten.div.Scalar: lambda c, n, o: f"({o[0]} / {o[1]})",
+    aten.eq.Tensor: lambda c, n, o: f"({o[0]} == {o[1]})",
+    aten.eq.Scalar: lambda c, n, o: f"({o[0]} == {o[1]})",
+    aten.ne.Tensor: lambda c, n, o: f"({o[0]} != {o[1]})",
+    aten.ne.Scalar: lambda c, n, o: f"({o[0]} != {o[1]})",
+    aten.lt.Tensor: lambda c, n, o: f"({o[0]} < {o[1]})",
+    aten.lt.Scalar: lambda c, n, o: f"({o[0]} < {o[1]})",
+    aten.le.Tensor: lambda c, n, o: f"({o[0]} <= {o[1]})",
+    aten.le.Scalar: lambda c, n, o: f"({o[0]} <= {o[1]})",
+    aten.gt.Tensor: lambda c, n, o: f"({o[0]} > {o[1]})",
+    aten.gt.Scalar: lambda c, n, o: f"({o[0]} > {o[1]})",
+    aten.ge.Tensor: lambda c, n, o: f"({o[0]} >= {o[1]})",
+    aten.ge.Scalar: lambda c, n, o: f"({o[0]} >= {o[1]})",
+    aten.fmod.Tensor: lambda c, n, o: f"libdevice.fmod({o[0]}, {o[1]})",
+    aten.fmod.Scalar: lambda c, n, o: f"libdevice.fmod({o[0]}, {o[1]})",
+    aten.remainder.Tensor: lambda c, n, o: _remainder(o[0], o[1]),
+    aten.remainder.Scalar: lambda c, n, o: _remainder(o[0], o[1]),
+    aten.bitwise_and.Tensor: lambda c, n, o: f"({o[0]} & {o[1]})",
+    aten.bitwise_and.Scalar: lambda c, n, o: f"({o[0]} & {o[1]})",
+    aten.bitwise_or.Tensor: lambda c, n, o: f"({o[0]} | {o[1]})",
+    aten.bitwise_or.Scalar: lambda c, n, o: f"({o[0]} | {o[1]})",
+    aten.bitwise_xor.Tensor: lambda c, n, o: f"({o[0]} ^ {o[1]})",
+    aten.bitwise_xor.Scalar: lambda c, n, o: f"({o[0]} ^ {o[1]})",
+    aten.maximum.default: lambda c, n, o: f"tl.maximum({o[0]}, {o[1]}, propagate_nan=tl.PropagateNan.ALL)",
+    aten.minimum.default: lambda c, n, o: f"tl.minimum({o[0]}, {o[1]}, propagate_nan=tl.PropagateNan.ALL)",
+    aten.atan2.default: lambda c, n, o: f"libdevice.atan2({o[0]}, {o[1]})",
+    aten.hypot.default: lambda c, n, o: f"libdevice.hypot({o[0]}, {o[1]})",
+    aten.logical_and.default: lambda c, n, o: f"(({o[0]} != 0) & ({o[1]} != 0))",
+    aten.logical_or.default: lambda c, n, o: f"(({o[0]} != 0) | ({o[1]} != 0))",
+    aten.logical_xor.default: lambda c, n, o: f"(({o[0]} != 0) ^ ({o[1]} != 0))",
+    aten.pow.Tensor_Scalar: lambda c, n, o: _pow_scalar(c, o[0], n.args[1]),
+    aten.pow.Tensor_Tensor: lambda c, n, o: f"libdevice.pow({o[0]}, {o[1]})",
+    aten.pow.Scalar: lambda c, n, o: f"libdevice.pow({o[0]}, {o[1]})",
+    aten.where.self: lambda c, n, o: f"tl.where({o[0]}, {o[1]}, {o[2]})",
+    aten._to_copy.default: lambda c, n, o: _cast(c, o[0]),
+    prims.convert_element_type.default: lambda c, n, o: _cast(c, o[0]),
+    aten.threshold_backward.default: lambda c, n, o: f"tl.where({o[1]} <= {o[2]}, 0.0, {o[0]})",
+    aten.sigmoid_backward.default: lambda c, n, o: f"({o[0]} * {o[1]} * (1.0 - {o[1]}))",
+    aten.tanh_backward.default: lambda c, n, o: f"({o[0]} * (1.0 - {o[1]} * {o[1]}))",
+    aten.gelu_backward.default: lambda c, n, o: (
+        f"({o[0]} * (0.5 * (1.0 + {_erf(c, f'{o[1]} * 0.7071067811865476')}) + "
+        f"{o[1]} * 0.3989422804014327 * {_exp(c, f'-0.5 * {o[1]} * {o[1]}')}))"),
+    aten.silu_backward.default: lambda c, n, o: (
+        f"({o[0]} * {_sigmoid(c, o[1])} * (1.0 + {o[1]} * (1.0 - {_sigmoid(c, o[1])})))"),
+}
+
+# Ops whose operands are not simply cast to the result's compute dtype.
+BOOL_OPERANDS = {aten.logical_and.default, aten.logical_or.default, aten.logical_xor.default,
+                 aten.logical_not.default}
+PROMOTED_OPERANDS = {aten.eq.Tensor, aten.eq.Scalar, aten.ne.Tensor, aten.ne.Scalar, aten.lt.Tensor,
+                     aten.lt.Scalar, aten.le.Tensor, aten.le.Scalar, aten.gt.Tensor, aten.gt.Scalar,
+                     aten.ge.Tensor, aten.ge.Scalar, aten.isnan.default, aten.isinf.default}
+UNCAST_OPERANDS = {aten._to_copy.default, prims.convert_element_type.default, aten.clone.default}

@@ -1,0 +1,209 @@
+"""A fused pointwise group (an fx subgraph) as one Triton kernel, written as readable source.
+
+    @triton.jit
+    def fused_mul_add_gelu_0(in_ptr0, in_ptr1, out_ptr0, xnumel, XBLOCK: tl.constexpr):
+        xindex = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)
+        xmask = xindex < xnumel
+        x1 = xindex % 4096
+        # -- load inputs ----
+        arg0 = tl.load(in_ptr0 + xindex, xmask).to(tl.float32)  # bf16[8192, 4096] cuda
+        arg1 = tl.load(in_ptr1 + x1, xmask, eviction_policy="evict_last").to(tl.float32)  # bf16[4096]
+        # -- compute ----
+        mul = arg0 * arg1  # aten.mul.Tensor
+        ...
+        # -- store outputs ----
+        tl.store(out_ptr0 + xindex, gelu.to(tl.bfloat16), xmask)
+
+Views and expands at the group's inputs (moved into the subgraph by the fuse pass) become strides of
+the load; values are computed in fp32 for bf16/fp16 and rounded only where eager casts explicitly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
+
+from ..analysis.op_classes import is_view
+from ..printing import describe_value, target_name
+from .dtypes import LOW_PRECISION, TL_DTYPE, compute_dtype, literal
+from .indexing import IterationSpace, Layout, print_index
+from .pointwise_ops import (BOOL_OPERANDS, LOWERINGS, PROMOTED_OPERANDS, UNCAST_OPERANDS, LowerCtx)
+
+aten = torch.ops.aten
+INT32_MAX = 2**31 - 1
+
+
+@dataclass
+class PointwiseKernel:
+    name: str
+    source: str  # the kernel function alone (decorated with @triton.jit)
+    ops: list[str]  # the ATen ops fused into it, in order
+    numel: int
+    xblock: int
+    num_warps: int
+    n_inputs: int  # kernel pointer args, in the subgraph's placeholder order
+    outputs: list[torch.Tensor] = field(default_factory=list)  # meta values of the outputs, in order
+
+    @property
+    def grid(self) -> int:
+        return (self.numel + self.xblock - 1) // self.xblock
+
+
+def launch_config(numel: int) -> tuple[int, int]:
+    """XBLOCK and num_warps: 1024 elements over 4 warps (8 per thread) for large tensors."""
+    xblock = 1024
+    while xblock > 64 and xblock >= 2 * numel:
+        xblock //= 2
+    return xblock, max(1, min(4, xblock // 256))
+
+
+def _layout_of(val: torch.Tensor, base: torch.Tensor | None = None) -> Layout:
+    offset = val.storage_offset() - (base.storage_offset() if base is not None else 0)
+    return Layout(tuple(val.shape), tuple(val.stride()), offset)
+
+
+def _view_root(node: fx.Node) -> fx.Node:
+    while is_view(node):
+        node = node.args[0]
+    return node
+
+
+def operand_dtype(node: fx.Node) -> torch.dtype | None:
+    """The dtype the node's tensor operands are cast to before the op (None: leave as loaded)."""
+    out = node.meta["val"].dtype
+    if node.target in UNCAST_OPERANDS:
+        return None
+    if node.target in BOOL_OPERANDS:
+        return torch.bool
+    if node.target in PROMOTED_OPERANDS:
+        vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in node.args if a is not None]
+        computation, _ = elementwise_dtypes(*vals, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)
+        return compute_dtype(computation)
+    return compute_dtype(out)
+
+
+class _Emitter:
+    def __init__(self, gm: fx.GraphModule, name: str, target: str):
+        self.gm, self.name, self.target = gm, name, target
+        self.nodes = list(gm.graph.nodes)
+        self.placeholders = [n for n in self.nodes if n.op == "placeholder"]
+        self.output_nodes = list(self._outputs())
+        self.domain = tuple(self.output_nodes[0].meta["val"].shape)
+        self.vdtype: dict[fx.Node, torch.dtype] = {}  # compute dtype of each value in registers
+
+    def _outputs(self):
+        out = next(n for n in self.nodes if n.op == "output").args[0]
+        return out if isinstance(out, (tuple, list)) else [out]
+
+    def _leaves(self) -> list[fx.Node]:
+        """Values read from memory: placeholders and view chains of placeholders used by compute."""
+        leaves = []
+        for n in self.nodes:
+            if n.op == "placeholder" or is_view(n):
+                if any(u.op == "call_function" and not is_view(u) for u in n.users) or n in self.output_nodes:
+                    leaves.append(n)
+        return leaves
+
+    def generate(self) -> PointwiseKernel:
+        leaves = self._leaves()
+        ptr_of = {p: f"in_ptr{i}" for i, p in enumerate(self.placeholders)}
+        leaf_layouts = []
+        for leaf in leaves:
+            root = _view_root(leaf)
+            leaf_layouts.append(_layout_of(leaf.meta["val"], root.meta["val"]))
+        out_layouts = [_layout_of(o.meta["val"]) for o in self.output_nodes]
+        ref_stride = tuple(self.output_nodes[0].meta["val"].stride())
+        space = IterationSpace(self.domain, ref_stride, leaf_layouts + out_layouts)
+        wide = space.numel > INT32_MAX or any(space.max_address(i) > INT32_MAX
+                                              for i in range(len(leaf_layouts) + len(out_layouts)))
+        addresses = [space.address(i) for i in range(len(leaf_layouts) + len(out_layouts))]
+        used = set().union(*(a.free_symbols for a in addresses)) if addresses else set()
+
+        body = [f"xoffset = tl.program_id(0){'.to(tl.int64)' if wide else ''} * XBLOCK",
+                "xindex = xoffset + tl.arange(0, XBLOCK)", "xmask = xindex < xnumel"]
+        body += space.coord_lines(used)
+        body.append("# -- load inputs ----")
+        for i, leaf in enumerate(leaves):
+            val = leaf.meta["val"]
+            ptr = ptr_of[_view_root(leaf)]
+            addr = print_index(addresses[i])
+            broadcast = any(s == 0 for s in space.operand_strides[i]) or not space.operand_strides[i]
+            if not addresses[i].free_symbols:  # one element, read by every lane
+                load = f"tl.load({ptr} + {addr})"
+            else:
+                policy = ', eviction_policy="evict_last"' if broadcast else ""
+                load = f"tl.load({ptr} + ({addr}), xmask{policy})"
+            cdt = compute_dtype(val.dtype)
+            if cdt != val.dtype:
+                load += f".to({TL_DTYPE[cdt]})"
+            self.vdtype[leaf] = cdt
+            body.append(f"{leaf.name} = {load}  # {describe_value(val)}")
+        body.append("# -- compute ----")
+        ops = []
+        for n in self.nodes:
+            if n.op != "call_function" or is_view(n):
+                continue
+            ops.append(target_name(n.target))
+            body.append(f"{n.name} = {self._compute(n)}  # {target_name(n.target)}")
+        body.append("# -- store outputs ----")
+        for j, o in enumerate(self.output_nodes):
+            addr = print_index(addresses[len(leaves) + j])
+            val = o.meta["val"]
+            body.append(f"tl.store(out_ptr{j} + ({addr}), {o.name}.to({TL_DTYPE[val.dtype]}), xmask)")
+        args = [f"in_ptr{i}" for i in range(len(self.placeholders))] + \
+               [f"out_ptr{j}" for j in range(len(self.output_nodes))] + ["xnumel", "XBLOCK: tl.constexpr"]
+        xblock, warps = launch_config(space.numel)
+        header = [f"# {len(ops)} ops over {describe_value(self.output_nodes[0].meta['val'])}: {', '.join(ops)}",
+                  "@triton.jit", f"def {self.name}({', '.join(args)}):"]
+        source = "\n".join(header + ["    " + line for line in body]) + "\n"
+        return PointwiseKernel(self.name, source, ops, space.numel, xblock, warps, len(self.placeholders),
+                               [o.meta["val"] for o in self.output_nodes])
+
+    def _operand(self, arg, want: torch.dtype | None) -> str:
+        if isinstance(arg, fx.Node):
+            have = self.vdtype[arg]
+            if want is None or want == have:
+                return arg.name
+            if want == torch.bool:
+                return f"({arg.name} != 0)"
+            return f"{arg.name}.to({TL_DTYPE[want]})"
+        if isinstance(arg, (bool, int, float)) and want is not None:
+            return literal(arg, want)
+        if isinstance(arg, (bool, int, float)):
+            return repr(arg)
+        return None if arg is None else repr(arg)
+
+    def _schema_args(self, n: fx.Node) -> list:
+        """node.args, then the keyword-only arguments present in node.kwargs, in schema order."""
+        values = list(n.args)
+        for a in n.target._schema.arguments[len(n.args):]:
+            if a.name in n.kwargs and a.kwarg_only and isinstance(n.kwargs[a.name], (int, float, bool, fx.Node)):
+                values.append(n.kwargs[a.name])
+            elif a.name in n.kwargs and not a.kwarg_only:
+                values.append(n.kwargs[a.name])
+        return values
+
+    def _compute(self, n: fx.Node) -> str:
+        out = n.meta["val"].dtype
+        want = operand_dtype(n)
+        args = self._schema_args(n)
+        if n.target is aten.where.self:
+            operands = [self._operand(args[0], torch.bool)] + [self._operand(a, want) for a in args[1:]]
+        else:
+            operands = [self._operand(a, want) for a in args]
+        ctx = LowerCtx(self.target, out, want if want is not None else compute_dtype(out))
+        expr = LOWERINGS[n.target](ctx, n, operands)
+        result = compute_dtype(out)
+        if n.target in UNCAST_OPERANDS and out in LOW_PRECISION and n.target is not aten.clone.default:
+            expr = f"{expr}.to(tl.float32)"  # an explicit cast to bf16/fp16 rounds, as in eager
+        elif result != (want if want is not None else self.vdtype[args[0]]):
+            expr = f"({expr}).to({TL_DTYPE[result]})"
+        self.vdtype[n] = result
+        return expr
+
+
+def generate_pointwise_kernel(gm: fx.GraphModule, name: str, target: str) -> PointwiseKernel:
+    """Triton source for a fused pointwise subgraph. `target` is "cuda" or "interpret"."""
+    return _Emitter(gm, name, target).generate()

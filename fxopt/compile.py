@@ -1,0 +1,145 @@
+"""Compile one ATen graph: post-grad passes, codegen, load; the fw/bw compiler aot_autograd calls."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+import warnings
+
+import torch
+import torch.fx as fx
+
+from . import pipeline
+from .codegen.cache import module_cache, source_hash
+from .codegen.triton_pointwise import PointwiseKernel, generate_pointwise_kernel
+from .codegen.wrapper import generate_wrapper
+from .errors import FxoptError
+from .options import Environment, Options
+from .pass_manager import PassContext, PassManager, PassRecord, count_nodes
+from .passes.fuse import FUSED_PREFIX
+from .printing import graph_to_text, target_name
+from .report import GraphReport, KernelRecord, Report
+from .verify import GraphVerifier
+
+log = logging.getLogger("fxopt")
+_KERNELS: dict[str, object] = {}  # kernel source hash -> loaded JITFunction, shared by all wrappers
+_warned_eager = False
+
+
+def choose_target(gm: fx.GraphModule, env: Environment) -> str:
+    """cuda when the graph holds CUDA tensors; on CPU the interpreter if TRITON_INTERPRET=1, else eager."""
+    devices = {n.meta["val"].device.type for n in gm.graph.nodes
+               if isinstance(n.meta.get("val"), torch.Tensor)}
+    if "cuda" in devices:
+        return "cuda"
+    return "interpret" if env.interpret else "eager"
+
+
+def check_devices(gm: fx.GraphModule) -> None:
+    """Mixed devices in one op are a user error: name the node and the fix."""
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        devs = {}
+        for a in n.all_input_nodes:
+            v = a.meta.get("val")
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                devs.setdefault(str(v.device), a.name)
+        if len(devs) > 1:
+            listing = ", ".join(f"'{name}' on {d}" for d, name in devs.items())
+            raise FxoptError(f"fxopt: node '{n.name}' ({target_name(n.target)}) mixes devices: {listing}. "
+                             f"Fix: move these tensors to one device before calling the model")
+
+
+def _kernel_name(gm: fx.GraphModule, index: int) -> str:
+    ops = [n.target.__name__.split(".")[0] for n in gm.graph.nodes
+           if n.op == "call_function" and hasattr(n.target, "__name__") and not n.target.is_view]
+    short = "_".join(dict.fromkeys(ops))  # unique, in order
+    short = "_".join(short.split("_")[:4]) or "copy"
+    return f"fused_{short}_{index}"
+
+
+def compile_aten_graph(gm: fx.GraphModule, example_inputs, *, options: Options, graph_name: str,
+                       report: Report, on_done=None):
+    """Run the post-grad pipeline on an ATen graph and return the boxed callable aot_autograd wants."""
+    env = Environment.read()
+    start = time.perf_counter()
+    check_devices(gm)
+    target = choose_target(gm, env)
+    ctx = PassContext(options=options, env=env, graph_name=graph_name, target=target)
+    record = GraphReport(name=graph_name, target=target, captured_text=graph_to_text(gm, "captured"))
+    verifier = GraphVerifier(gm, example_inputs, options.verify_rtol, graph_name) if options.verify else None
+    gm, records, snapshots = PassManager(pipeline.post_grad_passes(options), verifier).run(gm, ctx)
+    record.passes, record.snapshots = records, snapshots
+
+    kernel_target = "cuda" if target == "cuda" else "interpret"
+    kernels: dict[str, PointwiseKernel] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and str(node.target).startswith(FUSED_PREFIX):
+            sub = gm.get_submodule(node.target)
+            k = generate_pointwise_kernel(sub, _kernel_name(sub, len(kernels)), kernel_target)
+            kernels[node.target] = k
+            record.kernels.append(KernelRecord(k.name, "pointwise", k.ops, k.source, graph_name))
+    mode = "eager" if target == "eager" else "triton"
+    filename = "wrapper.py" if graph_name in ("forward", "inference") else f"wrapper_{graph_name}.py"
+    record.wrapper_source = generate_wrapper(gm, kernels, graph_name, mode, filename)
+    call = _load(gm, kernels, record, env, mode)
+    record.fallbacks = list(ctx.notes)
+    record.compile_seconds = time.perf_counter() - start
+    if verifier is not None:
+        err = verifier.check_callable(call)
+        record.passes.append(PassRecord("codegen", 0.0, count_nodes(gm), count_nodes(gm), {}, graph_name,
+                                        False, record.wrapper_source, err))
+    if mode == "eager":
+        _warn_eager_once()
+    report.graphs.append(record)
+    log.info("fxopt: compiled %s graph in %.3fs: %d kernels, %d fallbacks", graph_name,
+             record.compile_seconds, len(record.kernels), len(record.fallbacks))
+    if on_done is not None:
+        on_done(report)
+    return call
+
+
+def _load(gm: fx.GraphModule, kernels: dict[str, PointwiseKernel], record: GraphReport, env: Environment, mode):
+    cache = module_cache(env.cache_dir)
+    hits = cache.hits
+    with _triton_interpreter(record.target == "interpret"):
+        module = cache.load(record.wrapper_source)
+    record.cache = {"hits": cache.hits - hits, "misses": 1 - (cache.hits - hits)}
+    for k in kernels.values():  # one JITFunction per distinct kernel, so Triton compiles it once
+        if mode == "triton":
+            key = source_hash(k.source)
+            setattr(module, k.name, _KERNELS.setdefault(key, getattr(module, k.name)))
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            setattr(module, node.name, getattr(gm, node.target))
+        if node.op == "call_module" and mode == "eager":
+            setattr(module, f"subgraph_{node.target}", gm.get_submodule(node.target))
+    call = module.call
+    call._boxed_call = True
+    return call
+
+
+@contextlib.contextmanager
+def _triton_interpreter(on: bool):
+    """triton.jit picks interpreter or compiler when a kernel is defined: CUDA graphs always compile
+    for real, CPU graphs use the interpreter, whatever TRITON_INTERPRET says for the process."""
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+def _warn_eager_once() -> None:
+    global _warned_eager
+    if not _warned_eager:
+        _warned_eager = True
+        warnings.warn("fxopt: CPU tensors and TRITON_INTERPRET is not set: fused groups run as eager PyTorch "
+                      "subgraphs (correct, not fast). Set TRITON_INTERPRET=1 to run the generated Triton "
+                      "kernels in the interpreter.", stacklevel=3)

@@ -1,0 +1,57 @@
+"""Writing a report to a directory (FXOPT_DUMP=dir, rep.save(dir)): files a person can open and run."""
+from __future__ import annotations
+
+import html
+import os
+
+KERNEL_HEADER = """# fxopt kernel {name} ({kind}): {ops}
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+"""
+
+
+def write_dump(rep, directory: str) -> None:
+    os.makedirs(os.path.join(directory, "passes"), exist_ok=True)
+    os.makedirs(os.path.join(directory, "kernels"), exist_ok=True)
+    index = 0
+    for gi, g in enumerate(rep.graphs):
+        tag = f"{gi}_{g.name}"
+        _write(directory, f"passes/{index:02d}_{tag}_captured.txt", g.captured_text)
+        for p in g.passes:
+            index += 1
+            if p.changed or p.name == "codegen":
+                _write(directory, f"passes/{index:02d}_{tag}_{p.name}.txt", p.text)
+        for k in g.kernels:
+            _write(directory, f"kernels/{k.name}.py",
+                   KERNEL_HEADER.format(name=k.name, kind=k.kind, ops=", ".join(k.ops)) + k.source)
+        name = "wrapper.py" if gi == 0 else f"wrapper_{tag}.py"
+        _write(directory, name, g.wrapper_source)
+    _write(directory, "report.txt", str(rep))
+    _write(directory, "report.html", report_html(rep))
+
+
+def _write(directory: str, rel: str, text: str) -> None:
+    with open(os.path.join(directory, rel), "w") as f:
+        f.write(text)
+
+
+def report_html(rep) -> str:
+    """Self-contained HTML (no network, no external assets): the text report, kernels and wrappers."""
+    parts = ["<!doctype html><html><head><meta charset='utf-8'><title>fxopt report</title>",
+             "<style>body{font-family:sans-serif;margin:2em}pre{background:#f6f8fa;padding:1em;"
+             "overflow:auto}h2{border-bottom:1px solid #ccc}</style></head><body>",
+             "<h1>fxopt report</h1>", f"<pre>{html.escape(str(rep))}</pre>"]
+    for g in rep.graphs:
+        parts.append(f"<h2>{html.escape(g.name)} graph</h2>")
+        for k in g.kernels:
+            parts.append(f"<h3 id='{k.name}'>{k.name} <small>[{k.kind}] {html.escape(', '.join(k.ops))}"
+                         f"</small></h3><pre>{html.escape(k.source)}</pre>")
+        parts.append(f"<details><summary>wrapper</summary><pre>{html.escape(g.wrapper_source)}</pre></details>")
+        for p in g.passes:
+            parts.append(f"<details><summary>after {html.escape(p.name)}</summary>"
+                         f"<pre>{html.escape(p.text)}</pre></details>")
+    parts.append("</body></html>")
+    return "\n".join(parts)

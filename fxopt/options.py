@@ -1,0 +1,65 @@
+"""Options: every knob fxopt has, in one dataclass, plus the one place environment variables are read."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+
+PRECISIONS = (None, "fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class Options:
+    """What a user can ask of fxopt. Unknown names raise a TypeError listing these fields."""
+
+    precision: str | None = None  # None keeps the model's dtypes (issue: mixed precision)
+    fuse: bool = True  # fuse pointwise chains into Triton kernels
+    attention: bool = True  # match hand-written attention (not built yet: recorded as a note)
+    memory_plan: bool = True  # free buffers at their last use (arena planning: not built yet)
+    cudagraphs: bool = False  # replay as CUDA graphs (not built yet: recorded as a note)
+    dump_dir: str | None = None  # write passes, kernels, wrapper and report.html here
+    verify: bool = False  # check every pass numerically against the captured graph
+    verify_rtol: float = 1e-3  # relative error (norm-wise) above which verify names the pass
+    keep_graphs: bool = False  # keep a copy of the graph after every pass (explain sets this)
+
+    def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"fxopt: precision={self.precision!r} is not one of {PRECISIONS}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "Options":
+        """Build Options from keyword arguments; unknown names are a TypeError that lists the valid ones."""
+        valid = [f.name for f in fields(cls)]
+        unknown = sorted(set(kwargs) - set(valid))
+        if unknown:
+            raise TypeError(f"fxopt: unknown option(s) {unknown}; valid options are {valid}")
+        return cls(**kwargs)
+
+    def replace(self, **changes) -> "Options":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class Environment:
+    """The environment variables fxopt reads, read once per compilation (never at import)."""
+
+    dump_dir: str | None = None  # FXOPT_DUMP
+    interpret: bool = False  # TRITON_INTERPRET=1: run Triton kernels on CPU tensors in the interpreter
+    cache_dir: str = ""  # FXOPT_CACHE_DIR, else a per-user directory
+    log_level: str | None = None  # FXOPT_LOG
+
+    @classmethod
+    def read(cls) -> "Environment":
+        cache = os.environ.get("FXOPT_CACHE_DIR") or _default_cache_dir()
+        return cls(
+            dump_dir=os.environ.get("FXOPT_DUMP") or None,
+            interpret=os.environ.get("TRITON_INTERPRET", "0") == "1",
+            cache_dir=cache,
+            log_level=os.environ.get("FXOPT_LOG") or None,
+        )
+
+
+def _default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    user = os.environ.get("USER") or str(os.getuid())
+    return os.path.join(base, f"fxopt-{user}")

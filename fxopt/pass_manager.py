@@ -1,0 +1,99 @@
+"""The pass contract and the PassManager that runs a stage's passes under instruments.
+
+Instruments wrap every pass: wall time, node counts, `graph.lint()`, a text snapshot (and a copy of
+the graph when asked), and with `verify=True` a numerical check against the captured graph, so the
+first pass that breaks numerics is named together with the node that went wrong.
+"""
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch.fx as fx
+
+from .errors import VerifyError
+from .options import Environment, Options
+from .printing import graph_to_text
+
+
+@dataclass
+class PassResult:
+    gm: fx.GraphModule
+    changed: bool
+    stats: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class PassContext:
+    """What a pass may read besides the graph: options, the target, and where to leave notes."""
+
+    options: Options
+    env: Environment
+    graph_name: str = "forward"  # forward | backward | inference | torch (pre-autograd)
+    target: str = "cuda"  # cuda | interpret | eager (CPU tensors without TRITON_INTERPRET)
+    notes: list[tuple[str, str]] = field(default_factory=list)  # (node name, reason) for nodes left alone
+
+    def note(self, node_name: str, reason: str) -> None:
+        self.notes.append((node_name, reason))
+
+
+class Pass(Protocol):
+    name: str
+
+    def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult: ...
+
+
+@dataclass
+class PassRecord:
+    name: str
+    seconds: float
+    nodes_before: int
+    nodes_after: int
+    stats: dict[str, int]
+    graph: str = "forward"
+    changed: bool = False
+    text: str = ""  # the graph after the pass, printed as Python
+    max_rel_error: float | None = None  # set by verify=True
+
+
+def count_nodes(gm: fx.GraphModule) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op not in ("placeholder", "output"))
+
+
+@dataclass
+class PassManager:
+    """Runs passes in order. A failing pass raises with the list of passes that ran before it."""
+
+    passes: list[Pass]
+    verifier: Callable[[fx.GraphModule, str], float] | None = None  # returns max rel error or raises
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, list[PassRecord], dict]:
+        records: list[PassRecord] = []
+        snapshots: dict[str, fx.GraphModule] = {}
+        if ctx.options.keep_graphs:
+            snapshots["captured"] = copy.deepcopy(gm)
+        for p in self.passes:
+            before = count_nodes(gm)
+            start = time.perf_counter()
+            try:
+                result = p(gm, ctx)
+                result.gm.graph.lint()
+            except VerifyError:
+                raise
+            except Exception as exc:
+                ran = [r.name for r in records] or ["(none)"]
+                raise type(exc)(f"{exc}\n[fxopt] pass '{p.name}' failed on the {ctx.graph_name} graph; "
+                                f"passes that ran before it: {', '.join(ran)}") from exc
+            seconds = time.perf_counter() - start
+            gm = result.gm
+            gm.recompile()
+            record = PassRecord(p.name, seconds, before, count_nodes(gm), dict(result.stats),
+                                ctx.graph_name, result.changed, graph_to_text(gm, f"after {p.name}"))
+            if self.verifier is not None:
+                record.max_rel_error = self.verifier(gm, p.name)
+            records.append(record)
+            if ctx.options.keep_graphs:
+                snapshots[p.name] = copy.deepcopy(gm)
+        return gm, records, snapshots

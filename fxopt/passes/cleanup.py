@@ -1,0 +1,97 @@
+"""Cleanup: remove what does nothing, so fusion sees fewer, larger groups.
+
+    before                                   after
+    alias = aten.alias.default(sigmoid)      (uses of alias read sigmoid)
+    c = prims.convert_element_type(x, f32)   (x is already f32: uses read x)
+    a = aten.mul.Tensor(x, y); b = aten.mul.Tensor(x, y)   ->   b's uses read a
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from ..pass_manager import PassContext, PassResult
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+
+def _same_meta(a: fx.Node, b: fx.Node) -> bool:
+    va, vb = a.meta.get("val"), b.meta.get("val")
+    return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.dtype == vb.dtype
+            and va.shape == vb.shape and va.stride() == vb.stride() and va.device == vb.device
+            and va.storage_offset() == vb.storage_offset())
+
+
+def _is_noop(node: fx.Node) -> bool:
+    """A view or cast whose result has exactly its input's dtype, shape and strides."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    t = node.target
+    if t in (aten.alias.default, aten.view.default, aten.expand.default, aten.permute.default,
+             aten._unsafe_view.default, aten.squeeze.dim, aten.squeeze.dims, aten.unsqueeze.default,
+             aten.slice.Tensor, aten.reshape.default):
+        return _same_meta(node, node.args[0])
+    if t is prims.convert_element_type.default or t is aten._to_copy.default:
+        # a copy: only dropped when its result is not returned (an output must not alias an input)
+        returned = any(u.op == "output" for u in node.users)
+        return not returned and _same_meta(node, node.args[0])
+    return False
+
+
+def _cse_key(node: fx.Node):
+    t = node.target
+    if node.op != "call_function":
+        return None
+    if t is not operator.getitem:
+        if not isinstance(t, torch._ops.OpOverload) or t._schema.is_mutable:
+            return None
+        if torch.Tag.nondeterministic_seeded in t.tags:
+            return None
+
+    def freeze(a):
+        if isinstance(a, (list, tuple)):
+            return (type(a).__name__,) + tuple(freeze(x) for x in a)
+        if isinstance(a, dict):
+            return tuple(sorted((k, freeze(v)) for k, v in a.items()))
+        if isinstance(a, float) and a != a:
+            return ("nan",)
+        return (type(a).__name__, a)
+
+    try:
+        key = (t, freeze(node.args), freeze(node.kwargs))
+        hash(key)
+        return key
+    except TypeError:
+        return None
+
+
+@dataclass(frozen=True)
+class Cleanup:
+    name: str = "cleanup"
+
+    def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        stats = {"noops_removed": 0, "cse_merged": 0, "dead_removed": 0}
+        for node in list(gm.graph.nodes):
+            if _is_noop(node):
+                node.replace_all_uses_with(node.args[0])
+                gm.graph.erase_node(node)
+                stats["noops_removed"] += 1
+        seen: dict = {}
+        for node in list(gm.graph.nodes):
+            key = _cse_key(node)
+            if key is None:
+                continue
+            if key in seen:
+                node.replace_all_uses_with(seen[key])
+                gm.graph.erase_node(node)
+                stats["cse_merged"] += 1
+            else:
+                seen[key] = node
+        before = len(gm.graph.nodes)
+        gm.graph.eliminate_dead_code()
+        stats["dead_removed"] = before - len(gm.graph.nodes)
+        return PassResult(gm, any(stats.values()), stats)

@@ -1,0 +1,22 @@
+"""The passes fxopt runs, stage by stage, in order. One place to read what fxopt does."""
+from __future__ import annotations
+
+from .options import Options
+from .passes.cleanup import Cleanup
+from .passes.fuse import FusePointwise
+
+
+def pre_autograd_passes(options: Options) -> list:
+    """On the torch-level graph dynamo captured, before aot_autograd decomposes it."""
+    return [
+        # (attention matching and precision casts plug in here: issues 4 and 6)
+    ]
+
+
+def post_grad_passes(options: Options) -> list:
+    """On each ATen graph aot_autograd hands over (forward, backward, or inference)."""
+    return [
+        Cleanup(),  # drop aliases, no-op views/casts and duplicates first, so groups come out larger
+        FusePointwise(),  # elementwise chains -> one submodule (one Triton kernel) per group
+        Cleanup(name="cleanup_after_fuse"),  # views that fed a group and are now unused disappear
+    ]

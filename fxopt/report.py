@@ -1,0 +1,113 @@
+"""Report: what explain() returns and what FXOPT_DUMP writes: every pass, kernel, fallback and graph."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+
+from .pass_manager import PassRecord
+
+
+@dataclass
+class KernelRecord:
+    name: str
+    kind: str  # "pointwise" (reductions and attention: later issues)
+    ops: list[str]  # the ATen ops fused into it
+    source: str  # the Triton source
+    graph: str = "forward"
+
+
+@dataclass
+class AttentionSite:
+    causal: bool
+    scale: float | None
+    mask: str | None
+    kernel: str | None
+    fallback: str | None
+
+
+@dataclass
+class CastRecord:
+    node: str
+    from_dtype: str
+    to_dtype: str
+    reason: str
+
+
+@dataclass
+class BufferRecord:
+    name: str
+    nbytes: int
+    first_use: int
+    last_use: int
+    offset: int
+
+
+@dataclass
+class MemoryPlan:
+    naive_bytes: int
+    lower_bound_bytes: int
+    planned_bytes: int
+    buffers: list[BufferRecord]
+
+
+@dataclass
+class GraphReport:
+    """One compiled ATen graph (forward, backward or inference) of one captured dynamo graph."""
+
+    name: str
+    target: str
+    passes: list[PassRecord] = field(default_factory=list)
+    kernels: list[KernelRecord] = field(default_factory=list)
+    fallbacks: list[tuple[str, str]] = field(default_factory=list)
+    wrapper_source: str = ""
+    captured_text: str = ""
+    snapshots: dict[str, fx.GraphModule] = field(default_factory=dict)
+    compile_seconds: float = 0.0
+    cache: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Report:
+    graphs: list[GraphReport] = field(default_factory=list)
+    attention: list[AttentionSite] = field(default_factory=list)
+    casts: list[CastRecord] = field(default_factory=list)
+    memory_plan: MemoryPlan | None = None  # arena planning is not built yet (issue 5)
+
+    @property
+    def passes(self) -> list[PassRecord]:
+        return [p for g in self.graphs for p in g.passes]
+
+    @property
+    def kernels(self) -> list[KernelRecord]:
+        return [k for g in self.graphs for k in g.kernels]
+
+    @property
+    def fallbacks(self) -> list[tuple[str, str]]:
+        return [f for g in self.graphs for f in g.fallbacks]
+
+    @property
+    def wrapper_source(self) -> str:
+        return self.graphs[0].wrapper_source if self.graphs else ""
+
+    def graph(self, after: str = "captured", graph: str | None = None) -> fx.GraphModule:
+        """The graph as it stood after the named pass ("captured" for before any), of the first
+        compiled graph or of the one named by `graph` ("forward", "backward", "inference")."""
+        for g in self.graphs:
+            if graph is not None and g.name != graph:
+                continue
+            if after in g.snapshots:
+                return g.snapshots[after]
+            known = sorted(g.snapshots) or ["(none kept: run through fxopt.explain)"]
+            raise KeyError(f"fxopt: no pass named {after!r} in the {g.name} graph; known: {known}")
+        raise KeyError(f"fxopt: no compiled graph named {graph!r}; have {[g.name for g in self.graphs]}")
+
+    def __str__(self) -> str:
+        from .report_text import report_to_text
+        return report_to_text(self)
+
+    def save(self, directory: str) -> None:
+        """Write the same files FXOPT_DUMP writes: report.html, passes/, kernels/, wrapper.py."""
+        from .dump import write_dump
+        write_dump(self, directory)

@@ -1,0 +1,33 @@
+"""The report as text: what print(fxopt.explain(...)) shows."""
+from __future__ import annotations
+
+
+def _table(rows: list[list[str]], header: list[str]) -> list[str]:
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+    fmt = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    return [fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
+
+
+def report_to_text(rep) -> str:
+    out = []
+    for g in rep.graphs:
+        out.append(f"== {g.name} graph (kernels for {g.target}) compiled in {g.compile_seconds * 1000:.1f} ms ==")
+        rows = []
+        for p in g.passes:
+            stats = ", ".join(f"{k}={v}" for k, v in p.stats.items() if v)
+            err = "" if p.max_rel_error is None else f"{p.max_rel_error:.2e}"
+            rows.append([p.name, f"{p.seconds * 1000:.2f} ms", p.nodes_before, p.nodes_after, stats, err])
+        out += _table(rows, ["pass", "time", "nodes in", "nodes out", "stats", "verify err"])
+        out.append("")
+        if g.kernels:
+            out.append(f"kernels ({len(g.kernels)}):")
+            for k in g.kernels:
+                out.append(f"  {k.name} [{k.kind}] {len(k.ops)} ops: {', '.join(k.ops)}")
+        if g.fallbacks:
+            out.append(f"left to ATen ({len(g.fallbacks)}):")
+            for node, reason in g.fallbacks:
+                out.append(f"  {node}: {reason}")
+        out.append("")
+    if rep.memory_plan is None:
+        out.append("memory plan: not built yet (buffers are freed at their last use)")
+    return "\n".join(out)
