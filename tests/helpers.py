@@ -1,0 +1,39 @@
+"""Shared test helpers: compile through the real entry points and compare with float64 eager."""
+from __future__ import annotations
+
+import torch
+
+import fxopt
+
+# Tolerances for comparing against a float64 reference, by the dtype the model computes in.
+TOL = {torch.float32: (1e-4, 1e-5), torch.float64: (1e-9, 1e-12),
+       torch.bfloat16: (2e-2, 2e-2), torch.float16: (4e-3, 4e-3)}
+
+
+def to64(x):
+    if isinstance(x, torch.Tensor) and x.dtype.is_floating_point:
+        return x.detach().double()
+    return x
+
+
+def assert_close_to_reference(out, ref64, dtype):
+    """`out` (computed in dtype) against the same function evaluated in float64."""
+    rtol, atol = TOL.get(dtype, (1e-4, 1e-5))
+    if isinstance(out, (tuple, list)):
+        for o, r in zip(out, ref64):
+            assert_close_to_reference(o, r, dtype)
+        return
+    if not out.dtype.is_floating_point:
+        assert torch.equal(out.cpu(), ref64.to(out.dtype).cpu()), (out, ref64)
+        return
+    torch.testing.assert_close(out.double().cpu(), ref64.double().cpu(), rtol=rtol, atol=atol, equal_nan=True)
+
+
+def compile_fxopt(fn, **options):
+    """torch.compile through the configured backend (fresh dynamo state is the fixture's job)."""
+    return torch.compile(fn, backend=fxopt.backend(**options) if options else "fxopt", dynamic=False)
+
+
+def kernel_count(fn, *inputs, graph="forward", **options) -> int:
+    rep = fxopt.explain(fn, *inputs, **options)
+    return sum(1 for k in rep.kernels if k.graph in (graph, "inference"))
