@@ -13,6 +13,7 @@ the view's strides instead of the wrapper materialising anything.
 """
 from __future__ import annotations
 
+import inspect
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -25,6 +26,10 @@ from ..analysis.op_classes import classify, is_view, pointwise_unsupported_reaso
 from ..pass_manager import PassContext, PassResult
 
 FUSED_PREFIX = "fused"
+# Keep groups to dependent chains where torch lets us say so (torch >= 2.12); older partitioners also
+# merge independent same-shape nodes, which is correct, just less predictable.
+_NO_HORIZONTAL = ({"skip_horizontal_fusion": True}
+                  if "skip_horizontal_fusion" in inspect.signature(CapabilityBasedPartitioner).parameters else {})
 
 
 class _SameDomainPointwise(OperatorSupportBase):
@@ -118,7 +123,7 @@ class FusePointwise:
         for i, key in enumerate(keys):
             support = _SameDomainPointwise(key, ctx.target, device_type)
             partitioner = CapabilityBasedPartitioner(gm, support, allows_single_node_partition=True,
-                                                     skip_horizontal_fusion=True)
+                                                     **_NO_HORIZONTAL)
             partitions = partitioner.propose_partitions()
             if not partitions:
                 continue
