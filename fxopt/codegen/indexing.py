@@ -60,12 +60,14 @@ class IterationSpace:
         self.pitches = [_prod(sizes[k + 1:]) for k in range(len(sizes))]
 
     def address(self, i: int) -> sympy.Expr:
-        """The element offset of operand i at the current index, in coordinates x0..xk."""
-        terms = sum((s * x for s, x in zip(self.operand_strides[i], self.coords)), sympy.Integer(0))
-        contiguous = sum((p * x for p, x in zip(self.pitches, self.coords)), sympy.Integer(0))
-        if len(self.coords) > 0 and sympy.expand(terms - contiguous) == 0:
-            terms = self.xindex
-        return sympy.expand(terms + self.offsets[i])
+        """The element offset of operand i at the current index, in coordinates x0..xk.
+
+        An operand that walks the domain in its own order (strides equal to the domain's pitches)
+        is addressed by xindex itself: sum(pitch_k * x_k) == xindex by construction of the x_k."""
+        strides = self.operand_strides[i]
+        if self.coords and list(strides) == self.pitches:
+            return self.xindex + self.offsets[i]
+        return sympy.Add(*(s * x for s, x in zip(strides, self.coords)), self.offsets[i])
 
     def max_address(self, i: int) -> int:
         return self.offsets[i] + sum(abs(s) * (n - 1) for s, n in zip(self.operand_strides[i], self.sizes))
@@ -107,5 +109,5 @@ def _merge_dims(sizes: list[int], per_op: list[list[int]]):
 
 
 def print_index(expr: sympy.Expr) -> str:
-    """Python/Triton source for an address expression."""
-    return sympy.printing.pycode(expr) if not expr.is_Symbol else str(expr)
+    """Python/Triton source for an address expression (sympy's str printer writes valid Python)."""
+    return str(expr)

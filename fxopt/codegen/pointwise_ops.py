@@ -6,7 +6,7 @@ Math is chosen per target and per result dtype:
   spelled with exp/log there (accurate to fp32 tolerances, checked in tests against float64);
 - on "cuda", fp32 results use exact libdevice math, and a result that eager rounds to bf16 may use
   the hardware approximations `tanh.approx.f32` (max relative error 2^-10.99, PTX ISA) for tanh and
-  sigmoid: that is below bf16's rounding error (2^-9 relative, half an ulp of 8 significant bits),
+  ex2.approx with approximate division for sigmoid: that is below bf16's rounding error (2^-9 relative, half an ulp of 8 significant bits),
   so the stored bf16 value is as accurate as eager's. fp16 (2^-11) keeps exact math.
 """
 from __future__ import annotations
@@ -60,8 +60,10 @@ def _log(c, x):
 
 
 def _sigmoid(c, x):
+    # Not 0.5*tanh(x/2)+0.5: near sigmoid's zero that cancels, and the relative error is unbounded.
+    # For bf16 results: the fast exp (ex2.approx) and approximate division (2 ulp of fp32).
     if c.approx_ok:
-        return f"(0.5 * {_tanh_approx(f'0.5 * {x}')} + 0.5)"
+        return f"tl.math.fdiv(1.0, 1.0 + tl.exp(-{x}))"
     return f"(1.0 / (1.0 + {_exp(c, f'-{x}')}))"
 
 

@@ -1,0 +1,190 @@
+"""Measurement helpers for benchmarks/run.py: backends, timing, memory, correctness, copy ceiling, cold first call."""
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import os
+import platform
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import triton
+
+from .workloads import tensors
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIRST_CALL_MARK = "FIRST_CALL_JSON "
+BACKENDS = ("eager", "inductor", "fxopt")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# allclose tolerances against eager, per dtype (compiled kernels compute in fp32 and round once, eager
+# rounds after every op, so a chain of ops differs by a few ulps of the output)
+TOLERANCES = {torch.bfloat16: (1.6e-2, 1e-2), torch.float16: (1e-3, 1e-3), torch.float32: (1.3e-5, 1e-5)}
+
+
+# ---------------------------------------------------------------- environment
+def header(device: str) -> dict:
+    def git(*args):
+        try:
+            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
+                                  timeout=10).stdout.strip()
+        except Exception:
+            return ""
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    if commit != "unknown" and git("status", "--porcelain", "--untracked-files=no"):
+        commit += "+dirty"
+    if device == "cuda":
+        dev_name = torch.cuda.get_device_name()
+    else:
+        dev_name = f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": commit,
+            "device": dev_name, "torch": torch.__version__, "triton": triton.__version__,
+            "python": platform.python_version(),
+            "command": "python -m benchmarks.run " + shlex.join(sys.argv[1:]),
+            "triton_interpret": os.environ.get("TRITON_INTERPRET", "0")}
+
+
+# ---------------------------------------------------------------- backends
+def fxopt_backend_name() -> str:
+    """ "fxopt" resolvable by torch.compile: via the entry point if installed, else registered here
+    (PYTHONPATH=. runs have no installed entry point)."""
+    from torch._dynamo.backends.registry import lookup_backend, register_backend
+    try:
+        lookup_backend("fxopt")
+    except Exception:
+        from fxopt.backend import fxopt_backend
+        register_backend(fxopt_backend, name="fxopt")
+    return "fxopt"
+
+
+def compile_for(backend: str, fn):
+    torch._dynamo.reset()
+    if backend == "eager":
+        return fn
+    if backend == "inductor":
+        return torch.compile(fn)
+    if backend == "fxopt":
+        return torch.compile(fn, backend=fxopt_backend_name())
+    raise SystemExit(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
+
+
+def grad_mode(w):
+    return torch.enable_grad() if w.training else torch.no_grad()
+
+
+def sync(device: str):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------- measurements
+def bench_ms(call, device: str, warmup: int, rep: int) -> float:
+    """Median milliseconds per call: triton's do_bench (CUDA events, L2 flushed) on cuda, else perf_counter."""
+    if device == "cuda":
+        import triton.testing
+        return float(triton.testing.do_bench(call, warmup=warmup, rep=rep, return_mode="median"))
+    end = time.perf_counter() + warmup / 1e3
+    call()
+    while time.perf_counter() < end:
+        call()
+    times, end = [], time.perf_counter() + rep / 1e3
+    while len(times) < 5 or (time.perf_counter() < end and len(times) < 10000):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def peak_mib(call, device: str) -> float | None:
+    """Peak memory allocated during one call, above what was allocated before it (the inputs and
+    anything else alive); includes the outputs. None off cuda."""
+    if device != "cuda":
+        return None
+    gc.collect()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = call()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return peak / 2**20
+
+
+def compare(got, expected, rtol: float, atol: float) -> tuple[bool, float, str]:
+    """(all close, max |got - expected| over every output tensor, why not close)."""
+    g, e = tensors(got), tensors(expected)
+    if len(g) != len(e):
+        return False, float("nan"), f"{len(g)} outputs, eager has {len(e)}"
+    ok, worst = True, 0.0
+    for i, (a, b) in enumerate(zip(g, e)):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return False, float("nan"), f"output {i}: {a.dtype}{list(a.shape)} vs eager {b.dtype}{list(b.shape)}"
+        if a.numel() == 0:
+            continue
+        if not (a.is_floating_point() or a.is_complex()):
+            ok &= bool(torch.equal(a, b))
+            continue
+        a32, b32 = a.float(), b.float()
+        ok &= bool(torch.allclose(a32, b32, rtol=rtol, atol=atol, equal_nan=True))
+        worst = max(worst, float((a32 - b32).abs().nan_to_num(0.0).max()))
+        del a32, b32
+    return ok, worst, "" if ok else f"not allclose(rtol={rtol}, atol={atol})"
+
+
+def copy_ceiling_gbs(device: str, nbytes: int, warmup: int, rep: int, tries: int = 5) -> float:
+    """Device-to-device copy bandwidth, GB/s, bytes counted = read + written; best of `tries` medians."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    best = min(bench_ms(lambda: dst.copy_(src), device, warmup, rep) for _ in range(tries))
+    del src, dst
+    return 2 * nbytes / best / 1e6
+
+
+# ---------------------------------------------------------------- first call, cold caches, own process
+def first_call_child(w, backend: str, device: str, dtype, quick: bool) -> dict:
+    """Child side: compile + first run of `w` on `backend`, seconds (inputs made and imports done before)."""
+    import fxopt  # noqa: F401  (imported before the clock starts, as a user's program would)
+    fn, inputs = w.make(device, dtype, quick)
+    sync(device)
+    if device == "cuda":
+        # Triton's one-time driver stub build (once per Triton install, not per model) stays off the clock
+        try:
+            triton.runtime.driver.active.get_current_device()
+        except Exception:
+            pass
+    with grad_mode(w):
+        t0 = time.perf_counter()
+        out = compile_for(backend, fn)(*inputs)
+        sync(device)
+        seconds = time.perf_counter() - t0
+    del out
+    return {"first_call_s": seconds}
+
+
+def first_call(w, backend: str, device: str, dtype_name: str, quick: bool, timeout: float) -> dict:
+    """Parent side: run the child in a fresh process with fresh, empty compiler caches."""
+    tmp = tempfile.mkdtemp(prefix="fxopt-bench-cold-")
+    env = dict(os.environ)
+    env.update(TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "inductor"), TRITON_CACHE_DIR=os.path.join(tmp, "triton"),
+               FXOPT_CACHE_DIR=os.path.join(tmp, "fxopt"),
+               PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
+    cmd = [sys.executable, "-m", "benchmarks.run", "--first-call", w.name, backend,
+           "--device", device, "--dtype", dtype_name] + (["--quick"] if quick else [])
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"first call: child timed out after {timeout:.0f}s"}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(FIRST_CALL_MARK):
+            return json.loads(line[len(FIRST_CALL_MARK):])
+    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    return {"error": f"first call: child exited {proc.returncode}: {tail}"}

@@ -1,0 +1,198 @@
+"""Benchmark runner: eager vs inductor vs fxopt on the registered workloads; one plain-text table.
+
+    PYTHONPATH=. python -m benchmarks.run [--workloads a,b] [--quick] [--device cuda|cpu]
+                                          [--backends eager,inductor,fxopt] [--json out.json]
+
+See benchmarks/README.md for what each column means.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import sys
+import traceback
+
+import torch
+
+from . import measure, workloads
+
+COLUMNS = [  # (key, title, format)
+    ("workload", "workload", "{}"), ("backend", "backend", "{}"), ("ok", "ok", "{}"),
+    ("max_abs_diff", "max|diff|", "{:.3g}"), ("median_ms", "median_ms", "{:.4f}"),
+    ("first_call_s", "first_call_s", "{:.2f}"), ("peak_mib", "peak_MiB", "{:.1f}"),
+    ("gbs", "GB/s", "{:.0f}"), ("pct_copy", "%copy", "{:.1f}"), ("tflops", "TFLOP/s", "{:.1f}"),
+    ("note", "note", "{}"),
+]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.splitlines()[0])
+    p.add_argument("--workloads", default="all", help=f"comma-separated, default all: {','.join(workloads.WORKLOADS)}")
+    p.add_argument("--backends", default=",".join(measure.BACKENDS), help="comma-separated: eager,inductor,fxopt")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    p.add_argument("--dtype", default="bf16", choices=sorted(measure.DTYPES))
+    p.add_argument("--quick", action="store_true", help="tiny sizes (256x256): a smoke test, e.g. on CPU")
+    p.add_argument("--json", metavar="PATH", help="also write header and rows as JSON here")
+    p.add_argument("--warmup", type=float, default=25, help="do_bench warmup, ms (default 25)")
+    p.add_argument("--rep", type=float, default=100, help="do_bench rep, ms (default 100)")
+    p.add_argument("--copy-bytes", type=int, default=None, help="copy-ceiling buffer size (default 2**30; quick 2**24)")
+    p.add_argument("--no-first-call", action="store_true", help="skip the cold first-call subprocesses")
+    p.add_argument("--first-call-timeout", type=float, default=1200, help="seconds per first-call child")
+    p.add_argument("--first-call", nargs=2, metavar=("WORKLOAD", "BACKEND"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda but torch.cuda.is_available() is False")
+    args.backend_list = [b.strip() for b in args.backends.split(",") if b.strip()]
+    for b in args.backend_list:
+        if b not in measure.BACKENDS:
+            p.error(f"unknown backend {b!r}; known: {', '.join(measure.BACKENDS)}")
+    return args
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def short_error(e: BaseException) -> str:
+    lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+def run_backend(w, backend, fn, inputs, expected, args, copy_gbs, min_bytes, flops) -> dict:
+    row = {"workload": w.name, "backend": backend}
+    rtol, atol = measure.TOLERANCES[measure.DTYPES[args.dtype]]
+    rtol, atol = w.rtol if w.rtol is not None else rtol, w.atol if w.atol is not None else atol
+    stage = "compile"
+    try:
+        compiled = measure.compile_for(backend, fn)
+        call = lambda: compiled(*inputs)  # noqa: E731
+        with measure.grad_mode(w):
+            out = call()  # compiles (warm caches: the cold first call is measured in a child process)
+            measure.sync(args.device)
+            stage = "check"
+            ok, diff, why = measure.compare(out, expected, rtol, atol)
+            del out
+            row.update(ok="yes" if ok else "NO", max_abs_diff=diff)
+            if why:
+                row["note"] = why
+            stage = "time"
+            ms = measure.bench_ms(call, args.device, args.warmup, args.rep)
+            stage = "memory"
+            row["peak_mib"] = measure.peak_mib(call, args.device)
+        row.update(median_ms=ms, gbs=min_bytes / ms / 1e6)
+        row["pct_copy"] = 100 * row["gbs"] / copy_gbs if copy_gbs else None
+        row["tflops"] = flops / ms / 1e9 if flops else None
+    except Exception as e:  # a failing backend is a row, not a crash
+        traceback.print_exc(file=sys.stderr)
+        row.setdefault("ok", "ERR")
+        row["note"] = f"{stage} failed: {short_error(e)}"
+    return row
+
+
+def run_workload(w, args, copy_gbs) -> list[dict]:
+    dtype = measure.DTYPES[args.dtype]
+    log(f"== {w.name}: {w.description}")
+    firsts = {}
+    if not args.no_first_call:  # before this process allocates the workload's inputs
+        for b in args.backend_list:
+            log(f"   first call (cold caches, fresh process): {b}")
+            firsts[b] = measure.first_call(w, b, args.device, args.dtype, args.quick, args.first_call_timeout)
+    try:
+        torch.manual_seed(0)
+        fn, inputs = w.make(args.device, dtype, args.quick)
+        with measure.grad_mode(w):
+            expected = fn(*inputs)
+        measure.sync(args.device)
+        min_bytes = w.min_bytes(inputs, expected)
+        flops = w.flops(inputs) if w.flops else None
+    except Exception as e:
+        traceback.print_exc(file=sys.stderr)
+        return [{"workload": w.name, "backend": b, "ok": "ERR", "note": f"setup failed: {short_error(e)}"}
+                for b in args.backend_list]
+    rows = []
+    for b in args.backend_list:
+        log(f"   {b}")
+        row = run_backend(w, b, fn, inputs, expected, args, copy_gbs, min_bytes, flops)
+        first = firsts.get(b, {})
+        row["first_call_s"] = first.get("first_call_s")
+        if "error" in first:
+            row["note"] = "; ".join(filter(None, [row.get("note"), first["error"]]))
+        row.update(min_bytes=min_bytes, flops=flops, dtype=args.dtype, device=args.device, quick=args.quick)
+        rows.append(row)
+        gc.collect()
+    del fn, inputs, expected
+    torch._dynamo.reset()
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def cell(row, key, fmt):
+    v = row.get(key)
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return fmt.format(v)
+
+
+def format_table(rows) -> str:
+    cells = [[title for _, title, _ in COLUMNS]] + [[cell(r, k, f) for k, _, f in COLUMNS] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
+    numeric = {"max_abs_diff", "median_ms", "first_call_s", "peak_mib", "gbs", "pct_copy", "tflops"}
+    lines = []
+    for c in cells:
+        parts = [v.rjust(wd) if k in numeric else v.ljust(wd) for (k, _, _), v, wd in zip(COLUMNS, c, widths)]
+        lines.append("  ".join(parts).rstrip())
+    lines.insert(1, "  ".join("-" * wd for wd in widths))
+    return "\n".join(lines)
+
+
+def child_main(args) -> int:
+    """`--first-call WORKLOAD BACKEND`: one cold compile + first call; prints one JSON line."""
+    name, backend = args.first_call
+    try:
+        w = workloads.get(name)[0]
+        result = measure.first_call_child(w, backend, args.device, measure.DTYPES[args.dtype], args.quick)
+    except Exception as e:
+        traceback.print_exc(file=sys.stderr)
+        result = {"error": f"first call failed: {short_error(e)}"}
+    print(measure.FIRST_CALL_MARK + json.dumps(result), flush=True)
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.first_call:
+        return child_main(args)
+    import fxopt  # noqa: F401
+    selected = workloads.get(args.workloads)
+    head = measure.header(args.device)
+    nbytes = args.copy_bytes or (2**24 if args.quick else 2**30)
+    log(f"copy ceiling: {nbytes} bytes {args.device}-to-{args.device}")
+    try:
+        copy_gbs = measure.copy_ceiling_gbs(args.device, nbytes, args.warmup, args.rep)
+    except Exception as e:
+        log(f"copy ceiling failed: {short_error(e)}")
+        copy_gbs = None
+    head["copy_ceiling_gbs"], head["copy_bytes"] = copy_gbs, nbytes
+    rows = [row for w in selected for row in run_workload(w, args, copy_gbs)]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"header": head, "rows": rows}, f, indent=2)
+            f.write("\n")
+    print(f"# {head['date']}  commit {head['commit']}  {head['device']}  torch {head['torch']}  "
+          f"triton {head['triton']}  python {head['python']}"
+          + ("  TRITON_INTERPRET=1" if head["triton_interpret"] == "1" else ""))
+    print(f"# {head['command']}")
+    ceiling = f"{copy_gbs:.0f} GB/s" if copy_gbs else "unavailable"
+    print(f"# dtype {args.dtype}{'  quick sizes' if args.quick else ''}  copy ceiling {ceiling} "
+          f"({nbytes / 2**20:.0f} MiB read + written)")
+    print(format_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

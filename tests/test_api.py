@@ -1,0 +1,164 @@
+"""The public API contract: options, the entry point, explain, optimize, dumps, the CLI."""
+import importlib.metadata
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxopt
+from fxopt.errors import FxoptError
+
+
+def chain(x, b):
+    return torch.tanh(F.gelu(x + b) * 2.0) - x
+
+
+def inputs():
+    return torch.randn(6, 10), torch.randn(10)
+
+
+def test_unknown_option_lists_valid_ones():
+    with pytest.raises(TypeError, match="valid options are .*precision.*fuse"):
+        fxopt.backend(fusion=True)
+    with pytest.raises(TypeError, match="unknown option"):
+        fxopt.explain(chain, *inputs(), bogus=1)
+
+
+def test_bad_precision_value_is_rejected():
+    with pytest.raises(ValueError, match="precision"):
+        fxopt.Options(precision="int4")
+
+
+def test_entry_point_is_registered():
+    eps = importlib.metadata.entry_points(group="torch_dynamo_backends")
+    assert any(ep.name == "fxopt" and ep.value == "fxopt.backend:fxopt_backend" for ep in eps)
+
+
+def test_backend_string_compiles_and_matches_eager():
+    x, b = inputs()
+    out = torch.compile(chain, backend="fxopt")(x, b)
+    torch.testing.assert_close(out, chain(x, b), rtol=1e-5, atol=1e-6)
+
+
+def test_explain_reports_passes_kernels_and_fallbacks():
+    x, b = inputs()
+
+    def f(x, b):
+        return (chain(x, b) @ x.t()).sum()
+
+    rep = fxopt.explain(f, x, b)
+    names = [p.name for p in rep.passes]
+    assert names[:2] == ["cleanup", "fuse"]
+    assert all(p.seconds >= 0 and p.nodes_before >= p.nodes_after - 1 for p in rep.passes)
+    assert len(rep.kernels) == 1 and rep.kernels[0].kind == "pointwise"
+    assert "aten.gelu.default" in rep.kernels[0].ops and "aten.tanh.default" in rep.kernels[0].ops
+    assert "@triton.jit" in rep.kernels[0].source
+    reasons = dict(rep.fallbacks)
+    assert any("matmul" in r for r in reasons.values()) and any("reduction" in r for r in reasons.values())
+    fused = rep.graph(after="fuse")
+    assert any(n.op == "call_module" for n in fused.graph.nodes)
+    captured = rep.graph(after="captured")
+    assert not any(n.op == "call_module" for n in captured.graph.nodes)
+    with pytest.raises(KeyError, match="no pass named"):
+        rep.graph(after="nope")
+    text = str(rep)
+    assert "fuse" in text and "kernels (1)" in text and "left to ATen" in text
+
+
+def test_explain_compiles_backward_graph_when_grad_is_needed():
+    x, b = inputs()
+    rep = fxopt.explain(chain, x.requires_grad_(), b)
+    assert [g.name for g in rep.graphs] == ["forward", "backward"]
+    assert any(k.graph == "backward" for k in rep.kernels)
+
+
+def test_optimize_returns_a_compiled_callable_with_its_report():
+    x, b = inputs()
+    g = fxopt.optimize(chain, x, b)
+    torch.testing.assert_close(g(x, b), chain(x, b), rtol=1e-5, atol=1e-6)
+    assert len(g.report.kernels) == 1
+
+
+def test_fxopt_dump_writes_every_artifact(tmp_path, monkeypatch):
+    monkeypatch.setenv("FXOPT_DUMP", str(tmp_path))
+    x, b = inputs()
+    torch.compile(chain, backend="fxopt")(x, b)
+    files = {str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()}
+    assert {"report.html", "report.txt", "wrapper.py"} <= files
+    assert any(f.startswith("passes/") and f.endswith("_fuse.txt") for f in files)
+    kernel_files = [f for f in files if f.startswith("kernels/")]
+    assert len(kernel_files) == 1
+    fuse_text = next((tmp_path / f).read_text() for f in files if f.endswith("_fuse.txt"))
+    assert "# f32[6, 10] cpu" in fuse_text  # every value carries its type comment
+    html = (tmp_path / "report.html").read_text()
+    assert "<html>" in html and "http" not in html.replace("http-equiv", "")
+
+
+def test_wrapper_runs_on_its_own(tmp_path):
+    x, b = inputs()
+    rep = fxopt.explain(chain, x, b)
+    path = tmp_path / "wrapper.py"
+    path.write_text(rep.wrapper_source)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "0 (6, 10)" in out.stdout
+
+
+def test_wrapper_refuses_inputs_with_other_strides():
+    x, b = inputs()
+    rep = fxopt.explain(chain, x, b)
+    namespace = {}
+    exec(compile(rep.wrapper_source, "<wrapper>", "exec"), namespace)  # noqa: S102 - our own generated code
+    with pytest.raises(RuntimeError, match="compiled for shape"):
+        namespace["call"]([x.t().contiguous().t(), b])
+
+
+def test_cli_explain_and_dump(tmp_path):
+    model_file = tmp_path / "model.py"
+    model_file.write_text("import torch\n"
+                          "def make():\n"
+                          "    return (lambda x: torch.relu(x) * 2 + 1), (torch.randn(4, 5),)\n")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-m", "fxopt", "explain", f"{model_file}:make", "--dump",
+                          str(tmp_path / "dump")], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "kernels (1)" in out.stdout
+    assert (tmp_path / "dump" / "report.html").exists()
+    bad = subprocess.run([sys.executable, "-m", "fxopt", "explain", f"{model_file}:nope"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert bad.returncode != 0 and "no function 'nope'" in bad.stderr
+    missing = subprocess.run([sys.executable, "-m", "fxopt", "explain", "missing.py:make"],
+                             capture_output=True, text=True, env=env, timeout=300)
+    assert missing.returncode != 0 and "no such file" in missing.stderr
+
+
+def test_cpu_without_interpreter_runs_subgraphs_eagerly_and_says_so(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    import fxopt.compile as comp
+    monkeypatch.setattr(comp, "_warned_eager", False)
+    x, b = inputs()
+    with pytest.warns(UserWarning, match="TRITON_INTERPRET is not set"):
+        out = torch.compile(chain, backend="fxopt")(x, b)
+    torch.testing.assert_close(out, chain(x, b), rtol=1e-5, atol=1e-6)
+
+
+def test_mixed_devices_error_names_the_node():
+    import torch.fx as fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fxopt.compile import check_devices
+
+    g = fx.Graph()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    add = g.call_function(torch.ops.aten.add.Tensor, (a, b))
+    g.output(add)
+    gm = fx.GraphModule({}, g)
+    with FakeTensorMode():
+        a.meta["val"] = torch.empty(4, device="cpu")
+        b.meta["val"] = torch.empty(4, device="meta")
+    with pytest.raises(FxoptError, match="node 'add_tensor' .* mixes devices.*Fix: move"):
+        check_devices(gm)
