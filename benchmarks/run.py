@@ -61,7 +61,7 @@ def short_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
 
 
-def run_backend(w, backend, fn, inputs, expected, args, copy_gbs, min_bytes, flops) -> dict:
+def run_backend(w, backend, fn, inputs, expected, ref64, args, copy_gbs, min_bytes, flops) -> dict:
     row = {"workload": w.name, "backend": backend}
     rtol, atol = measure.TOLERANCES[measure.DTYPES[args.dtype]]
     rtol, atol = w.rtol if w.rtol is not None else rtol, w.atol if w.atol is not None else atol
@@ -73,9 +73,9 @@ def run_backend(w, backend, fn, inputs, expected, args, copy_gbs, min_bytes, flo
             out = call()  # compiles (warm caches: the cold first call is measured in a child process)
             measure.sync(args.device)
             stage = "check"
-            ok, diff, why = measure.compare(out, expected, rtol, atol)
+            ok, diff, why = measure.compare(out, expected, rtol, atol, ref64)
             del out
-            row.update(ok="yes" if ok else "NO", max_abs_diff=diff)
+            row.update(ok=ok, max_abs_diff=diff)
             if why:
                 row["note"] = why
             stage = "time"
@@ -112,10 +112,18 @@ def run_workload(w, args, copy_gbs) -> list[dict]:
         traceback.print_exc(file=sys.stderr)
         return [{"workload": w.name, "backend": b, "ok": "ERR", "note": f"setup failed: {short_error(e)}"}
                 for b in args.backend_list]
+    cached = []
+
+    def ref64():  # float64 run of eager, computed once and only if a check needs it
+        if not cached:
+            with measure.grad_mode(w):
+                cached.append(fn(*[t.double() if t.is_floating_point() else t for t in inputs]))
+        return cached[0]
+
     rows = []
     for b in args.backend_list:
         log(f"   {b}")
-        row = run_backend(w, b, fn, inputs, expected, args, copy_gbs, min_bytes, flops)
+        row = run_backend(w, b, fn, inputs, expected, ref64, args, copy_gbs, min_bytes, flops)
         first = firsts.get(b, {})
         row["first_call_s"] = first.get("first_call_s")
         if "error" in first:
@@ -123,7 +131,7 @@ def run_workload(w, args, copy_gbs) -> list[dict]:
         row.update(min_bytes=min_bytes, flops=flops, dtype=args.dtype, device=args.device, quick=args.quick)
         rows.append(row)
         gc.collect()
-    del fn, inputs, expected
+    del fn, inputs, expected, cached
     torch._dynamo.reset()
     gc.collect()
     if args.device == "cuda":

@@ -6,6 +6,7 @@ import logging
 import os
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.fx as fx
@@ -116,9 +117,30 @@ def _load(gm: fx.GraphModule, kernels: dict[str, PointwiseKernel], record: Graph
             setattr(module, node.name, getattr(gm, node.target))
         if node.op == "call_module" and mode == "eager":
             setattr(module, f"subgraph_{node.target}", gm.get_submodule(node.target))
+    if mode == "triton" and record.target == "cuda":
+        _precompile(module, kernels)
     call = module.call
     call._boxed_call = True
     return call
+
+
+def _precompile(module, kernels: dict[str, PointwiseKernel]) -> None:
+    """Compile every kernel now, several at once (Triton's compiler spends its time outside the GIL
+    in LLVM and ptxas), so the first call does not compile them one after another."""
+    def warm(k: PointwiseKernel):
+        try:
+            getattr(module, k.name).warmup(*k.warmup_args(), grid=(k.grid,), XBLOCK=k.xblock,
+                                           num_warps=k.num_warps)
+        except Exception as exc:
+            raise FxoptError(f"fxopt: Triton could not compile kernel {k.name}: {exc}\n{k.source}") from exc
+
+    todo = list(kernels.values())
+    if len(todo) <= 1:
+        for k in todo:
+            warm(k)
+        return
+    with ThreadPoolExecutor(max_workers=min(8, len(todo))) as pool:
+        list(pool.map(warm, todo))
 
 
 @contextlib.contextmanager

@@ -45,6 +45,11 @@ class PointwiseKernel:
     num_warps: int
     n_inputs: int  # kernel pointer args, in the subgraph's placeholder order
     outputs: list[torch.Tensor] = field(default_factory=list)  # meta values of the outputs, in order
+    input_dtypes: list[torch.dtype] = field(default_factory=list)  # dtypes of the pointer inputs
+
+    def warmup_args(self) -> list:
+        """Arguments for JITFunction.warmup: pointer dtypes and the real integer arguments."""
+        return [*self.input_dtypes, *(o.dtype for o in self.outputs), self.numel]
 
     @property
     def grid(self) -> int:
@@ -159,7 +164,8 @@ class _Emitter:
                   "@triton.jit", f"def {self.name}({', '.join(args)}):"]
         source = "\n".join(header + ["    " + line for line in body]) + "\n"
         return PointwiseKernel(self.name, source, ops, space.numel, xblock, warps, len(self.placeholders),
-                               [o.meta["val"] for o in self.output_nodes])
+                               [o.meta["val"] for o in self.output_nodes],
+                               [p.meta["val"].dtype for p in self.placeholders])
 
     def _operand(self, arg, want: torch.dtype | None) -> str:
         if isinstance(arg, fx.Node):
