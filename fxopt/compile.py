@@ -70,6 +70,8 @@ def compile_aten_graph(gm: fx.GraphModule, example_inputs, *, options: Options, 
     target = choose_target(gm, env)
     ctx = PassContext(options=options, env=env, graph_name=graph_name, target=target)
     record = GraphReport(name=graph_name, target=target, captured_text=graph_to_text(gm, "captured"))
+    if has_symbolic_shapes(gm):
+        return _run_as_aten(gm, record, report, on_done, start)
     verifier = GraphVerifier(gm, example_inputs, options.verify_rtol, graph_name) if options.verify else None
     gm, records, snapshots = PassManager(pipeline.post_grad_passes(options), verifier).run(gm, ctx)
     record.passes, record.snapshots = records, snapshots
@@ -100,6 +102,32 @@ def compile_aten_graph(gm: fx.GraphModule, example_inputs, *, options: Options, 
     if on_done is not None:
         on_done(report)
     return call
+
+
+def has_symbolic_shapes(gm: fx.GraphModule) -> bool:
+    """Sizes dynamo left symbolic (dynamic=True, or automatic dynamic after a second shape)."""
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        if isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and any(
+                isinstance(s, torch.SymInt) for s in (*v.shape, *v.stride()))):
+            return True
+    return False
+
+
+def _run_as_aten(gm: fx.GraphModule, record: GraphReport, report: Report, on_done, start: float):
+    """Symbolic shapes are not compiled yet (dynamic shapes issue): run the ATen graph as is."""
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    reason = "symbolic (dynamic) shapes: the graph runs as ATen ops, unfused (dynamic shapes are not built yet)"
+    record.notes.append(reason)
+    record.fallbacks = [(n.name, reason) for n in gm.graph.nodes if n.op == "call_function"]
+    record.wrapper_source = "# not generated: " + reason + "\n" + gm.code
+    record.compile_seconds = time.perf_counter() - start
+    report.graphs.append(record)
+    log.info("fxopt: %s graph: %s", record.name, reason)
+    if on_done is not None:
+        on_done(report)
+    return make_boxed_func(gm.forward)
 
 
 def _load(gm: fx.GraphModule, kernels: dict[str, PointwiseKernel], record: GraphReport, env: Environment, mode):
