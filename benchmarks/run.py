@@ -143,7 +143,8 @@ def cell(row, key, fmt):
     v = row.get(key)
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
-    return fmt.format(v)
+    text = fmt.format(v)
+    return text if len(text) <= 110 else text[:107] + "..."  # whole notes are in the --json file
 
 
 def format_table(rows) -> str:
