@@ -10,24 +10,18 @@ import threading
 
 import torch
 import torch.fx as fx
-from torch._decomp import core_aten_decompositions
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from . import pipeline
 from .compile import compile_aten_graph
+from .decompositions import decomposition_table
 from .options import Environment, Options
 from .pass_manager import PassContext, PassManager
 from .report import Report
 
 _DUMP_REPORTS: dict[str, Report] = {}  # one accumulating report per dump directory in this process
 _lock = threading.Lock()
-
-
-@functools.lru_cache(maxsize=1)
-def decomposition_table() -> dict:
-    """Core-ATen decompositions: every graph fxopt sees is written in core ATen ops."""
-    return core_aten_decompositions()
 
 
 def compile_dynamo_graph(gm: fx.GraphModule, example_inputs, options: Options, report: Report | None = None):

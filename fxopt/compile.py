@@ -13,12 +13,15 @@ import torch.fx as fx
 
 from . import pipeline
 from .codegen.cache import module_cache, source_hash
-from .codegen.triton_pointwise import PointwiseKernel, generate_pointwise_kernel
+from .codegen.kernel import Kernel
+from .codegen.triton_pointwise import generate_pointwise_kernel
+from .codegen.triton_reduction import generate_reduction_kernel
 from .codegen.wrapper import generate_wrapper
 from .errors import FxoptError
 from .options import Environment, Options
 from .pass_manager import PassContext, PassManager, PassRecord, count_nodes
 from .passes.fuse import FUSED_PREFIX
+from .passes.fuse_reductions import REDUCTION_PREFIX
 from .printing import graph_to_text, target_name
 from .report import GraphReport, KernelRecord, Report
 from .verify import GraphVerifier
@@ -58,6 +61,7 @@ def _kernel_name(gm: fx.GraphModule, index: int) -> str:
            if n.op == "call_function" and hasattr(n.target, "__name__") and not n.target.is_view]
     short = "_".join(dict.fromkeys(ops))  # unique, in order
     short = "_".join(short.split("_")[:4]) or "copy"
+    short = short.replace("dim_IntList", "").replace("__", "_").strip("_")
     return f"fused_{short}_{index}"
 
 
@@ -77,13 +81,16 @@ def compile_aten_graph(gm: fx.GraphModule, example_inputs, *, options: Options, 
     record.passes, record.snapshots = records, snapshots
 
     kernel_target = "cuda" if target == "cuda" else "interpret"
-    kernels: dict[str, PointwiseKernel] = {}
+    kernels: dict[str, Kernel] = {}
     for node in gm.graph.nodes:
         if node.op == "call_module" and str(node.target).startswith(FUSED_PREFIX):
             sub = gm.get_submodule(node.target)
-            k = generate_pointwise_kernel(sub, _kernel_name(sub, len(kernels)), kernel_target)
+            generate = (generate_reduction_kernel if str(node.target).startswith(REDUCTION_PREFIX)
+                        else generate_pointwise_kernel)
+            k = generate(sub, _kernel_name(sub, len(kernels)), kernel_target)
             kernels[node.target] = k
-            record.kernels.append(KernelRecord(k.name, "pointwise", k.ops, k.source, graph_name))
+            record.kernels.append(KernelRecord(k.name, k.kind, k.ops, k.source, graph_name,
+                                               k.notes.get("reduction")))
     mode = "eager" if target == "eager" else "triton"
     filename = "wrapper.py" if graph_name in ("forward", "inference") else f"wrapper_{graph_name}.py"
     record.wrapper_source = generate_wrapper(gm, kernels, graph_name, mode, filename)
@@ -130,7 +137,7 @@ def _run_as_aten(gm: fx.GraphModule, record: GraphReport, report: Report, on_don
     return make_boxed_func(gm.forward)
 
 
-def _load(gm: fx.GraphModule, kernels: dict[str, PointwiseKernel], record: GraphReport, env: Environment, mode):
+def _load(gm: fx.GraphModule, kernels: dict[str, Kernel], record: GraphReport, env: Environment, mode):
     cache = module_cache(env.cache_dir)
     hits = cache.hits
     with _triton_interpreter(record.target == "interpret"):
@@ -152,13 +159,13 @@ def _load(gm: fx.GraphModule, kernels: dict[str, PointwiseKernel], record: Graph
     return call
 
 
-def _precompile(module, kernels: dict[str, PointwiseKernel]) -> None:
+def _precompile(module, kernels: dict[str, Kernel]) -> None:
     """Compile every kernel now, several at once (Triton's compiler spends its time outside the GIL
     in LLVM and ptxas), so the first call does not compile them one after another."""
-    def warm(k: PointwiseKernel):
+    def warm(k: Kernel):
         try:
-            getattr(module, k.name).warmup(*k.warmup_args(), grid=(k.grid,), XBLOCK=k.xblock,
-                                           num_warps=k.num_warps)
+            getattr(module, k.name).warmup(*k.warmup_args(), grid=(k.grid,), num_warps=k.num_warps,
+                                           **k.constexprs)
         except Exception as exc:
             raise FxoptError(f"fxopt: Triton could not compile kernel {k.name}: {exc}\n{k.source}") from exc
 

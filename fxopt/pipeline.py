@@ -4,6 +4,7 @@ from __future__ import annotations
 from .options import Options
 from .passes.cleanup import Cleanup
 from .passes.fuse import FusePointwise
+from .passes.fuse_reductions import FuseReductions
 
 
 def pre_autograd_passes(options: Options) -> list:
@@ -17,6 +18,7 @@ def post_grad_passes(options: Options) -> list:
     """On each ATen graph aot_autograd hands over (forward, backward, or inference)."""
     return [
         Cleanup(),  # drop aliases, no-op views/casts and duplicates first, so groups come out larger
-        FusePointwise(),  # elementwise chains -> one submodule (one Triton kernel) per group
+        FuseReductions(),  # reductions take their pointwise producers and consumers first (softmax, norms)
+        FusePointwise(),  # the remaining elementwise chains -> one submodule (one Triton kernel) per group
         Cleanup(name="cleanup_after_fuse"),  # views that fed a group and are now unused disappear
     ]

@@ -11,10 +11,11 @@ from .pass_manager import PassRecord
 @dataclass
 class KernelRecord:
     name: str
-    kind: str  # "pointwise" (reductions and attention: later issues)
+    kind: str  # "pointwise" | "reduction" (attention: a later issue)
     ops: list[str]  # the ATen ops fused into it
     source: str  # the Triton source
     graph: str = "forward"
+    schedule: str | None = None  # reductions: "persistent" (row in registers) or "looped"
 
 
 @dataclass

@@ -22,7 +22,8 @@ def report_to_text(rep) -> str:
         if g.kernels:
             out.append(f"kernels ({len(g.kernels)}):")
             for k in g.kernels:
-                out.append(f"  {k.name} [{k.kind}] {len(k.ops)} ops: {', '.join(k.ops)}")
+                kind = f"{k.kind}, {k.schedule}" if k.schedule else k.kind
+                out.append(f"  {k.name} [{kind}] {len(k.ops)} ops: {', '.join(k.ops)}")
         if g.fallbacks:
             out.append(f"left to ATen ({len(g.fallbacks)}):")
             for node, reason in g.fallbacks:

@@ -42,7 +42,9 @@ def broadcast_strides(layout: Layout, domain: tuple[int, ...]) -> tuple[int, ...
 class IterationSpace:
     """The loop nest of a pointwise kernel, flattened onto one index."""
 
-    def __init__(self, domain: tuple[int, ...], order_stride: tuple[int, ...], operands: list[Layout]):
+    def __init__(self, domain: tuple[int, ...], order_stride: tuple[int, ...], operands: list[Layout],
+                 prefix: str = "x"):
+        self.prefix = prefix
         self.numel = 1
         for s in domain:
             self.numel *= s
@@ -55,8 +57,8 @@ class IterationSpace:
         self.sizes = sizes
         self.operand_strides = per_op
         self.offsets = [op.offset for op in operands]
-        self.xindex = sympy.Symbol("xindex", integer=True, nonnegative=True)
-        self.coords = [sympy.Symbol(f"x{k}", integer=True, nonnegative=True) for k in range(len(sizes))]
+        self.xindex = sympy.Symbol(f"{prefix}index", integer=True, nonnegative=True)
+        self.coords = [sympy.Symbol(f"{prefix}{k}", integer=True, nonnegative=True) for k in range(len(sizes))]
         self.pitches = [_prod(sizes[k + 1:]) for k in range(len(sizes))]
 
     def address(self, i: int) -> sympy.Expr:
@@ -78,7 +80,7 @@ class IterationSpace:
         for k, (x, size, pitch) in enumerate(zip(self.coords, self.sizes, self.pitches)):
             if x not in used:
                 continue
-            expr = "xindex" if pitch == 1 else f"(xindex // {pitch})"
+            expr = f"{self.xindex}" if pitch == 1 else f"({self.xindex} // {pitch})"
             if k > 0:  # the outermost coordinate never wraps
                 expr = f"{expr} % {size}"
             lines.append(f"{x} = {expr}")

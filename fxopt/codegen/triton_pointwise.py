@@ -19,8 +19,6 @@ the load; values are computed in fp32 for bf16/fp16 and rounded only where eager
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.fx as fx
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
@@ -29,31 +27,11 @@ from ..analysis.op_classes import is_view
 from ..printing import describe_value, target_name
 from .dtypes import LOW_PRECISION, TL_DTYPE, compute_dtype, literal
 from .indexing import IterationSpace, Layout, print_index
+from .kernel import Kernel
 from .pointwise_ops import (BOOL_OPERANDS, LOWERINGS, PROMOTED_OPERANDS, UNCAST_OPERANDS, LowerCtx)
 
 aten = torch.ops.aten
 INT32_MAX = 2**31 - 1
-
-
-@dataclass
-class PointwiseKernel:
-    name: str
-    source: str  # the kernel function alone (decorated with @triton.jit)
-    ops: list[str]  # the ATen ops fused into it, in order
-    numel: int
-    xblock: int
-    num_warps: int
-    n_inputs: int  # kernel pointer args, in the subgraph's placeholder order
-    outputs: list[torch.Tensor] = field(default_factory=list)  # meta values of the outputs, in order
-    input_dtypes: list[torch.dtype] = field(default_factory=list)  # dtypes of the pointer inputs
-
-    def warmup_args(self) -> list:
-        """Arguments for JITFunction.warmup: pointer dtypes and the real integer arguments."""
-        return [*self.input_dtypes, *(o.dtype for o in self.outputs), self.numel]
-
-    @property
-    def grid(self) -> int:
-        return (self.numel + self.xblock - 1) // self.xblock
 
 
 def launch_config(numel: int) -> tuple[int, int]:
@@ -64,12 +42,12 @@ def launch_config(numel: int) -> tuple[int, int]:
     return xblock, max(1, min(4, xblock // 256))
 
 
-def _layout_of(val: torch.Tensor, base: torch.Tensor | None = None) -> Layout:
+def layout_of(val: torch.Tensor, base: torch.Tensor | None = None) -> Layout:
     offset = val.storage_offset() - (base.storage_offset() if base is not None else 0)
     return Layout(tuple(val.shape), tuple(val.stride()), offset)
 
 
-def _view_root(node: fx.Node) -> fx.Node:
+def view_root(node: fx.Node) -> fx.Node:
     while is_view(node):
         node = node.args[0]
     return node
@@ -89,7 +67,7 @@ def operand_dtype(node: fx.Node) -> torch.dtype | None:
     return compute_dtype(out)
 
 
-class _Emitter:
+class PointwiseEmitter:
     def __init__(self, gm: fx.GraphModule, name: str, target: str):
         self.gm, self.name, self.target = gm, name, target
         self.nodes = list(gm.graph.nodes)
@@ -111,14 +89,14 @@ class _Emitter:
                     leaves.append(n)
         return leaves
 
-    def generate(self) -> PointwiseKernel:
+    def generate(self) -> Kernel:
         leaves = self._leaves()
         ptr_of = {p: f"in_ptr{i}" for i, p in enumerate(self.placeholders)}
         leaf_layouts = []
         for leaf in leaves:
-            root = _view_root(leaf)
-            leaf_layouts.append(_layout_of(leaf.meta["val"], root.meta["val"]))
-        out_layouts = [_layout_of(o.meta["val"]) for o in self.output_nodes]
+            root = view_root(leaf)
+            leaf_layouts.append(layout_of(leaf.meta["val"], root.meta["val"]))
+        out_layouts = [layout_of(o.meta["val"]) for o in self.output_nodes]
         ref_stride = tuple(self.output_nodes[0].meta["val"].stride())
         space = IterationSpace(self.domain, ref_stride, leaf_layouts + out_layouts)
         wide = space.numel > INT32_MAX or any(space.max_address(i) > INT32_MAX
@@ -132,7 +110,7 @@ class _Emitter:
         body.append("# -- load inputs ----")
         for i, leaf in enumerate(leaves):
             val = leaf.meta["val"]
-            ptr = ptr_of[_view_root(leaf)]
+            ptr = ptr_of[view_root(leaf)]
             addr = print_index(addresses[i])
             broadcast = any(s == 0 for s in space.operand_strides[i]) or not space.operand_strides[i]
             if not addresses[i].free_symbols:  # one element, read by every lane
@@ -155,6 +133,8 @@ class _Emitter:
         body.append("# -- store outputs ----")
         for j, o in enumerate(self.output_nodes):
             addr = print_index(addresses[len(leaves) + j])
+            if not addresses[len(leaves) + j].free_symbols:
+                addr += " + 0 * xindex"  # one element: the pointer must still be a block to take the mask
             val = o.meta["val"]
             body.append(f"tl.store(out_ptr{j} + ({addr}), {o.name}.to({TL_DTYPE[val.dtype]}), xmask)")
         args = [f"in_ptr{i}" for i in range(len(self.placeholders))] + \
@@ -163,18 +143,24 @@ class _Emitter:
         header = [f"# {len(ops)} ops over {describe_value(self.output_nodes[0].meta['val'])}: {', '.join(ops)}",
                   "@triton.jit", f"def {self.name}({', '.join(args)}):"]
         source = "\n".join(header + ["    " + line for line in body]) + "\n"
-        return PointwiseKernel(self.name, source, ops, space.numel, xblock, warps, len(self.placeholders),
-                               [o.meta["val"] for o in self.output_nodes],
-                               [p.meta["val"].dtype for p in self.placeholders])
+        return Kernel(self.name, "pointwise", source, ops, grid=(space.numel + xblock - 1) // xblock,
+                      int_args=[space.numel], constexprs={"XBLOCK": xblock}, num_warps=warps,
+                      outputs=[o.meta["val"] for o in self.output_nodes],
+                      input_dtypes=[p.meta["val"].dtype for p in self.placeholders])
+
+    def _var(self, node: fx.Node) -> str:
+        """The kernel variable holding a node's value (the reduction emitter renames some)."""
+        return node.name
 
     def _operand(self, arg, want: torch.dtype | None) -> str:
         if isinstance(arg, fx.Node):
             have = self.vdtype[arg]
+            var = self._var(arg)
             if want is None or want == have:
-                return arg.name
+                return var
             if want == torch.bool:
-                return f"({arg.name} != 0)"
-            return f"{arg.name}.to({TL_DTYPE[want]})"
+                return f"({var} != 0)"
+            return f"{var}.to({TL_DTYPE[want]})"
         if isinstance(arg, (bool, int, float)) and want is not None:
             return literal(arg, want)
         if isinstance(arg, (bool, int, float)):
@@ -210,6 +196,6 @@ class _Emitter:
         return expr
 
 
-def generate_pointwise_kernel(gm: fx.GraphModule, name: str, target: str) -> PointwiseKernel:
+def generate_pointwise_kernel(gm: fx.GraphModule, name: str, target: str) -> Kernel:
     """Triton source for a fused pointwise subgraph. `target` is "cuda" or "interpret"."""
-    return _Emitter(gm, name, target).generate()
+    return PointwiseEmitter(gm, name, target).generate()

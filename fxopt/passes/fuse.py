@@ -23,6 +23,7 @@ from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
 from ..analysis.op_classes import classify, is_view, pointwise_unsupported_reason
+from ..analysis.reductions import reduction_unsupported_reason
 from ..pass_manager import PassContext, PassResult
 
 FUSED_PREFIX = "fused"
@@ -62,7 +63,7 @@ def _view_chain(arg: fx.Node) -> list[fx.Node]:
     return list(reversed(chain))
 
 
-def _absorb_input_views(gm: fx.GraphModule, call: fx.Node) -> int:
+def absorb_input_views(gm: fx.GraphModule, call: fx.Node) -> int:
     """Copy the view chains feeding `call` into its subgraph and pass their roots instead."""
     sub: fx.GraphModule = gm.get_submodule(call.target)
     placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
@@ -134,7 +135,7 @@ class FusePointwise:
             stats["groups"] += len(partitions)
         for node in list(gm.graph.nodes):
             if node.op == "call_module" and str(node.target).startswith(FUSED_PREFIX):
-                stats["views_absorbed"] += _absorb_input_views(gm, node)
+                stats["views_absorbed"] += absorb_input_views(gm, node)
         gm.graph.eliminate_dead_code()
         self._note_fallbacks(gm, ctx, fused_nodes)
         gm.recompile()
@@ -148,6 +149,8 @@ class FusePointwise:
             if getattr(node.target, "__name__", "") == "getitem":
                 continue
             reason = pointwise_unsupported_reason(node, ctx.target)
+            if classify(node) == "reduction":
+                reason = reduction_unsupported_reason(node, ctx.target) or "reduction: no group took it"
             if reason is None:
                 reason = "fusion disabled (fuse=False)" if not ctx.options.fuse else "not fused"
             ctx.note(node.name, reason)

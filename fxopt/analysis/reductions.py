@@ -1,0 +1,78 @@
+"""Which reductions the fuser may take, and the facts codegen needs about each one."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from .op_classes import SUPPORTED_DTYPES
+
+aten = torch.ops.aten
+
+REDUCTION_KINDS = {
+    aten.sum.dim_IntList: "sum", aten.sum.default: "sum", aten.mean.dim: "mean", aten.mean.default: "mean",
+    aten.amax.default: "amax", aten.amin.default: "amin",
+}
+
+
+@dataclass(frozen=True)
+class ReductionInfo:
+    kind: str  # sum | mean | amax | amin
+    dims: tuple[int, ...]  # reduced dims of the input, sorted, non-negative
+    keepdim: bool
+    in_shape: tuple[int, ...]
+    device: str
+
+    @property
+    def key(self):
+        """Nodes of one reduction group share this: the input shape, the reduced dims, the device."""
+        return (self.in_shape, self.dims, self.device)
+
+    @property
+    def rnumel(self) -> int:
+        n = 1
+        for d in self.dims:
+            n *= self.in_shape[d]
+        return n
+
+
+def kept_shape(shape, dims) -> tuple[int, ...]:
+    return tuple(1 if d in dims else s for d, s in enumerate(shape))
+
+
+def dropped_shape(shape, dims) -> tuple[int, ...]:
+    return tuple(s for d, s in enumerate(shape) if d not in dims)
+
+
+def reduction_info(node: fx.Node) -> ReductionInfo | None:
+    if node.op != "call_function" or node.target not in REDUCTION_KINDS:
+        return None
+    x = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+    if not isinstance(x, torch.Tensor):
+        return None
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if node.target in (aten.sum.default, aten.mean.default) or dims is None or len(dims) == 0:
+        dims = range(x.dim())
+    keepdim = bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
+    if node.target in (aten.sum.default, aten.mean.default):
+        keepdim = False
+    norm = tuple(sorted({d % x.dim() for d in dims})) if x.dim() else ()
+    return ReductionInfo(REDUCTION_KINDS[node.target], norm, keepdim, tuple(x.shape), str(x.device))
+
+
+def reduction_unsupported_reason(node: fx.Node, target: str) -> str | None:
+    info = reduction_info(node)
+    if info is None:
+        return "not a reduction fxopt generates"
+    x = node.args[0].meta["val"]
+    out = node.meta.get("val")
+    if not isinstance(out, torch.Tensor) or out.dtype not in SUPPORTED_DTYPES or x.dtype not in SUPPORTED_DTYPES:
+        return f"reduction over dtype {x.dtype} has no Triton lowering"
+    if x.numel() == 0 or info.rnumel == 0:
+        return "empty reduction: left to ATen, which defines (or rejects) it"
+    if x.dim() == 0:
+        return "reduction of a 0-d tensor is a copy"
+    if info.kind in ("amax", "amin") and not (x.dtype.is_floating_point or x.dtype in (torch.int32, torch.int64)):
+        return f"{info.kind} over {x.dtype} is not lowered"
+    return None

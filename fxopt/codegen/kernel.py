@@ -1,0 +1,31 @@
+"""What codegen hands the wrapper for every generated kernel: its source and how to launch it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Kernel:
+    name: str
+    kind: str  # "pointwise" | "reduction"
+    source: str  # the @triton.jit function (and any helpers it calls), no imports
+    ops: list[str]  # the ATen ops fused into it, in order
+    grid: int  # programs launched
+    int_args: list[int]  # integer arguments after the pointers (xnumel, rnumel, ...)
+    constexprs: dict[str, int]  # XBLOCK, RBLOCK, ...
+    num_warps: int
+    outputs: list[torch.Tensor] = field(default_factory=list)  # meta values of the outputs, in order
+    input_dtypes: list[torch.dtype] = field(default_factory=list)  # dtypes of the pointer inputs
+    notes: dict[str, str] = field(default_factory=dict)  # e.g. {"reduction": "persistent"}
+
+    def warmup_args(self) -> list:
+        """Arguments for JITFunction.warmup: pointer dtypes, then the real integer arguments."""
+        return [*self.input_dtypes, *(o.dtype for o in self.outputs), *self.int_args]
+
+    def launch_suffix(self) -> str:
+        """The integer and constexpr arguments of a launch, as source."""
+        ints = "".join(f", {v}" for v in self.int_args)
+        consts = "".join(f", {k}={v}" for k, v in self.constexprs.items())
+        return f"{ints}{consts}, num_warps={self.num_warps}"

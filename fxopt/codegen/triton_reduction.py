@@ -1,0 +1,356 @@
+"""A reduction group (reductions plus the pointwise ops around them) as one Triton kernel.
+
+Each program owns XBLOCK rows; a row is the reduced dims (RBLOCK lanes at a time). Values are either
+row values ([XBLOCK, RBLOCK], shape S of the group) or row scalars ([XBLOCK, 1], the reduced shape).
+
+- persistent (a row fits in one block): every input is loaded once, reductions are `tl.sum`/`tl.reduce`
+  over axis 1, and everything after them reuses the registers;
+- looped (long rows): one pass over the row per reduction level (a reduction that needs another's
+  result, like softmax's sum needing its max, waits one pass), accumulating in fp32 blocks; row
+  values are recomputed from the inputs in each pass, and row outputs are stored in the earliest pass
+  that has what they need.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx as fx
+
+from ..analysis.op_classes import is_view
+from ..analysis.reductions import dropped_shape, kept_shape, reduction_info
+from ..printing import describe_value, target_name
+from .dtypes import TL_DTYPE, compute_dtype, literal
+from .indexing import IterationSpace, Layout, broadcast_strides, print_index
+from .kernel import Kernel
+from .triton_pointwise import INT32_MAX, PointwiseEmitter, view_root
+
+PERSISTENT_MAX = 8192  # widest row (elements) kept whole in registers
+LOOP_RBLOCK = 4096
+
+COMBINE = '''
+@triton.jit
+def _fx_max(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _fx_min(a, b):
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+'''
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+class ReductionEmitter(PointwiseEmitter):
+    def __init__(self, gm: fx.GraphModule, name: str, target: str):
+        super().__init__(gm, name, target)
+        self.reductions = [n for n in self.nodes if reduction_info(n) is not None]
+        info = reduction_info(self.reductions[0])
+        self.S, self.D = info.in_shape, info.dims
+        self.keep, self.drop = kept_shape(self.S, self.D), dropped_shape(self.S, self.D)
+        self.xdims = [d for d in range(len(self.S)) if d not in self.D]
+        self.rnumel = info.rnumel
+        self.xnumel = math.prod(self.S[d] for d in self.xdims)
+        self.suffix = ""  # set per pass of a looped kernel
+        self.is_row: dict[fx.Node, bool] = {}
+
+    # -- spaces and layouts ----
+    def _mapping(self, consumer_shape) -> str:
+        return "drop" if tuple(consumer_shape) == self.drop and len(self.drop) != len(self.S) else "full"
+
+    def _s_strides(self, val: torch.Tensor, base: torch.Tensor, mapping: str) -> tuple[tuple[int, ...], int]:
+        """The value's strides over the group's full shape S, and its offset from its base pointer.
+
+        "full": broadcast against S as torch does (right-aligned); "drop": the consumer has the reduced
+        shape without the reduced dims, so broadcast against that and put stride 0 at the reduced dims."""
+        offset = val.storage_offset() - base.storage_offset()
+        layout = Layout(tuple(val.shape), tuple(val.stride()))
+        if mapping == "drop":
+            it = iter(broadcast_strides(layout, self.drop))
+            return tuple(0 if d in self.D else next(it) for d in range(len(self.S))), offset
+        return broadcast_strides(layout, self.S), offset
+
+    def _out_strides(self, val: torch.Tensor) -> tuple[int, ...]:
+        if tuple(val.shape) == self.S:
+            return tuple(val.stride())
+        if tuple(val.shape) == self.keep and len(self.keep) == len(self.S):
+            return tuple(0 if d in self.D else s for d, s in enumerate(val.stride()))
+        it = iter(val.stride())
+        return tuple(0 if d in self.D else next(it) for d in range(len(self.S)))
+
+    # -- classification ----
+    def _classify(self) -> None:
+        for n in self.nodes:
+            if n.op == "placeholder" or n.op == "output" or is_view(n):
+                continue
+            if reduction_info(n) is not None:
+                self.is_row[n] = False
+            else:
+                self.is_row[n] = tuple(n.meta["val"].shape) == self.S and any(
+                    self.is_row.get(a, a in self.row_leaves) for a in n.all_input_nodes)
+
+    def _var(self, node: fx.Node) -> str:
+        if node in self.load_names:
+            names = self.load_names[node]
+            mapping = self.current_mapping if self.current_mapping in names else next(iter(names))
+            return names[mapping] + (self.suffix if (node, mapping) in self.row_loads else "")
+        return node.name + (self.suffix if self.is_row.get(node) else "")
+
+    def generate(self) -> Kernel:
+        leaves = self._leaves()
+        # a leaf is loaded once per mapping its consumers need
+        self.load_names: dict[fx.Node, dict[str, str]] = {}
+        loads = []  # (leaf, mapping, var, x_strides, r_strides, offset)
+        for leaf in leaves:
+            maps = sorted({"full" if reduction_info(u) else self._mapping(u.meta["val"].shape)
+                           for u in leaf.users if u.op == "call_function" and not is_view(u)} or {"full"})
+            self.load_names[leaf] = {}
+            for m in maps:
+                var = leaf.name if len(maps) == 1 else f"{leaf.name}_{m}"
+                self.load_names[leaf][m] = var
+                strides, offset = self._s_strides(leaf.meta["val"], view_root(leaf).meta["val"], m)
+                loads.append((leaf, m, var, strides, offset))
+        self.row_loads = {(leaf, m) for (leaf, m, var, st, off) in loads if any(st[d] for d in self.D)}
+        self.row_leaves = {leaf for (leaf, m) in self.row_loads}
+        self._classify()
+        outs = [(o, self._out_strides(o.meta["val"])) for o in self.output_nodes]
+        all_layouts = [(st, off) for (_, _, _, st, off) in loads] + [(st, 0) for (_, st) in outs]
+        ref = next((st for st in [s for (_, _, _, s, _) in loads if any(s[d] for d in self.D)]), all_layouts[0][0])
+        xs = IterationSpace(tuple(self.S[d] for d in self.xdims), tuple(outs[0][1][d] for d in self.xdims),
+                            [Layout(tuple(self.S[d] for d in self.xdims), tuple(st[d] for d in self.xdims), off)
+                             for st, off in all_layouts], prefix="x")
+        rs = IterationSpace(tuple(self.S[d] for d in self.D), tuple(ref[d] for d in self.D),
+                            [Layout(tuple(self.S[d] for d in self.D), tuple(st[d] for d in self.D), 0)
+                             for st, _ in all_layouts], prefix="r")
+        self.xaddr = [xs.address(i) for i in range(len(all_layouts))]
+        self.raddr = [rs.address(i) for i in range(len(all_layouts))]
+        wide = max(xs.max_address(i) + rs.max_address(i) for i in range(len(all_layouts))) > INT32_MAX \
+            or self.xnumel * self.rnumel > INT32_MAX
+        column = ref[self.D[-1]] != 1 and any(ref[d] == 1 for d in self.xdims)
+        persistent = _pow2(self.rnumel) <= (64 if column else PERSISTENT_MAX)
+        xblock, rblock, warps = self._config(persistent, column)
+        self.loads, self.outs = loads, outs
+
+        used_x = set().union(*(a.free_symbols for a in self.xaddr))
+        used_r = set().union(*(a.free_symbols for a in self.raddr))
+        body = [f"xoffset = tl.program_id(0){'.to(tl.int64)' if wide else ''} * XBLOCK",
+                "xindex = xoffset + tl.arange(0, XBLOCK)[:, None]", "xmask = xindex < xnumel"]
+        body += xs.coord_lines(used_x)
+        self.ops: list[str] = []
+        self.rcoords = rs.coord_lines(used_r)
+        if persistent:
+            body += self._persistent()
+        else:
+            body += self._looped()
+        args = [f"in_ptr{i}" for i in range(len(self.placeholders))] + \
+               [f"out_ptr{j}" for j in range(len(self.output_nodes))] + \
+               ["xnumel", "rnumel", "XBLOCK: tl.constexpr", "RBLOCK: tl.constexpr"]
+        kind = "persistent" if persistent else "looped"
+        header = [f"# {kind} reduction over {describe_value(self.reductions[0].args[0].meta['val'])} dims "
+                  f"{list(self.D)}: {', '.join(self.ops)}", "@triton.jit", f"def {self.name}({', '.join(args)}):"]
+        source = "\n".join(header + ["    " + line for line in body]) + "\n"
+        if any("_fx_max" in line or "_fx_min" in line for line in body):
+            source = COMBINE.lstrip("\n") + "\n\n" + source
+        return Kernel(self.name, "reduction", source, self.ops, grid=(self.xnumel + xblock - 1) // xblock,
+                      int_args=[self.xnumel, self.rnumel], constexprs={"XBLOCK": xblock, "RBLOCK": rblock},
+                      num_warps=warps, outputs=[o.meta["val"] for o in self.output_nodes],
+                      input_dtypes=[p.meta["val"].dtype for p in self.placeholders], notes={"reduction": kind})
+
+    def _config(self, persistent: bool, column: bool) -> tuple[int, int, int]:
+        if column:  # rows are strided columns: many rows per program so loads coalesce along x
+            xblock = min(64, _pow2(self.xnumel))
+            rblock = _pow2(self.rnumel) if persistent else 32
+            return xblock, rblock, 4
+        if persistent:
+            rblock = _pow2(self.rnumel)
+            xblock = max(1, min(_pow2(self.xnumel), 1024 // rblock))
+            return xblock, rblock, max(1, min(16, xblock * rblock // 256))
+        return 1, LOOP_RBLOCK, 16
+
+    # -- code for loads, nodes, reductions, stores ----
+    def _load(self, i: int) -> str:
+        leaf, m, var, strides, off = self.loads[i]
+        val = leaf.meta["val"]
+        ptr = f"in_ptr{self.placeholders.index(view_root(leaf))}"
+        addr = self.xaddr[i] + self.raddr[i]
+        has_x, has_r = bool(self.xaddr[i].free_symbols), bool(self.raddr[i].free_symbols)
+        mask = {(True, True): ", xmask & rmask", (True, False): ", xmask", (False, True): ", rmask",
+                (False, False): ""}[(has_x, has_r)]
+        other = ", other=0" if has_r else ""
+        policy = ', eviction_policy="evict_last"' if not has_x and has_r else ""
+        load = f"tl.load({ptr} + ({print_index(addr)}){mask}{other}{policy})"
+        cdt = compute_dtype(val.dtype)
+        if cdt != val.dtype:
+            load += f".to({TL_DTYPE[cdt]})"
+        self.vdtype[leaf] = cdt
+        return f"{var}{self.suffix if has_r else ''} = {load}  # {describe_value(val)}"
+
+    def _node(self, n: fx.Node) -> str:
+        self.current_mapping = self._mapping(n.meta["val"].shape)
+        if n not in self.counted:
+            self.ops.append(target_name(n.target))
+            self.counted.add(n)
+        return f"{self._var(n)} = {self._compute(n)}  # {target_name(n.target)}"
+
+    def _reduced_value(self, n: fx.Node) -> tuple[str, torch.dtype, str]:
+        """(block expression to reduce, accumulator dtype, kind) for reduction node n."""
+        info = reduction_info(n)
+        acc = compute_dtype(n.meta["val"].dtype)
+        self.current_mapping = "full"
+        src = self._operand(n.args[0], acc)
+        ident = {"sum": "0", "mean": "0", "amax": literal(float("-inf") if acc.is_floating_point else
+                                                             torch.iinfo(acc).min, acc),
+                 "amin": literal(float("inf") if acc.is_floating_point else torch.iinfo(acc).max, acc)}[info.kind]
+        block = f"tl.where(xmask & rmask, tl.broadcast_to({src}, [XBLOCK, RBLOCK]), {ident})"
+        return block, acc, info.kind
+
+    def _finish(self, n: fx.Node, reduced: str, kind: str) -> str:
+        if n not in self.counted:
+            self.ops.append(target_name(n.target))
+            self.counted.add(n)
+        self.vdtype[n] = compute_dtype(n.meta["val"].dtype)
+        if kind == "mean":
+            reduced = f"{reduced} / {self.rnumel}.0"
+        return f"{n.name} = {reduced}  # {target_name(n.target)}"
+
+    def _store(self, j: int) -> str:
+        """Store output j; the pointer block always has the value's shape ([XBLOCK, RBLOCK] or [XBLOCK, 1])."""
+        o, strides = self.outs[j]
+        i = len(self.loads) + j
+        row = self.is_row.get(o, False)
+        addr = print_index(self.xaddr[i] + self.raddr[i]) if row else print_index(self.xaddr[i])
+        if not self.xaddr[i].free_symbols:
+            addr += " + 0 * xindex"
+        if row and not self.raddr[i].free_symbols:
+            addr += " + 0 * rindex"
+        val = o.meta["val"]
+        self.current_mapping = self._mapping(val.shape)
+        mask = "xmask & rmask" if row else "xmask"
+        return f"tl.store(out_ptr{j} + ({addr}), {self._var(o)}.to({TL_DTYPE[val.dtype]}), {mask})"
+
+    def _persistent(self) -> list[str]:
+        self.counted: set = set()
+        body = ["rindex = tl.arange(0, RBLOCK)[None, :]", "rmask = rindex < rnumel", *self.rcoords,
+                "# -- load inputs ----"]
+        body += [self._load(i) for i in range(len(self.loads))]
+        body.append("# -- compute ----")
+        for n in self.nodes:
+            if n.op != "call_function" or is_view(n):
+                continue
+            if reduction_info(n) is not None:
+                block, acc, kind = self._reduced_value(n)
+                combine = {"amax": "_fx_max", "amin": "_fx_min"}.get(kind)
+                red = f"tl.reduce({block}, 1, {combine})" if combine else f"tl.sum({block}, 1)"
+                body.append(self._finish(n, f"{red}[:, None]", kind))
+            else:
+                body.append(self._node(n))
+        body.append("# -- store outputs ----")
+        body += [self._store(j) for j in range(len(self.outs))]
+        return body
+
+    def _looped(self) -> list[str]:
+        """One pass over the row per reduction level, stores in the earliest pass that can make them."""
+        self.counted = set()
+        ready: dict[fx.Node, int] = {}  # pass after which a row scalar is available
+        need: dict[fx.Node, int] = {}  # earliest pass in which a row value can be computed
+        for n in self.nodes:
+            if n.op == "placeholder" or is_view(n):
+                ready[n] = 0
+                need[n] = 0
+            elif n.op == "call_function":
+                deps = n.all_input_nodes
+                level = max([need[a] if self.is_row.get(a) or a in self.row_leaves else ready[a] for a in deps] or [0])
+                if reduction_info(n) is not None:
+                    need[n], ready[n] = level, level + 1
+                elif self.is_row[n]:
+                    need[n] = level
+                else:
+                    ready[n] = level
+                    need[n] = level
+        passes = max([ready[r] for r in self.reductions] + [need[o] for o, _ in self.outs if self.is_row.get(o)])
+        self.suffix = ""
+        body: list[str] = ["# -- row scalars read from memory ----"]
+        body += [self._load(i) for i, ld in enumerate(self.loads) if ld[0] not in self.row_leaves]
+        emitted: set = set()
+        stored: set = set()
+
+        def scalar_stores():
+            lines = [self._store(j) for j, (o, _) in enumerate(self.outs)
+                     if not self.is_row.get(o) and o in emitted and j not in stored]
+            stored.update(j for j, (o, _) in enumerate(self.outs) if not self.is_row.get(o) and o in emitted)
+            return lines
+
+        for p in range(passes + 1):
+            # row scalars computable before this pass
+            for n in self.nodes:
+                if n.op == "call_function" and not is_view(n) and n not in emitted and not self.is_row.get(n) \
+                        and reduction_info(n) is None and ready.get(n, 0) <= p:
+                    self.suffix = ""
+                    body.append(self._node(n))
+                    emitted.add(n)
+            body += scalar_stores()
+            reds = [r for r in self.reductions if need[r] == p]
+            stores = [j for j, (o, _) in enumerate(self.outs) if self.is_row.get(o) and need[o] == p]
+            if not reds and not stores:
+                continue
+            self.suffix = f"_{p}"
+            body.append(f"# -- pass {p} over the row ----")
+            for r in reds:
+                acc = compute_dtype(r.meta["val"].dtype)
+                kind = reduction_info(r).kind
+                init = {"amax": "float(\"-inf\")", "amin": "float(\"inf\")"}.get(kind, "0")
+                if not acc.is_floating_point and kind in ("amax", "amin"):
+                    init = str(torch.iinfo(acc).min if kind == "amax" else torch.iinfo(acc).max)
+                body.append(f"acc_{r.name} = tl.full([XBLOCK, RBLOCK], {init}, {TL_DTYPE[acc]})")
+            loop = ["rindex = roffset + tl.arange(0, RBLOCK)[None, :]", "rmask = rindex < rnumel", *self.rcoords]
+            wanted = self._row_ancestors([r.args[0] for r in reds] + [self.outs[j][0] for j in stores])
+            loop += [self._load(i) for i, ld in enumerate(self.loads) if ld[0] in wanted and ld[0] in self.row_leaves]
+            for n in self.nodes:
+                if n in wanted and n.op == "call_function" and not is_view(n) and self.is_row.get(n):
+                    loop.append(self._node(n))
+            for r in reds:
+                block, acc, kind = self._reduced_value(r)
+                if kind in ("amax", "amin"):
+                    fn = "tl.maximum" if kind == "amax" else "tl.minimum"
+                    loop.append(f"acc_{r.name} = {fn}(acc_{r.name}, {block}, propagate_nan=tl.PropagateNan.ALL)")
+                else:
+                    loop.append(f"acc_{r.name} = acc_{r.name} + {block}")
+            loop += [self._store(j) for j in stores]
+            body.append("for roffset in range(0, rnumel, RBLOCK):")
+            body += ["    " + line for line in loop]
+            self.suffix = ""
+            for r in reds:
+                kind = reduction_info(r).kind
+                combine = {"amax": "_fx_max", "amin": "_fx_min"}.get(kind)
+                red = f"tl.reduce(acc_{r.name}, 1, {combine})" if combine else f"tl.sum(acc_{r.name}, 1)"
+                body.append(self._finish(r, f"{red}[:, None]", kind))
+                emitted.add(r)
+        for n in self.nodes:  # row scalars that only depend on the last pass
+            if n.op == "call_function" and not is_view(n) and n not in emitted and not self.is_row.get(n) \
+                    and reduction_info(n) is None:
+                body.append(self._node(n))
+                emitted.add(n)
+        body += scalar_stores()
+        return body
+
+    def _row_ancestors(self, roots: list) -> set:
+        """Row values (and the leaves they read) needed to compute `roots` inside a pass."""
+        out, stack = set(), [r for r in roots if isinstance(r, fx.Node)]
+        while stack:
+            n = stack.pop()
+            if n in out:
+                continue
+            if n in self.load_names:
+                out.add(n)
+                continue
+            if self.is_row.get(n):
+                out.add(n)
+                stack += n.all_input_nodes
+        return out
+
+
+def generate_reduction_kernel(gm: fx.GraphModule, name: str, target: str) -> Kernel:
+    return ReductionEmitter(gm, name, target).generate()

@@ -1,0 +1,49 @@
+"""The decomposition table aot_autograd uses: core ATen, plus the normalisations and softmaxes taken
+apart into reductions and pointwise ops, so the reduction fuser sees their structure.
+
+var/var_mean are written here as mean -> centred squares -> sum (two reductions, aten ops only), so a
+persistent kernel computes them from registers and a looped one in two passes; torch's own
+decomposition goes through prims ops the kernels do not read.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch._decomp import core_aten_decompositions, get_decompositions
+
+aten = torch.ops.aten
+
+
+def _reduced_count(x: torch.Tensor, dims) -> int:
+    if dims is None or len(dims) == 0:
+        return x.numel()
+    n = 1
+    for d in dims:
+        n *= x.shape[d]
+    return n
+
+
+def _var_mean(x, dim=None, *, correction=None, keepdim=False):
+    correction = 1 if correction is None else correction
+    dims = list(range(x.dim())) if dim is None or len(dim) == 0 else [d % x.dim() for d in dim]
+    mean = aten.mean.dim(x, dims, True)
+    centred = x - mean
+    var = aten.sum.dim_IntList(centred * centred, dims, keepdim) / max(_reduced_count(x, dims) - correction, 0)
+    if not keepdim:
+        mean = aten.squeeze.dims(mean, dims)
+    return var, mean
+
+
+def _var(x, dim=None, *, correction=None, keepdim=False):
+    return _var_mean(x, dim, correction=correction, keepdim=keepdim)[0]
+
+
+@functools.lru_cache(maxsize=1)
+def decomposition_table() -> dict:
+    table = dict(core_aten_decompositions())
+    table.update(get_decompositions([aten.native_layer_norm, aten._softmax, aten._log_softmax,
+                                     aten.native_group_norm, aten._native_batch_norm_legit_no_training]))
+    table[aten.var_mean.correction] = _var_mean
+    table[aten.var.correction] = _var
+    return table

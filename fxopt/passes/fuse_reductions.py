@@ -1,0 +1,85 @@
+"""Reduction fusion: a reduction, the pointwise ops that feed it (prologue) and those that consume it or
+the row it came from (epilogue) become one group, so softmax, LayerNorm and RMSNorm are one kernel.
+
+A group is keyed by (input shape S, reduced dims D, device) and holds: reductions of that key,
+pointwise ops of shape S (row values), and pointwise ops of the reduced shape (row scalars,
+with or without keepdim). CapabilityBasedPartitioner merges them without creating cycles, as for
+pointwise fusion; groups without a reduction are dropped and left to the pointwise fuser.
+
+Cost rule: a node is never duplicated into two groups, so nothing is computed twice across kernels;
+inside a kernel, row values are kept in registers when a row fits (persistent kernel), and are
+recomputed from the loaded inputs in each pass over a long row (looped kernel): recomputing a few
+arithmetic ops costs less than writing the intermediate and reading it back, which is what a
+separate kernel would do.
+
+    before                                          after
+    amax = aten.amax.default(x, [-1], True)          fused_red0_0 = self.red0_0(x)  # softmax, one kernel
+    sub = aten.sub.Tensor(x, amax); exp = ...
+    sum_1 = aten.sum.dim_IntList(exp, [-1], True)
+    div = aten.div.Tensor(exp, sum_1)
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+from torch.fx.passes.operator_support import OperatorSupportBase
+
+from ..analysis.op_classes import pointwise_unsupported_reason
+from ..analysis.reductions import dropped_shape, kept_shape, reduction_info, reduction_unsupported_reason
+from ..pass_manager import PassContext, PassResult
+from .fuse import _NO_HORIZONTAL, FUSED_PREFIX, absorb_input_views
+
+REDUCTION_PREFIX = f"{FUSED_PREFIX}red"
+
+
+class _ReductionGroupSupport(OperatorSupportBase):
+    def __init__(self, key, target: str):
+        self.key, self.target = key, target
+        shape, dims, self.device = key
+        self.shapes = {shape, kept_shape(shape, dims), dropped_shape(shape, dims)}
+
+    def is_node_supported(self, submodules, node: fx.Node) -> bool:
+        info = reduction_info(node)
+        if info is not None:
+            return info.key == self.key and reduction_unsupported_reason(node, self.target) is None
+        val = node.meta.get("val")
+        return (isinstance(val, torch.Tensor) and tuple(val.shape) in self.shapes and str(val.device) == self.device
+                and pointwise_unsupported_reason(node, self.target) is None)
+
+
+@dataclass(frozen=True)
+class FuseReductions:
+    name: str = "fuse_reductions"
+
+    def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        stats = {"groups": 0, "reductions": 0, "fused_ops": 0}
+        if not ctx.options.fuse or ctx.target == "eager_only":
+            return PassResult(gm, False, stats)
+        device_type = "cpu" if ctx.target in ("interpret", "eager") else "cuda"
+        keys = OrderedDict()
+        for node in gm.graph.nodes:
+            info = reduction_info(node)
+            if info and info.device.startswith(device_type) and reduction_unsupported_reason(node, ctx.target) is None:
+                keys[info.key] = None
+        for i, key in enumerate(keys):
+            partitioner = CapabilityBasedPartitioner(gm, _ReductionGroupSupport(key, ctx.target),
+                                                     allows_single_node_partition=True, **_NO_HORIZONTAL)
+            groups = [p for p in partitioner.propose_partitions()
+                      if any(reduction_info(n) is not None for n in p.nodes)]
+            if not groups:
+                continue
+            for p in groups:
+                stats["reductions"] += sum(1 for n in p.nodes if reduction_info(n) is not None)
+                stats["fused_ops"] += len(p.nodes)
+            gm = partitioner.fuse_partitions(groups, prefix=f"{REDUCTION_PREFIX}{i}_")
+            stats["groups"] += len(groups)
+        for node in list(gm.graph.nodes):
+            if node.op == "call_module" and str(node.target).startswith(REDUCTION_PREFIX):
+                absorb_input_views(gm, node)
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+        return PassResult(gm, stats["groups"] > 0, stats)
