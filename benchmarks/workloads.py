@@ -149,3 +149,6 @@ def _add(x, y):
 def make_add(device, dtype, quick):
     n = side(quick)
     return _add, (randn(n, n, device=device, dtype=dtype), randn(n, n, device=device, dtype=dtype))
+
+
+from . import workloads_reduction  # noqa: E402,F401  (registers the reduction workloads)

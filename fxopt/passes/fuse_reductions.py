@@ -47,8 +47,22 @@ class _ReductionGroupSupport(OperatorSupportBase):
         if info is not None:
             return info.key == self.key and reduction_unsupported_reason(node, self.target) is None
         val = node.meta.get("val")
-        return (isinstance(val, torch.Tensor) and tuple(val.shape) in self.shapes and str(val.device) == self.device
-                and pointwise_unsupported_reason(node, self.target) is None)
+        if not (isinstance(val, torch.Tensor) and tuple(val.shape) in self.shapes and str(val.device) == self.device
+                and pointwise_unsupported_reason(node, self.target) is None):
+            return False
+        return not self._ambiguous_row_scalar(node, tuple(val.shape))
+
+    def _ambiguous_row_scalar(self, node: fx.Node, shape) -> bool:
+        """A value of the reduced shape without the reduced dims ([N] for a sum over dim 1 of [N, M]) is
+        one number per row. A consumer of the full rank reads it broadcast from the right instead (along
+        M): the two readings differ unless the reduced dims lead, so such a node stays out of the group."""
+        full_shape, dims, _ = self.key
+        if shape != dropped_shape(full_shape, dims) or len(shape) == len(full_shape):
+            return False
+        if tuple(dims) == tuple(range(len(dims))):
+            return False
+        return any(isinstance(u.meta.get("val"), torch.Tensor) and u.meta["val"].dim() == len(full_shape)
+                   for u in node.users)
 
 
 @dataclass(frozen=True)
