@@ -23,6 +23,8 @@ from ..printing import describe_value, target_name
 from .dtypes import TL_DTYPE, compute_dtype, literal
 from .indexing import IterationSpace, Layout, broadcast_strides, print_index
 from .kernel import Kernel
+from .online_softmax import find_online_pairs, online_finish, online_init, online_update
+from .pointwise_ops import LOWERINGS, LowerCtx
 from .triton_pointwise import INT32_MAX, PointwiseEmitter, view_root
 
 PERSISTENT_MAX = 8192  # widest row (elements) kept whole in registers
@@ -160,8 +162,10 @@ class ReductionEmitter(PointwiseEmitter):
                       input_dtypes=[p.meta["val"].dtype for p in self.placeholders], notes={"reduction": kind})
 
     def _config(self, persistent: bool, column: bool) -> tuple[int, int, int]:
-        if column:  # rows are strided columns: many rows per program so loads coalesce along x
-            xblock = min(64, _pow2(self.xnumel))
+        if column:  # rows are strided columns: many rows per program so loads coalesce along x, but
+            # enough programs to fill the GPU (two waves of ~132 SMs) when there are few columns
+            xblock = max(16, min(64, _pow2(self.xnumel // 264 + 1) // 2 or 1)) if self.xnumel >= 16 * 264 \
+                else max(1, min(64, _pow2(self.xnumel) // 4 or 1))
             rblock = _pow2(self.rnumel) if persistent else 32
             return xblock, rblock, 4
         if persistent:
@@ -254,6 +258,8 @@ class ReductionEmitter(PointwiseEmitter):
     def _looped(self) -> list[str]:
         """One pass over the row per reduction level, stores in the earliest pass that can make them."""
         self.counted = set()
+        pairs = find_online_pairs(self.reductions)
+        paired_max = set(pairs.values())
         ready: dict[fx.Node, int] = {}  # pass after which a row scalar is available
         need: dict[fx.Node, int] = {}  # earliest pass in which a row value can be computed
         for n in self.nodes:
@@ -263,7 +269,9 @@ class ReductionEmitter(PointwiseEmitter):
             elif n.op == "call_function":
                 deps = n.all_input_nodes
                 level = max([need[a] if self.is_row.get(a) or a in self.row_leaves else ready[a] for a in deps] or [0])
-                if reduction_info(n) is not None:
+                if n in pairs:  # online softmax: the sum finishes in the same pass as its max
+                    need[n], ready[n] = need[pairs[n]], ready[pairs[n]]
+                elif reduction_info(n) is not None:
                     need[n], ready[n] = level, level + 1
                 elif self.is_row[n]:
                     need[n] = level
@@ -299,6 +307,11 @@ class ReductionEmitter(PointwiseEmitter):
             self.suffix = f"_{p}"
             body.append(f"# -- pass {p} over the row ----")
             for r in reds:
+                if r in pairs:
+                    body += online_init(r, pairs[r])
+                    continue
+                if r in paired_max:
+                    continue
                 acc = compute_dtype(r.meta["val"].dtype)
                 kind = reduction_info(r).kind
                 init = {"amax": "float(\"-inf\")", "amin": "float(\"inf\")"}.get(kind, "0")
@@ -306,12 +319,18 @@ class ReductionEmitter(PointwiseEmitter):
                     init = str(torch.iinfo(acc).min if kind == "amax" else torch.iinfo(acc).max)
                 body.append(f"acc_{r.name} = tl.full([XBLOCK, RBLOCK], {init}, {TL_DTYPE[acc]})")
             loop = ["rindex = roffset + tl.arange(0, RBLOCK)[None, :]", "rmask = rindex < rnumel", *self.rcoords]
-            wanted = self._row_ancestors([r.args[0] for r in reds] + [self.outs[j][0] for j in stores])
+            wanted = self._row_ancestors([r.args[0] for r in reds if r not in pairs] + [self.outs[j][0] for j in stores])
             loop += [self._load(i) for i, ld in enumerate(self.loads) if ld[0] in wanted and ld[0] in self.row_leaves]
             for n in self.nodes:
                 if n in wanted and n.op == "call_function" and not is_view(n) and self.is_row.get(n):
                     loop.append(self._node(n))
             for r in reds:
+                if r in pairs:
+                    self.current_mapping = "full"
+                    loop += online_update(r, pairs[r], self._var(pairs[r].args[0]), self._exp_of(r))
+                    continue
+                if r in paired_max:
+                    continue
                 block, acc, kind = self._reduced_value(r)
                 if kind in ("amax", "amin"):
                     fn = "tl.maximum" if kind == "amax" else "tl.minimum"
@@ -323,6 +342,14 @@ class ReductionEmitter(PointwiseEmitter):
             body += ["    " + line for line in loop]
             self.suffix = ""
             for r in reds:
+                if r in pairs:
+                    mx, total = online_finish(r, pairs[r], self._exp_of(r))
+                    body.append(self._finish(pairs[r], mx, "amax"))
+                    body.append(self._finish(r, total, "sum"))
+                    emitted.update((r, pairs[r]))
+                    continue
+                if r in paired_max:
+                    continue
                 kind = reduction_info(r).kind
                 combine = {"amax": "_fx_max", "amin": "_fx_min"}.get(kind)
                 red = f"tl.reduce(acc_{r.name}, 1, {combine})" if combine else f"tl.sum(acc_{r.name}, 1)"
@@ -335,6 +362,12 @@ class ReductionEmitter(PointwiseEmitter):
                 emitted.add(n)
         body += scalar_stores()
         return body
+
+    def _exp_of(self, s: fx.Node):
+        """The exp the graph's exp node (feeding the paired sum) is lowered to, as a function."""
+        e = s.args[0]
+        ctx = LowerCtx(self.target, e.meta["val"].dtype, compute_dtype(e.meta["val"].dtype))
+        return lambda x: LOWERINGS[e.target](ctx, e, [f"({x})"])
 
     def _row_ancestors(self, roots: list) -> set:
         """Row values (and the leaves they read) needed to compute `roots` inside a pass."""

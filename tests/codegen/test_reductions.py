@@ -1,0 +1,150 @@
+"""Reduction fusion: one kernel per row-wise operation, numerically equal to float64 eager.
+
+Runs in the Triton interpreter on CPU (and on CUDA where a GPU is present, via the `device` fixture).
+Shapes are small; widths are odd so masks are exercised; `PERSISTENT_MAX` is lowered in some tests so
+that the looped (long-row) kernels run at interpreter-friendly sizes.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxopt
+from fxopt.codegen import triton_reduction
+from tests.helpers import assert_close_to_reference, compile_fxopt
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def kernels(fn, *args):
+    rep = fxopt.explain(fn, *args)
+    return [k for k in rep.kernels if k.graph in ("forward", "inference")], rep
+
+
+def check(fn, *args, dtype=torch.float32):
+    out = compile_fxopt(fn)(*args)
+    ref = fn(*[a.double() if isinstance(a, torch.Tensor) and a.dtype.is_floating_point else a for a in args])
+    assert_close_to_reference(out, ref, dtype)
+
+
+@pytest.fixture(params=["persistent", "looped"])
+def schedule(request, monkeypatch):
+    if request.param == "looped":
+        monkeypatch.setattr(triton_reduction, "PERSISTENT_MAX", 16)
+        monkeypatch.setattr(triton_reduction, "LOOP_RBLOCK", 16)
+    return request.param
+
+
+def softmax_scaled(x):
+    return torch.softmax(x * 0.125, -1)
+
+
+def ln_gelu(x, r, w, b):
+    return F.gelu(F.layer_norm(x + r, (x.shape[-1],), w, b))
+
+
+def rmsnorm(x, w):
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * w
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_softmax_is_one_kernel(device, dtype, schedule):
+    x = torch.randn(7, 37, device=device, dtype=dtype)
+    ks, _ = kernels(softmax_scaled, x)
+    assert len(ks) == 1 and ks[0].kind == "reduction" and ks[0].schedule == schedule
+    assert {"aten.amax.default", "aten.exp.default", "aten.sum.dim_IntList"} <= set(ks[0].ops)
+    check(softmax_scaled, x, dtype=dtype)
+
+
+def test_softmax_with_masked_entries_matches_eager(device, schedule):
+    x = torch.randn(5, 41, device=device)
+    mask = torch.rand(5, 41, device=device) < 0.5
+    mask[:, 0] = False
+    mask[3] = True  # a fully masked row: eager gives NaN, so must we
+
+    def masked(x, mask):
+        return torch.softmax(x.masked_fill(mask, float("-inf")), -1)
+
+    out = compile_fxopt(masked)(x, mask)
+    ref = masked(x.double(), mask)
+    assert torch.isnan(out[3]).all() and torch.isnan(ref[3]).all()
+    torch.testing.assert_close(out[[0, 1, 2, 4]].double(), ref[[0, 1, 2, 4]], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_residual_layernorm_gelu_is_one_kernel(device, dtype, schedule):
+    args = (torch.randn(6, 45, device=device, dtype=dtype), torch.randn(6, 45, device=device, dtype=dtype),
+            torch.randn(45, device=device, dtype=dtype), torch.randn(45, device=device, dtype=dtype))
+    ks, _ = kernels(ln_gelu, *args)
+    assert len(ks) == 1 and ("aten.erf.default" in ks[0].ops or "aten.gelu.default" in ks[0].ops)
+    check(ln_gelu, *args, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_handwritten_rmsnorm_is_one_kernel(device, dtype, schedule):
+    x, w = torch.randn(3, 5, 33, device=device, dtype=dtype), torch.randn(33, device=device, dtype=dtype)
+    ks, _ = kernels(rmsnorm, x, w)
+    assert len(ks) == 1 and "aten.rsqrt.default" in ks[0].ops
+    check(rmsnorm, x, w, dtype=dtype)
+
+
+@pytest.mark.parametrize("dim,keepdim", [(-1, True), (-1, False), (0, True), (0, False), (1, False), ((0, 2), True)])
+def test_sum_mean_amax_amin_over_any_dim(device, dim, keepdim, schedule):
+    x = torch.randn(9, 6, 19, device=device)
+
+    def f(x):
+        return ((x * 2).sum(dim, keepdim=keepdim), x.mean(dim, keepdim=keepdim),
+                x.amax(dim, keepdim=keepdim), (-x).amin(dim, keepdim=keepdim))
+
+    check(f, x)
+
+
+def test_full_reduction_to_a_scalar_and_integer_sums(device):
+    x = torch.randn(13, 11, device=device)
+    check(lambda x: (x * x).sum() / x.numel(), x)
+    i = torch.randint(-5, 5, (7, 9), device=device, dtype=torch.int32)
+    out = compile_fxopt(lambda i: (i * 3).sum(-1))(i)
+    assert out.dtype == torch.int64 and torch.equal(out, (i * 3).sum(-1))
+
+
+def test_log_softmax_and_nan_propagation(device, schedule):
+    x = torch.randn(4, 30, device=device)
+    x[1, 3] = float("nan")
+    out = compile_fxopt(lambda x: torch.log_softmax(x, -1))(x)
+    ref = torch.log_softmax(x.double(), -1)
+    assert torch.isnan(out[1]).all()
+    torch.testing.assert_close(out[[0, 2, 3]].double(), ref[[0, 2, 3]], rtol=1e-5, atol=1e-5)
+    assert torch.isnan(compile_fxopt(lambda x: x.amax(-1))(x)[1])
+
+
+def test_empty_rows_match_eager(device):
+    x = torch.randn(0, 5, device=device)
+    torch.testing.assert_close(compile_fxopt(lambda x: x.sum(-1) + 1)(x), x.sum(-1) + 1)
+    y = torch.randn(3, 0, device=device)
+    torch.testing.assert_close(compile_fxopt(lambda y: (y * 2).sum(-1))(y), torch.zeros(3, device=device))
+    rep = fxopt.explain(lambda y: (y * 2).sum(-1), y)
+    assert any("empty" in r for _, r in rep.fallbacks)
+
+
+@pytest.mark.parametrize("which", ["layernorm", "rmsnorm", "softmax", "log_softmax"])
+def test_backward_fuses_and_gradients_equal_eager(device, which, schedule):
+    torch.manual_seed(0)
+    x = torch.randn(6, 29, device=device, requires_grad=True)
+    w = torch.randn(29, device=device, requires_grad=True)
+    b = torch.randn(29, device=device, requires_grad=True)
+    fns = {"layernorm": lambda x, w, b: F.layer_norm(x, (29,), w, b),
+           "rmsnorm": lambda x, w, b: rmsnorm(x, w) + b,
+           "softmax": lambda x, w, b: torch.softmax(x * w, -1) + b,
+           "log_softmax": lambda x, w, b: torch.log_softmax(x + b, -1) * w}
+    fn = fns[which]
+    dy = torch.randn(6, 29, device=device)
+    out = compile_fxopt(fn)(x, w, b)
+    grads = torch.autograd.grad(out, (x, w, b), dy)
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
+    ref = torch.autograd.grad(fn(x64, w64, b64), (x64, w64, b64), dy.double())
+    for g, r in zip(grads, ref):
+        torch.testing.assert_close(g.double(), r, rtol=1e-4, atol=1e-5)
+    rep = fxopt.explain(fn, x, w, b)
+    bwd = [k for k in rep.kernels if k.graph == "backward"]
+    assert any(k.kind == "reduction" for k in bwd)
+    assert not [r for _, r in rep.fallbacks if "reduction" in r]  # every reduction was fused
