@@ -1,0 +1,64 @@
+"""Try launch configurations of fxopt's reduction kernels on the GPU, per workload.
+
+    PYTHONPATH=. python -m benchmarks.tune_reduction [workload ...]
+
+Each candidate (XBLOCK, RBLOCK, num_warps) replaces ReductionEmitter._config while compiling; the
+fastest is what fxopt/codegen/triton_reduction.py's heuristics should pick. Numbers: median ms and
+% of the copy ceiling measured here.
+"""
+import sys
+
+import torch
+import triton.testing
+
+from benchmarks.workloads import WORKLOADS, io_bytes
+from fxopt.codegen import triton_reduction as tr
+
+CANDIDATES = {
+    "softmax": [(1, 8192, w) for w in (4, 8, 16, 32)] + [(2, 8192, 16)],
+    "ln_gelu": [(1, 4096, w) for w in (4, 8, 16)] + [(2, 4096, 8), (2, 4096, 16), (4, 4096, 16)],
+    "rmsnorm": [(1, 4096, w) for w in (4, 8, 16)] + [(2, 4096, 8), (2, 4096, 16), (4, 4096, 16)],
+    "softmax_long": [(1, r, w) for r in (2048, 4096, 8192) for w in (8, 16)],
+    "ln_bwd": [(x, r, w) for x in (16, 32, 64) for r in (32, 64, 128) for w in (4, 8)],
+    "rms_bwd": [(x, r, w) for x in (16, 32, 64) for r in (32, 64, 128) for w in (4, 8)],
+}
+
+
+def copy_ceiling() -> float:
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    return 2 * src.numel() / ms / 1e6
+
+
+def main(names):
+    ceiling = copy_ceiling()
+    print(f"copy ceiling {ceiling:.0f} GB/s")
+    original = tr.ReductionEmitter._config
+    for name in names:
+        fn, inputs = WORKLOADS[name].make("cuda", torch.bfloat16, False)
+        with torch.no_grad():
+            nbytes = io_bytes(inputs, fn(*inputs))
+            for cand in [None] + CANDIDATES.get(name, []):
+                # row kernels take the candidate; column kernels (xblock > 1 in the list) take it
+                # only when the heuristic also chose a column schedule
+                def config(self, persistent, column, cand=cand):
+                    base = original(self, persistent, column)
+                    if cand is None or (column != (cand[0] > 4)):
+                        return base
+                    return cand[0], (min(cand[1], base[1]) if persistent else cand[1]), cand[2]
+                tr.ReductionEmitter._config = config
+                torch._dynamo.reset()
+                f = torch.compile(fn, backend="fxopt")
+                try:
+                    f(*inputs)
+                    ms = triton.testing.do_bench(lambda: f(*inputs), warmup=25, rep=200, return_mode="median")
+                    gbs = nbytes / ms / 1e6
+                    print(f"{name:13s} {str(cand or 'heuristic'):18s} {ms:8.4f} ms {100 * gbs / ceiling:5.1f}%")
+                except Exception as exc:  # a candidate that does not compile (e.g. too many registers)
+                    print(f"{name:13s} {str(cand):18s} failed: {type(exc).__name__}: {str(exc)[:80]}")
+    tr.ReductionEmitter._config = original
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or list(CANDIDATES))
