@@ -5,6 +5,12 @@ The domain's dims are put in the memory order of the first output (so its stores
 for transposed layouts), size-1 dims are dropped, and adjacent dims that every operand walks
 contiguously are merged. Addresses are built and simplified as sympy expressions; an operand laid out
 like the domain itself indexes with `xindex` alone (no division or modulo).
+
+When some operand is contiguous along an outer dim while being strided along the innermost one (a
+transposed input next to a contiguous output), one flat index cannot coalesce both: `TiledSpace`
+splits the domain into 2-D tiles, `yindex` over the outer dims (with the transposed operand's
+contiguous dim innermost among them) and `xindex` over the innermost dim, so each operand is read
+along whichever of the two axes it is contiguous in.
 """
 from __future__ import annotations
 
@@ -85,6 +91,78 @@ class IterationSpace:
                 expr = f"{expr} % {size}"
             lines.append(f"{x} = {expr}")
         return lines
+
+
+class TiledSpace:
+    """The loop nest as 2-D tiles of an IterationSpace: y = the outer dims flattened (row-major, the
+    tiled dim `ydim` moved innermost), x = the innermost dim alone, so `xindex` is its coordinate.
+
+    An operand's address is (y strides . y coordinates) + (x stride * xindex) + offset; where its y
+    strides are a multiple c of the y pitches (laid out like y, e.g. a contiguous output: c = xnumel,
+    or a transposed input: c = 1), the y part is c * yindex, without division or modulo."""
+
+    def __init__(self, space: IterationSpace, ydim: int):
+        outer = len(space.sizes) - 1
+        if not 0 <= ydim < outer:
+            raise ValueError(f"tiled dim {ydim} is not an outer dim of {space.sizes}")
+        order = [d for d in range(outer) if d != ydim] + [ydim]
+        ysizes, ystrides = _merge_dims([space.sizes[d] for d in order],
+                                       [[s[d] for d in order] for s in space.operand_strides])
+        self.ysizes = ysizes
+        self.ynumel = _prod(ysizes)
+        self.xnumel = space.sizes[-1]
+        self.numel = space.numel
+        self.y_strides = ystrides
+        self.x_strides = [s[-1] for s in space.operand_strides]
+        self.offsets = list(space.offsets)
+        self.yindex = sympy.Symbol("yindex", integer=True, nonnegative=True)
+        self.xindex = sympy.Symbol("xindex", integer=True, nonnegative=True)
+        self.ycoords = [sympy.Symbol(f"y{k}", integer=True, nonnegative=True) for k in range(len(ysizes))]
+        self.ypitches = [_prod(ysizes[k + 1:]) for k in range(len(ysizes))]
+        self.ysymbols = {self.yindex, *self.ycoords}
+
+    def address(self, i: int) -> sympy.Expr:
+        """The element offset of operand i in the tile, in yindex (or y0..yk) and xindex."""
+        ys = self.y_strides[i]
+        c = ys[-1]
+        if all(s == c * p for s, p in zip(ys, self.ypitches)):
+            ypart = c * self.yindex
+        else:
+            ypart = sympy.Add(*(s * y for s, y in zip(ys, self.ycoords)))
+        return ypart + self.x_strides[i] * self.xindex + self.offsets[i]
+
+    def max_address(self, i: int) -> int:
+        return (self.offsets[i] + sum(abs(s) * (n - 1) for s, n in zip(self.y_strides[i], self.ysizes))
+                + abs(self.x_strides[i]) * (self.xnumel - 1))
+
+    def coord_lines(self, used: set[sympy.Symbol]) -> list[str]:
+        """Lines defining the y coordinates that the addresses use, innermost first."""
+        lines = []
+        for k, (y, size, pitch) in enumerate(zip(self.ycoords, self.ysizes, self.ypitches)):
+            if y not in used:
+                continue
+            expr = f"{self.yindex}" if pitch == 1 else f"({self.yindex} // {pitch})"
+            if k > 0:  # the outermost coordinate never wraps
+                expr = f"{expr} % {size}"
+            lines.append(f"{y} = {expr}")
+        return lines
+
+
+def tile_dim(space: IterationSpace) -> int | None:
+    """The outer dim to tile against the innermost one, or None when the flat index serves every operand.
+
+    An operand wants dim k when it is contiguous there (stride 1) and strided along the innermost dim
+    (stride > 1: neighbouring lanes of a flat index would be that far apart); tiling pays when another
+    operand is contiguous along the innermost dim. The first operand that wants a dim picks it."""
+    if len(space.sizes) < 2:
+        return None
+    inner = [s[-1] for s in space.operand_strides]
+    if 1 not in inner:
+        return None
+    for s in space.operand_strides:
+        if abs(s[-1]) > 1 and 1 in s[:-1]:
+            return s.index(1)
+    return None
 
 
 def _prod(xs) -> int:

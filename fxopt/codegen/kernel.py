@@ -12,7 +12,7 @@ class Kernel:
     kind: str  # "pointwise" | "reduction"
     source: str  # the @triton.jit function (and any helpers it calls), no imports
     ops: list[str]  # the ATen ops fused into it, in order
-    grid: int  # programs launched
+    grid: int | tuple[int, int]  # programs launched: a count (1-D grid) or (axis 0, axis 1) for tiled kernels
     int_args: list[int]  # integer arguments after the pointers (xnumel, rnumel, ...)
     constexprs: dict[str, int]  # XBLOCK, RBLOCK, ...
     num_warps: int
@@ -23,6 +23,15 @@ class Kernel:
     def warmup_args(self) -> list:
         """Arguments for JITFunction.warmup: pointer dtypes, then the real integer arguments."""
         return [*self.input_dtypes, *(o.dtype for o in self.outputs), *self.int_args]
+
+    def grid_tuple(self) -> tuple[int, ...]:
+        """The launch grid as Triton takes it: (n,) or (n0, n1)."""
+        return tuple(self.grid) if isinstance(self.grid, tuple) else (self.grid,)
+
+    def grid_source(self) -> str:
+        """The launch grid as source: `(n,)` for 1-D kernels, `(n0, n1)` for tiled ones."""
+        g = self.grid_tuple()
+        return f"({g[0]},)" if len(g) == 1 else f"({', '.join(str(n) for n in g)})"
 
     def launch_suffix(self) -> str:
         """The integer and constexpr arguments of a launch, as source."""

@@ -95,14 +95,20 @@ def _gelu(c, x, approximate="none"):
 
 
 def _round_half_even(x: str) -> str:
-    return (f"tl.where((tl.floor({x} + 0.5) - {x} == 0.5) & (tl.floor({x} + 0.5) * 0.5 != "
-            f"tl.floor(tl.floor({x} + 0.5) * 0.5)), tl.floor({x} + 0.5) - 1.0, tl.floor({x} + 0.5))")
+    """torch.round: to nearest, ties to even. Built on x - floor(x), which is exact; x + 0.5 is not
+    (it rounds up odd integers from 2^23 on in fp32, and 0.49999997 to 1)."""
+    f = f"tl.floor({x})"
+    frac = f"({x} - {f})"
+    odd = f"({f} - 2.0 * tl.floor({f} * 0.5))"  # 1.0 when f is odd, else 0.0
+    return f"tl.where({frac} > 0.5, {f} + 1.0, tl.where({frac} == 0.5, {f} + {odd}, {f}))"
 
 
 def _pow_scalar(c, x, e):
     """x ** e for a Python scalar e: small integer exponents multiply, others use exp2/log2 or libdevice."""
     e = float(e)
-    if e == 0.0:
+    if e == 0.0:  # 1 everywhere, NaN and inf included (x * 0 + 1 would give NaN there)
+        if c.compute.is_floating_point:
+            return f"tl.where({x} != {x}, 1.0, 1.0).to({x}.dtype)"
         return f"({x} * 0 + 1)"
     if e == 1.0:
         return f"({x})"
@@ -110,6 +116,10 @@ def _pow_scalar(c, x, e):
         return f"({x} * {x})"
     if e == 3.0:
         return f"({x} * {x} * {x})"
+    if not c.compute.is_floating_point and e.is_integer() and e > 0:
+        # integer base: exact repeated products (exp2/log2 and libdevice.pow take floats only);
+        # a negative integer exponent is rejected by torch before it reaches here
+        return "(" + " * ".join([x] * int(e)) + ")"
     if e == 0.5:
         return _sqrt(c, x)
     if e == -0.5:
@@ -144,7 +154,11 @@ def _sign(x):
 
 
 def _remainder(a, b):
-    return f"({a} - {b} * tl.floor({a} / {b}))"
+    """Python-style remainder (sign of the divisor), as ATen computes it: the C remainder `%` (fmod for
+    floats, exact; srem for integers) corrected by b where the signs differ. a - b * floor(a / b) is
+    not exact: it loses integers from 2^24 on (the division runs in fp32) and whole periods for floats."""
+    r = f"({a} % {b})"
+    return f"tl.where(({r} != 0) & (({r} < 0) != ({b} < 0)), {r} + {b}, {r})"
 
 
 def _arg(node: fx.Node, i: int, name: str, default=None):

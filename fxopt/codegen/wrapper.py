@@ -172,5 +172,5 @@ def _launch(n: fx.Node, k: Kernel, names, mode: str) -> list[str]:
     for name, o in zip(outs, k.outputs):
         lines.append(f"{name} = empty_strided({tuple(o.shape)}, {tuple(o.stride())}, dtype={o.dtype}, "
                      f"device={_dev(o.device)})")
-    lines.append(f"{k.name}[({k.grid},)]({args}, {', '.join(outs)}{k.launch_suffix()})")
+    lines.append(f"{k.name}[{k.grid_source()}]({args}, {', '.join(outs)}{k.launch_suffix()})")
     return lines
