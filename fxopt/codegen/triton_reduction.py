@@ -23,7 +23,7 @@ from ..printing import describe_value, target_name
 from .dtypes import TL_DTYPE, compute_dtype, literal
 from .indexing import IterationSpace, Layout, broadcast_strides, print_index
 from .kernel import Kernel
-from .online_softmax import find_online_pairs, online_finish, online_init, online_update
+from .reduction_schedules import LoopedSchedule
 from .pointwise_ops import LOWERINGS, LowerCtx
 from .triton_pointwise import INT32_MAX, PointwiseEmitter, view_root
 
@@ -57,6 +57,7 @@ class ReductionEmitter(PointwiseEmitter):
         self.rnumel = info.rnumel
         self.xnumel = math.prod(self.S[d] for d in self.xdims)
         self.suffix = ""  # set per pass of a looped kernel
+        self.counted: set = set()  # nodes already listed in `ops` (looped kernels recompute row values)
         self.is_row: dict[fx.Node, bool] = {}
 
     # -- spaces and layouts ----
@@ -221,7 +222,7 @@ class ReductionEmitter(PointwiseEmitter):
             reduced = f"{reduced} / {self.rnumel}.0"
         return f"{n.name} = {reduced}  # {target_name(n.target)}"
 
-    def _store(self, j: int) -> str:
+    def _store(self, j: int, guard: str = "") -> str:
         """Store output j; the pointer block always has the value's shape ([XBLOCK, RBLOCK] or [XBLOCK, 1])."""
         o, strides = self.outs[j]
         i = len(self.loads) + j
@@ -233,11 +234,10 @@ class ReductionEmitter(PointwiseEmitter):
             addr += " + 0 * rindex"
         val = o.meta["val"]
         self.current_mapping = self._mapping(val.shape)
-        mask = "xmask & rmask" if row else "xmask"
+        mask = "xmask & rmask" if row else f"xmask{guard}"
         return f"tl.store(out_ptr{j} + ({addr}), {self._var(o)}.to({TL_DTYPE[val.dtype]}), {mask})"
 
     def _persistent(self) -> list[str]:
-        self.counted: set = set()
         body = ["rindex = tl.arange(0, RBLOCK)[None, :]", "rmask = rindex < rnumel", *self.rcoords,
                 "# -- load inputs ----"]
         body += [self._load(i) for i in range(len(self.loads))]
@@ -257,112 +257,7 @@ class ReductionEmitter(PointwiseEmitter):
         return body
 
     def _looped(self) -> list[str]:
-        """One pass over the row per reduction level, stores in the earliest pass that can make them."""
-        self.counted = set()
-        pairs = find_online_pairs(self.reductions)
-        paired_max = set(pairs.values())
-        ready: dict[fx.Node, int] = {}  # pass after which a row scalar is available
-        need: dict[fx.Node, int] = {}  # earliest pass in which a row value can be computed
-        for n in self.nodes:
-            if n.op == "placeholder" or is_view(n):
-                ready[n] = 0
-                need[n] = 0
-            elif n.op == "call_function":
-                deps = n.all_input_nodes
-                level = max([need[a] if self.is_row.get(a) or a in self.row_leaves else ready[a] for a in deps] or [0])
-                if n in pairs:  # online softmax: the sum finishes in the same pass as its max
-                    need[n], ready[n] = need[pairs[n]], ready[pairs[n]]
-                elif reduction_info(n) is not None:
-                    need[n], ready[n] = level, level + 1
-                elif self.is_row[n]:
-                    need[n] = level
-                else:
-                    ready[n] = level
-                    need[n] = level
-        passes = max([ready[r] for r in self.reductions] + [need[o] for o, _ in self.outs if self.is_row.get(o)])
-        self.suffix = ""
-        body: list[str] = ["# -- row scalars read from memory ----"]
-        body += [self._load(i) for i, ld in enumerate(self.loads) if ld[0] not in self.row_leaves]
-        emitted: set = set()
-        stored: set = set()
-
-        def scalar_stores():
-            lines = [self._store(j) for j, (o, _) in enumerate(self.outs)
-                     if not self.is_row.get(o) and o in emitted and j not in stored]
-            stored.update(j for j, (o, _) in enumerate(self.outs) if not self.is_row.get(o) and o in emitted)
-            return lines
-
-        for p in range(passes + 1):
-            # row scalars computable before this pass
-            for n in self.nodes:
-                if n.op == "call_function" and not is_view(n) and n not in emitted and not self.is_row.get(n) \
-                        and reduction_info(n) is None and ready.get(n, 0) <= p:
-                    self.suffix = ""
-                    body.append(self._node(n))
-                    emitted.add(n)
-            body += scalar_stores()
-            reds = [r for r in self.reductions if need[r] == p]
-            stores = [j for j, (o, _) in enumerate(self.outs) if self.is_row.get(o) and need[o] == p]
-            if not reds and not stores:
-                continue
-            self.suffix = f"_{p}"
-            body.append(f"# -- pass {p} over the row ----")
-            for r in reds:
-                if r in pairs:
-                    body += online_init(r, pairs[r])
-                    continue
-                if r in paired_max:
-                    continue
-                acc = compute_dtype(r.meta["val"].dtype)
-                kind = reduction_info(r).kind
-                init = {"amax": "float(\"-inf\")", "amin": "float(\"inf\")"}.get(kind, "0")
-                if not acc.is_floating_point and kind in ("amax", "amin"):
-                    init = str(torch.iinfo(acc).min if kind == "amax" else torch.iinfo(acc).max)
-                body.append(f"acc_{r.name} = tl.full([XBLOCK, RBLOCK], {init}, {TL_DTYPE[acc]})")
-            loop = ["rindex = roffset + tl.arange(0, RBLOCK)[None, :]", "rmask = rindex < rnumel", *self.rcoords]
-            wanted = self._row_ancestors([r.args[0] for r in reds if r not in pairs] + [self.outs[j][0] for j in stores])
-            loop += [self._load(i) for i, ld in enumerate(self.loads) if ld[0] in wanted and ld[0] in self.row_leaves]
-            for n in self.nodes:
-                if n in wanted and n.op == "call_function" and not is_view(n) and self.is_row.get(n):
-                    loop.append(self._node(n))
-            for r in reds:
-                if r in pairs:
-                    self.current_mapping = "full"
-                    loop += online_update(r, pairs[r], self._var(pairs[r].args[0]), self._exp_of(r))
-                    continue
-                if r in paired_max:
-                    continue
-                block, acc, kind = self._reduced_value(r)
-                if kind in ("amax", "amin"):
-                    fn = "tl.maximum" if kind == "amax" else "tl.minimum"
-                    loop.append(f"acc_{r.name} = {fn}(acc_{r.name}, {block}, propagate_nan=tl.PropagateNan.ALL)")
-                else:
-                    loop.append(f"acc_{r.name} = acc_{r.name} + {block}")
-            loop += [self._store(j) for j in stores]
-            body.append("for roffset in range(0, rnumel, RBLOCK):")
-            body += ["    " + line for line in loop]
-            self.suffix = ""
-            for r in reds:
-                if r in pairs:
-                    mx, total = online_finish(r, pairs[r], self._exp_of(r))
-                    body.append(self._finish(pairs[r], mx, "amax"))
-                    body.append(self._finish(r, total, "sum"))
-                    emitted.update((r, pairs[r]))
-                    continue
-                if r in paired_max:
-                    continue
-                kind = reduction_info(r).kind
-                combine = {"amax": "_fx_max", "amin": "_fx_min"}.get(kind)
-                red = f"tl.reduce(acc_{r.name}, 1, {combine})" if combine else f"tl.sum(acc_{r.name}, 1)"
-                body.append(self._finish(r, f"{red}[:, None]", kind))
-                emitted.add(r)
-        for n in self.nodes:  # row scalars that only depend on the last pass
-            if n.op == "call_function" and not is_view(n) and n not in emitted and not self.is_row.get(n) \
-                    and reduction_info(n) is None:
-                body.append(self._node(n))
-                emitted.add(n)
-        body += scalar_stores()
-        return body
+        return LoopedSchedule(self).lines()
 
     def _exp_of(self, s: fx.Node):
         """The exp the graph's exp node (feeding the paired sum) is lowered to, as a function."""

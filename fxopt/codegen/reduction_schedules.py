@@ -1,0 +1,187 @@
+"""Looped schedules of a reduction kernel: passes over long rows, and the split (two-kernel) form.
+
+Looped: one pass over the row per reduction level; row outputs are stored in the earliest pass that
+has what they need. Split: when there are too few rows to fill the GPU (column sums of a weight
+gradient, a loss over a whole tensor, softmax over few very long rows), every row is cut into chunks:
+kernel 1 reduces each chunk into a small fp32 workspace, kernel 2 combines the chunks' partials and,
+still one program per (rows, chunk), computes what follows and stores it. Split needs every reduction
+to finish in the first pass (an online softmax pair counts as one), so the partials are final values.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ..analysis.op_classes import is_view
+from ..analysis.reductions import reduction_info
+from .dtypes import TL_DTYPE, compute_dtype
+from .online_softmax import find_online_pairs, online_finish, online_init, online_update
+
+SPLIT_GUARD = " & (tl.program_id(1) == 0)"  # only chunk 0 stores row scalars in split kernels
+
+
+class LoopedSchedule:
+    def __init__(self, em):
+        self.em = em
+        self.pairs = find_online_pairs(em.reductions)
+        self.paired_max = set(self.pairs.values())
+        self.ready, self.need = self._levels()
+        self.passes = max([self.ready[r] for r in em.reductions] +
+                          [self.need[o] for o, _ in em.outs if em.is_row.get(o)])
+        self.emitted: set = set()
+        self.stored: set = set()
+
+    def _levels(self):
+        em, ready, need = self.em, {}, {}
+        for n in em.nodes:
+            if n.op == "placeholder" or is_view(n):
+                ready[n] = need[n] = 0
+            elif n.op == "call_function":
+                level = max([need[a] if em.is_row.get(a) or a in em.row_leaves else ready[a]
+                             for a in n.all_input_nodes] or [0])
+                if n in self.pairs:  # online softmax: the sum finishes in the same pass as its max
+                    need[n], ready[n] = need[self.pairs[n]], ready[self.pairs[n]]
+                elif reduction_info(n) is not None:
+                    need[n], ready[n] = level, level + 1
+                else:
+                    need[n] = level
+                    if not em.is_row[n]:
+                        ready[n] = level
+        return ready, need
+
+    @property
+    def splittable(self) -> bool:
+        return all(self.ready[r] == 1 for r in self.em.reductions)
+
+    # -- pieces ----
+    def _scalar_leaves(self) -> list[str]:
+        em = self.em
+        em.suffix = ""
+        return ["# -- row scalars read from memory ----"] + \
+            [em._load(i) for i, ld in enumerate(em.loads) if ld[0] not in em.row_leaves]
+
+    def _scalars_until(self, p: int, guard: str = "") -> list[str]:
+        """Row scalars computable before pass p, then the stores of those that are outputs."""
+        em, lines = self.em, []
+        for n in em.nodes:
+            if n.op == "call_function" and not is_view(n) and n not in self.emitted and not em.is_row.get(n) \
+                    and reduction_info(n) is None and self.ready.get(n, 0) <= p:
+                em.suffix = ""
+                lines.append(em._node(n))
+                self.emitted.add(n)
+        for j, (o, _) in enumerate(em.outs):
+            if not em.is_row.get(o) and o in self.emitted and j not in self.stored:
+                lines.append(em._store(j, guard))
+                self.stored.add(j)
+        return lines
+
+    def _pass(self, p: int, chunked: bool) -> tuple[list[str], list]:
+        """Lines of pass p (accumulator set-up and the loop), and the reductions it finishes."""
+        em = self.em
+        reds = [r for r in em.reductions if self.need[r] == p]
+        stores = [j for j, (o, _) in enumerate(em.outs) if em.is_row.get(o) and self.need[o] == p]
+        if not reds and not stores:
+            return [], []
+        em.suffix = f"_{p}"
+        body = [f"# -- pass {p} over the row{' chunk' if chunked else ''} ----"]
+        for r in reds:
+            if r in self.pairs:
+                body += online_init(r, self.pairs[r])
+            elif r not in self.paired_max:
+                acc = compute_dtype(r.meta["val"].dtype)
+                kind = reduction_info(r).kind
+                init = {"amax": 'float("-inf")', "amin": 'float("inf")'}.get(kind, "0")
+                if not acc.is_floating_point and kind in ("amax", "amin"):
+                    init = str(torch.iinfo(acc).min if kind == "amax" else torch.iinfo(acc).max)
+                body.append(f"acc_{r.name} = tl.full([XBLOCK, RBLOCK], {init}, {TL_DTYPE[acc]})")
+        start = "rstart + roffset" if chunked else "roffset"
+        loop = [f"rindex = {start} + tl.arange(0, RBLOCK)[None, :]", "rmask = rindex < rnumel", *em.rcoords]
+        wanted = em._row_ancestors([r.args[0] for r in reds if r not in self.pairs] +
+                                   [em.outs[j][0] for j in stores])
+        loop += [em._load(i) for i, ld in enumerate(em.loads) if ld[0] in wanted and ld[0] in em.row_leaves]
+        loop += [em._node(n) for n in em.nodes
+                 if n in wanted and n.op == "call_function" and not is_view(n) and em.is_row.get(n)]
+        for r in reds:
+            if r in self.pairs:
+                em.current_mapping = "full"
+                loop += online_update(r, self.pairs[r], em._var(self.pairs[r].args[0]), em._exp_of(r))
+            elif r not in self.paired_max:
+                block, acc, kind = em._reduced_value(r)
+                if kind in ("amax", "amin"):
+                    fn = "tl.maximum" if kind == "amax" else "tl.minimum"
+                    loop.append(f"acc_{r.name} = {fn}(acc_{r.name}, {block}, propagate_nan=tl.PropagateNan.ALL)")
+                else:
+                    loop.append(f"acc_{r.name} = acc_{r.name} + {block}")
+        loop += [em._store(j) for j in stores]
+        body.append(f"for roffset in range(0, {'RCHUNK' if chunked else 'rnumel'}, RBLOCK):")
+        body += ["    " + line for line in loop]
+        em.suffix = ""
+        return body, reds
+
+    def _lane_results(self, reds) -> list[tuple[fx.Node, str, str]]:
+        """(node, expression over the accumulators' lanes, kind) for each reduction a pass finished."""
+        out = []
+        for r in reds:
+            if r in self.pairs:
+                mx, total = online_finish(r, self.pairs[r], self.em._exp_of(r))
+                out += [(self.pairs[r], mx, "amax"), (r, total, "sum")]
+            elif r not in self.paired_max:
+                kind = reduction_info(r).kind
+                combine = {"amax": "_fx_max", "amin": "_fx_min"}.get(kind)
+                red = f"tl.reduce(acc_{r.name}, 1, {combine})" if combine else f"tl.sum(acc_{r.name}, 1)"
+                out.append((r, f"{red}[:, None]", kind))
+        return out
+
+    # -- schedules ----
+    def lines(self) -> list[str]:
+        em = self.em
+        body = self._scalar_leaves()
+        for p in range(self.passes + 1):
+            body += self._scalars_until(p)
+            lines, reds = self._pass(p, chunked=False)
+            body += lines
+            for node, expr, kind in self._lane_results(reds):
+                body.append(em._finish(node, expr, kind))
+                self.emitted.add(node)
+        return body + self._scalars_until(self.passes + 1)
+
+    def split_lines(self) -> tuple[list[str], list[str], list[fx.Node]]:
+        """(partial kernel body, final kernel body, reductions whose partials go through workspaces)."""
+        em = self.em
+        chunk = ["rstart = tl.program_id(1) * RCHUNK"]
+        partial = chunk + self._scalar_leaves() + self._scalars_until(0, SPLIT_GUARD)
+        lines, reds = self._pass(0, chunked=True)
+        partial += lines + ["# -- this chunk's partial results ----"]
+        results = self._lane_results(reds)
+        for k, (node, expr, kind) in enumerate(results):
+            partial.append(f"tl.store(ws_ptr{k} + (tl.program_id(1) * xnumel + xindex), {expr}, xmask)")
+        final = chunk + self._scalar_leaves()
+        self.emitted = {n for n in self.emitted}  # row scalars are recomputed, not re-stored
+        final += ["# -- combine the chunks' partials ----", "cindex = tl.arange(0, CBLOCK)[None, :]",
+                  "cmask = cindex < NCHUNK"]
+        partial_of = {}
+        for k, (node, expr, kind) in enumerate(results):
+            ident = {"amax": 'float("-inf")', "amin": 'float("inf")'}.get(kind, "0")
+            var = f"part_{node.name}"
+            partial_of[node] = var
+            final.append(f"{var} = tl.load(ws_ptr{k} + (cindex * xnumel + xindex), xmask & cmask, other={ident})")
+        for node, expr, kind in results:
+            final.append(em._finish(node, self._combine(node, kind, partial_of), kind if kind != "mean" else "sum"))
+        self.emitted |= {node for node, _, _ in results}
+        for p in range(1, self.passes + 1):
+            final += self._scalars_until(p, SPLIT_GUARD)
+            final += self._pass(p, chunked=True)[0]
+        final += self._scalars_until(self.passes + 1, SPLIT_GUARD)
+        return partial, final, [node for node, _, _ in results]
+
+    def _combine(self, node: fx.Node, kind: str, partial_of: dict) -> str:
+        v = partial_of[node]
+        if kind == "amax":
+            return f"tl.reduce({v}, 1, _fx_max)[:, None]"
+        if kind == "amin":
+            return f"tl.reduce({v}, 1, _fx_min)[:, None]"
+        pair_max = self.pairs.get(node)
+        if pair_max is not None:  # online softmax partial sums were taken against each chunk's max
+            m, pm = pair_max.name, partial_of[pair_max]
+            return f"tl.sum(tl.where({pm} == {m}, {v}, {v} * {self.em._exp_of(node)(f'{pm} - {m}')}), 1)[:, None]"
+        return f"tl.sum({v}, 1)[:, None]"
