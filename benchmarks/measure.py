@@ -36,7 +36,7 @@ def header(device: str) -> dict:
                                   timeout=10).stdout.strip()
         except Exception:
             return ""
-    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    commit = git("rev-parse", "--short", "HEAD") or os.environ.get("BENCH_COMMIT", "unknown")  # no .git on the GPU box
     if commit != "unknown" and git("status", "--porcelain", "--untracked-files=no"):
         commit += "+dirty"
     if device == "cuda":
