@@ -161,6 +161,12 @@ def _remainder(a, b):
     return f"tl.where(({r} != 0) & (({r} < 0) != ({b} < 0)), {r} + {b}, {r})"
 
 
+def _add(c, o):
+    if c.compute == torch.bool:  # torch: True + True is True (logical or); Triton's int1 + int1 wraps to 0
+        return f"({o[0]} | {o[1]})" if len(o) < 3 else f"({o[0]} | ({o[2]} & {o[1]}))"
+    return f"({o[0]} + {o[1]})" if len(o) < 3 else f"({o[0]} + {o[2]} * {o[1]})"
+
+
 def _arg(node: fx.Node, i: int, name: str, default=None):
     if len(node.args) > i:
         return node.args[i]
@@ -216,8 +222,8 @@ LOWERINGS = {
     aten.clamp.default: lambda c, n, o: _clamp(o[0], o[1] if len(o) > 1 else None, o[2] if len(o) > 2 else None),
     aten.clamp.Tensor: lambda c, n, o: _clamp(o[0], o[1] if len(o) > 1 else None, o[2] if len(o) > 2 else None),
     aten.hardtanh.default: lambda c, n, o: _clamp(o[0], o[1] if len(o) > 1 else -1.0, o[2] if len(o) > 2 else 1.0),
-    aten.add.Tensor: lambda c, n, o: f"({o[0]} + {o[1]})" if len(o) < 3 else f"({o[0]} + {o[2]} * {o[1]})",
-    aten.add.Scalar: lambda c, n, o: f"({o[0]} + {o[1]})" if len(o) < 3 else f"({o[0]} + {o[2]} * {o[1]})",
+    aten.add.Tensor: lambda c, n, o: _add(c, o),
+    aten.add.Scalar: lambda c, n, o: _add(c, o),
     aten.sub.Tensor: lambda c, n, o: f"({o[0]} - {o[1]})" if len(o) < 3 else f"({o[0]} - {o[2]} * {o[1]})",
     aten.sub.Scalar: lambda c, n, o: f"({o[0]} - {o[1]})" if len(o) < 3 else f"({o[0]} - {o[2]} * {o[1]})",
     aten.rsub.Scalar: lambda c, n, o: f"({o[1]} - {o[0]})" if len(o) < 3 else f"({o[1]} - {o[2]} * {o[0]})",

@@ -16,8 +16,20 @@
 
 Views and expands at the group's inputs (moved into the subgraph by the fuse pass) become strides of
 the load; values are computed in fp32 for bf16/fp16 and rounded only where eager casts explicitly.
+
+When an operand is contiguous along an outer dim while the output is contiguous along the innermost
+one (`x.t() * 2 + y`), the kernel is tiled instead (plan_tiles): program axis 0 walks YBLOCK rows of
+the flattened outer dims, axis 1 XBLOCK columns of the innermost dim, and Triton coalesces each load
+along the axis its address is contiguous in:
+
+    yindex = yoffset + tl.arange(0, YBLOCK)[:, None]
+    xindex = xoffset + tl.arange(0, XBLOCK)[None, :]
+    arg0 = tl.load(in_ptr0 + (xindex + 8192*yindex), ymask & xmask)  # contiguous along x
+    arg1 = tl.load(in_ptr1 + (8192*xindex + yindex), ymask & xmask)  # contiguous along y
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -26,7 +38,7 @@ from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dty
 from ..analysis.op_classes import is_view
 from ..printing import describe_value, target_name
 from .dtypes import LOW_PRECISION, TL_DTYPE, compute_dtype, literal
-from .indexing import IterationSpace, Layout, print_index
+from .indexing import IterationSpace, Layout, TiledSpace, print_index, tile_dim
 from .kernel import Kernel
 from .pointwise_ops import (BOOL_OPERANDS, LOWERINGS, PROMOTED_OPERANDS, UNCAST_OPERANDS, LowerCtx)
 
@@ -40,6 +52,46 @@ def launch_config(numel: int) -> tuple[int, int]:
     while xblock > 64 and xblock >= 2 * numel:
         xblock //= 2
     return xblock, max(1, min(4, xblock // 256))
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    space: TiledSpace
+    yblock: int
+    xblock: int
+    num_warps: int
+    grid: tuple[int, int]  # (y tiles, x tiles): program axes 0 and 1
+
+
+GRID_MAX = (2**31 - 1, 65535)  # CUDA's limits on grid axes 0 and 1
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def tile_config(ynumel: int, xnumel: int) -> tuple[int, int, int]:
+    """YBLOCK, XBLOCK and num_warps of a tiled kernel: 64x64 tiles over 4 warps; an axis shorter than
+    64 gives the rest of the 4096-element tile to the other axis (a tile never exceeds either axis)."""
+    elements = 4096
+    xblock = min(64, _pow2(xnumel))
+    yblock = min(elements // xblock, _pow2(ynumel))
+    xblock = min(elements // yblock, _pow2(xnumel))
+    return yblock, xblock, max(1, min(4, yblock * xblock // 256))
+
+
+def plan_tiles(space: IterationSpace) -> TilePlan | None:
+    """A 2-D tiling when some operand is contiguous along an outer dim and strided along the innermost
+    (see indexing.tile_dim), None otherwise or when the tiled grid would exceed CUDA's limits."""
+    ydim = tile_dim(space)
+    if ydim is None:
+        return None
+    tiles = TiledSpace(space, ydim)
+    yblock, xblock, warps = tile_config(tiles.ynumel, tiles.xnumel)
+    grid = (-(-tiles.ynumel // yblock), -(-tiles.xnumel // xblock))
+    if any(g > limit for g, limit in zip(grid, GRID_MAX)):
+        return None
+    return TilePlan(tiles, yblock, xblock, warps, grid)
 
 
 def layout_of(val: torch.Tensor, base: torch.Tensor | None = None) -> Layout:
@@ -91,7 +143,6 @@ class PointwiseEmitter:
 
     def generate(self) -> Kernel:
         leaves = self._leaves()
-        ptr_of = {p: f"in_ptr{i}" for i, p in enumerate(self.placeholders)}
         leaf_layouts = []
         for leaf in leaves:
             root = view_root(leaf)
@@ -99,15 +150,74 @@ class PointwiseEmitter:
         out_layouts = [layout_of(o.meta["val"]) for o in self.output_nodes]
         ref_stride = tuple(self.output_nodes[0].meta["val"].stride())
         space = IterationSpace(self.domain, ref_stride, leaf_layouts + out_layouts)
-        wide = space.numel > INT32_MAX or any(space.max_address(i) > INT32_MAX
-                                              for i in range(len(leaf_layouts) + len(out_layouts)))
-        addresses = [space.address(i) for i in range(len(leaf_layouts) + len(out_layouts))]
-        used = set().union(*(a.free_symbols for a in addresses)) if addresses else set()
+        n_operands = len(leaf_layouts) + len(out_layouts)
+        wide = space.numel > INT32_MAX or any(space.max_address(i) > INT32_MAX for i in range(n_operands))
+        plan = plan_tiles(space)
+        if plan is not None:
+            return self._generate_tiled(leaves, space, plan, wide)
 
+        addresses = [space.address(i) for i in range(n_operands)]
+        used = set().union(*(a.free_symbols for a in addresses)) if addresses else set()
         body = [f"xoffset = tl.program_id(0){'.to(tl.int64)' if wide else ''} * XBLOCK",
                 "xindex = xoffset + tl.arange(0, XBLOCK)", "xmask = xindex < xnumel"]
         body += space.coord_lines(used)
-        body.append("# -- load inputs ----")
+        body += self._body(leaves, space, addresses, lambda syms: "xmask",
+                           lambda syms: "" if syms else " + 0 * xindex", "xmask")
+        args = [f"in_ptr{i}" for i in range(len(self.placeholders))] + \
+               [f"out_ptr{j}" for j in range(len(self.output_nodes))] + ["xnumel", "XBLOCK: tl.constexpr"]
+        xblock, warps = launch_config(space.numel)
+        header = [f"# {len(self.ops)} ops over {describe_value(self.output_nodes[0].meta['val'])}: "
+                  f"{', '.join(self.ops)}", "@triton.jit", f"def {self.name}({', '.join(args)}):"]
+        source = "\n".join(header + ["    " + line for line in body]) + "\n"
+        return Kernel(self.name, "pointwise", source, self.ops, grid=(space.numel + xblock - 1) // xblock,
+                      int_args=[space.numel], constexprs={"XBLOCK": xblock}, num_warps=warps,
+                      outputs=[o.meta["val"] for o in self.output_nodes],
+                      input_dtypes=[p.meta["val"].dtype for p in self.placeholders])
+
+    def _generate_tiled(self, leaves: list[fx.Node], space: IterationSpace, plan: TilePlan, wide: bool) -> Kernel:
+        """2-D tiles: program axis 0 walks YBLOCK rows of the outer dims, axis 1 XBLOCK columns of the
+        innermost dim; every operand is addressed by strides times (yindex, xindex) coordinates."""
+        tiles = plan.space
+        addresses = [tiles.address(i) for i in range(len(space.operand_strides))]
+        used = set().union(*(a.free_symbols for a in addresses)) if addresses else set()
+        to64 = ".to(tl.int64)" if wide else ""
+        body = [f"yoffset = tl.program_id(0){to64} * YBLOCK",
+                "yindex = yoffset + tl.arange(0, YBLOCK)[:, None]", "ymask = yindex < ynumel",
+                f"xoffset = tl.program_id(1){to64} * XBLOCK",
+                "xindex = xoffset + tl.arange(0, XBLOCK)[None, :]", "xmask = xindex < xnumel"]
+        body += tiles.coord_lines(used)
+
+        def load_mask(syms):  # a load depending on one axis only is a [YBLOCK, 1] or [1, XBLOCK] block
+            has_y, has_x = bool(syms & tiles.ysymbols), tiles.xindex in syms
+            return "ymask & xmask" if has_y and has_x else ("ymask" if has_y else "xmask")
+
+        def store_pad(syms):  # the pointer block must be [YBLOCK, XBLOCK] to take the mask
+            return ("" if syms & tiles.ysymbols else " + 0 * yindex") + \
+                ("" if tiles.xindex in syms else " + 0 * xindex")
+
+        body += self._body(leaves, space, addresses, load_mask, store_pad, "ymask & xmask")
+        args = [f"in_ptr{i}" for i in range(len(self.placeholders))] + \
+               [f"out_ptr{j}" for j in range(len(self.output_nodes))] + \
+               ["ynumel", "xnumel", "YBLOCK: tl.constexpr", "XBLOCK: tl.constexpr"]
+        header = [f"# {len(self.ops)} ops over {describe_value(self.output_nodes[0].meta['val'])}: "
+                  f"{', '.join(self.ops)}",
+                  f"# 2-D tiles: yindex over the outer dims {tiles.ysizes}, xindex over the innermost dim "
+                  f"({tiles.xnumel});",
+                  "# each operand is read along the axis it is contiguous in",
+                  "@triton.jit", f"def {self.name}({', '.join(args)}):"]
+        source = "\n".join(header + ["    " + line for line in body]) + "\n"
+        return Kernel(self.name, "pointwise", source, self.ops, grid=plan.grid,
+                      int_args=[tiles.ynumel, tiles.xnumel],
+                      constexprs={"YBLOCK": plan.yblock, "XBLOCK": plan.xblock}, num_warps=plan.num_warps,
+                      outputs=[o.meta["val"] for o in self.output_nodes],
+                      input_dtypes=[p.meta["val"].dtype for p in self.placeholders], notes={"tiling": "2d"})
+
+    def _body(self, leaves: list[fx.Node], space: IterationSpace, addresses: list, load_mask, store_pad,
+              store_mask: str) -> list[str]:
+        """Loads, compute and stores. load_mask(symbols) is the mask of a load whose address uses those
+        index symbols; store_pad(symbols) is what to add to a store address so it spans the whole block."""
+        ptr_of = {p: f"in_ptr{i}" for i, p in enumerate(self.placeholders)}
+        body = ["# -- load inputs ----"]
         for i, leaf in enumerate(leaves):
             val = leaf.meta["val"]
             ptr = ptr_of[view_root(leaf)]
@@ -117,36 +227,26 @@ class PointwiseEmitter:
                 load = f"tl.load({ptr} + {addr})"
             else:
                 policy = ', eviction_policy="evict_last"' if broadcast else ""
-                load = f"tl.load({ptr} + ({addr}), xmask{policy})"
+                load = f"tl.load({ptr} + ({addr}), {load_mask(addresses[i].free_symbols)}{policy})"
             cdt = compute_dtype(val.dtype)
             if cdt != val.dtype:
                 load += f".to({TL_DTYPE[cdt]})"
             self.vdtype[leaf] = cdt
             body.append(f"{leaf.name} = {load}  # {describe_value(val)}")
         body.append("# -- compute ----")
-        ops = []
+        self.ops = []
         for n in self.nodes:
             if n.op != "call_function" or is_view(n):
                 continue
-            ops.append(target_name(n.target))
+            self.ops.append(target_name(n.target))
             body.append(f"{n.name} = {self._compute(n)}  # {target_name(n.target)}")
         body.append("# -- store outputs ----")
         for j, o in enumerate(self.output_nodes):
-            addr = print_index(addresses[len(leaves) + j])
-            if not addresses[len(leaves) + j].free_symbols:
-                addr += " + 0 * xindex"  # one element: the pointer must still be a block to take the mask
+            address = addresses[len(leaves) + j]
+            addr = print_index(address) + store_pad(address.free_symbols)
             val = o.meta["val"]
-            body.append(f"tl.store(out_ptr{j} + ({addr}), {o.name}.to({TL_DTYPE[val.dtype]}), xmask)")
-        args = [f"in_ptr{i}" for i in range(len(self.placeholders))] + \
-               [f"out_ptr{j}" for j in range(len(self.output_nodes))] + ["xnumel", "XBLOCK: tl.constexpr"]
-        xblock, warps = launch_config(space.numel)
-        header = [f"# {len(ops)} ops over {describe_value(self.output_nodes[0].meta['val'])}: {', '.join(ops)}",
-                  "@triton.jit", f"def {self.name}({', '.join(args)}):"]
-        source = "\n".join(header + ["    " + line for line in body]) + "\n"
-        return Kernel(self.name, "pointwise", source, ops, grid=(space.numel + xblock - 1) // xblock,
-                      int_args=[space.numel], constexprs={"XBLOCK": xblock}, num_warps=warps,
-                      outputs=[o.meta["val"] for o in self.output_nodes],
-                      input_dtypes=[p.meta["val"].dtype for p in self.placeholders])
+            body.append(f"tl.store(out_ptr{j} + ({addr}), {o.name}.to({TL_DTYPE[val.dtype]}), {store_mask})")
+        return body
 
     def _var(self, node: fx.Node) -> str:
         """The kernel variable holding a node's value (the reduction emitter renames some)."""
