@@ -161,8 +161,8 @@ class PointwiseEmitter:
         body = [f"xoffset = tl.program_id(0){'.to(tl.int64)' if wide else ''} * XBLOCK",
                 "xindex = xoffset + tl.arange(0, XBLOCK)", "xmask = xindex < xnumel"]
         body += space.coord_lines(used)
-        body += self._body(leaves, space, addresses, lambda syms: "xmask",
-                           lambda syms: "" if syms else " + 0 * xindex", "xmask")
+        body += self._pointwise_body(leaves, space, addresses, lambda syms: "xmask",
+                                     lambda syms: "" if syms else " + 0 * xindex", "xmask")
         args = [f"in_ptr{i}" for i in range(len(self.placeholders))] + \
                [f"out_ptr{j}" for j in range(len(self.output_nodes))] + ["xnumel", "XBLOCK: tl.constexpr"]
         xblock, warps = launch_config(space.numel)
@@ -174,7 +174,8 @@ class PointwiseEmitter:
                       outputs=[o.meta["val"] for o in self.output_nodes],
                       input_dtypes=[p.meta["val"].dtype for p in self.placeholders])
 
-    def _generate_tiled(self, leaves: list[fx.Node], space: IterationSpace, plan: TilePlan, wide: bool) -> Kernel:
+    def _generate_tiled(self, leaves: list[fx.Node], space: IterationSpace, plan: TilePlan,
+                        wide: bool) -> Kernel:
         """2-D tiles: program axis 0 walks YBLOCK rows of the outer dims, axis 1 XBLOCK columns of the
         innermost dim; every operand is addressed by strides times (yindex, xindex) coordinates."""
         tiles = plan.space
@@ -195,7 +196,7 @@ class PointwiseEmitter:
             return ("" if syms & tiles.ysymbols else " + 0 * yindex") + \
                 ("" if tiles.xindex in syms else " + 0 * xindex")
 
-        body += self._body(leaves, space, addresses, load_mask, store_pad, "ymask & xmask")
+        body += self._pointwise_body(leaves, space, addresses, load_mask, store_pad, "ymask & xmask")
         args = [f"in_ptr{i}" for i in range(len(self.placeholders))] + \
                [f"out_ptr{j}" for j in range(len(self.output_nodes))] + \
                ["ynumel", "xnumel", "YBLOCK: tl.constexpr", "XBLOCK: tl.constexpr"]
@@ -212,8 +213,8 @@ class PointwiseEmitter:
                       outputs=[o.meta["val"] for o in self.output_nodes],
                       input_dtypes=[p.meta["val"].dtype for p in self.placeholders], notes={"tiling": "2d"})
 
-    def _body(self, leaves: list[fx.Node], space: IterationSpace, addresses: list, load_mask, store_pad,
-              store_mask: str) -> list[str]:
+    def _pointwise_body(self, leaves: list[fx.Node], space: IterationSpace, addresses: list, load_mask,
+                        store_pad, store_mask: str) -> list[str]:
         """Loads, compute and stores. load_mask(symbols) is the mask of a load whose address uses those
         index symbols; store_pad(symbols) is what to add to a store address so it spans the whole block."""
         ptr_of = {p: f"in_ptr{i}" for i, p in enumerate(self.placeholders)}
