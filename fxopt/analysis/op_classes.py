@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -105,6 +106,23 @@ def _tensor_vals(node: fx.Node):
             yield a, v
 
 
+def _int_scalar_out_of_range(node: fx.Node) -> str | None:
+    """Eager wraps a Python int into the integer dtype it computes in (int8 `x < 300` compares with 44,
+    uint8 `x == -1` with 255); a Triton literal outside the dtype's range is an error instead."""
+    if node.target is aten.pow.Tensor_Scalar:
+        return None  # an integer exponent is unrolled into products, never written as a literal
+    tensors = [v for _, v in _tensor_vals(node)]
+    scalars = [a for a in (*node.args, *node.kwargs.values()) if type(a) is int]
+    if not tensors or not scalars:
+        return None
+    dtype, _ = elementwise_dtypes(*tensors, *scalars, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)
+    if dtype.is_floating_point or dtype == torch.bool:
+        return None
+    info = torch.iinfo(dtype)
+    bad = [s for s in scalars if not info.min <= s <= info.max]
+    return f"integer scalar {bad[0]} is outside the range of {dtype} (eager wraps it)" if bad else None
+
+
 def pointwise_unsupported_reason(node: fx.Node, target: str) -> str | None:
     """None when the pointwise fuser may take this node for `target`, else why it may not."""
     if node.op != "call_function" or node.target not in POINTWISE_OPS:
@@ -138,6 +156,9 @@ def pointwise_unsupported_reason(node: fx.Node, target: str) -> str | None:
     if t in (aten.clamp.default, aten.clamp.Tensor, aten.hardtanh.default):
         if any(isinstance(a, torch.Tensor) for a in node.args[1:]):
             return "clamp bounds given as constants tensors"
+    wrapped = _int_scalar_out_of_range(node)
+    if wrapped:
+        return wrapped
     if out.dtype.is_floating_point is False and t in (aten.div.Tensor, aten.div.Scalar):
         return "integer division result"  # aten.div always returns float: unreachable, kept as a guard
     return None
