@@ -143,7 +143,7 @@ def _load(gm: fx.GraphModule, kernels: dict[str, Kernel], record: GraphReport, e
     with _triton_interpreter(record.target == "interpret"):
         module = cache.load(record.wrapper_source)
     record.cache = {"hits": cache.hits - hits, "misses": 1 - (cache.hits - hits)}
-    for k in kernels.values():  # one JITFunction per distinct kernel, so Triton compiles it once
+    for k in _launched(kernels):  # one JITFunction per distinct kernel, so Triton compiles it once
         if mode == "triton":
             key = source_hash(k.source)
             setattr(module, k.name, _KERNELS.setdefault(key, getattr(module, k.name)))
@@ -159,6 +159,11 @@ def _load(gm: fx.GraphModule, kernels: dict[str, Kernel], record: GraphReport, e
     return call
 
 
+def _launched(kernels: dict[str, Kernel]) -> list[Kernel]:
+    """Every Triton function the wrapper launches (split reductions launch a prologue kernel too)."""
+    return [p for k in kernels.values() for p in ([k.prologue] if k.prologue else []) + [k]]
+
+
 def _precompile(module, kernels: dict[str, Kernel]) -> None:
     """Compile every kernel now, several at once (Triton's compiler spends its time outside the GIL
     in LLVM and ptxas), so the first call does not compile them one after another."""
@@ -169,7 +174,7 @@ def _precompile(module, kernels: dict[str, Kernel]) -> None:
         except Exception as exc:
             raise FxoptError(f"fxopt: Triton could not compile kernel {k.name}: {exc}\n{k.source}") from exc
 
-    todo = list(kernels.values())
+    todo = _launched(kernels)
     if len(todo) <= 1:
         for k in todo:
             warm(k)

@@ -19,10 +19,15 @@ class Kernel:
     outputs: list[torch.Tensor] = field(default_factory=list)  # meta values of the outputs, in order
     input_dtypes: list[torch.dtype] = field(default_factory=list)  # dtypes of the pointer inputs
     notes: dict[str, str] = field(default_factory=dict)  # e.g. {"reduction": "persistent"}
+    # split reductions: scratch buffers (shape, dtype) and a kernel that fills them first; both kernels
+    # take (inputs..., workspaces..., outputs...)
+    workspaces: list[tuple[tuple[int, ...], torch.dtype]] = field(default_factory=list)
+    prologue: "Kernel | None" = None
 
     def warmup_args(self) -> list:
         """Arguments for JITFunction.warmup: pointer dtypes, then the real integer arguments."""
-        return [*self.input_dtypes, *(o.dtype for o in self.outputs), *self.int_args]
+        return [*self.input_dtypes, *(dt for _, dt in self.workspaces), *(o.dtype for o in self.outputs),
+                *self.int_args]
 
     def grid_tuple(self) -> tuple[int, ...]:
         """The launch grid as Triton takes it: (n,) or (n0, n1)."""

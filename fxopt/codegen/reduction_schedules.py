@@ -17,7 +17,7 @@ from ..analysis.reductions import reduction_info
 from .dtypes import TL_DTYPE, compute_dtype
 from .online_softmax import find_online_pairs, online_finish, online_init, online_update
 
-SPLIT_GUARD = " & (tl.program_id(1) == 0)"  # only chunk 0 stores row scalars in split kernels
+SPLIT_GUARD = " & first_chunk"  # only chunk 0 stores row scalars in split kernels
 
 
 class LoopedSchedule:
@@ -148,15 +148,16 @@ class LoopedSchedule:
     def split_lines(self) -> tuple[list[str], list[str], list[fx.Node]]:
         """(partial kernel body, final kernel body, reductions whose partials go through workspaces)."""
         em = self.em
-        chunk = ["rstart = tl.program_id(1) * RCHUNK"]
+        chunk = ["rstart = tl.program_id(1) * RCHUNK", "first_chunk = (xindex * 0 + tl.program_id(1)) == 0"]
         partial = chunk + self._scalar_leaves() + self._scalars_until(0, SPLIT_GUARD)
         lines, reds = self._pass(0, chunked=True)
         partial += lines + ["# -- this chunk's partial results ----"]
         results = self._lane_results(reds)
         for k, (node, expr, kind) in enumerate(results):
-            partial.append(f"tl.store(ws_ptr{k} + (tl.program_id(1) * xnumel + xindex), {expr}, xmask)")
+            partial.append(f"{node.name} = {expr}")
+            partial.append(f"tl.store(ws_ptr{k} + (tl.program_id(1) * xnumel + xindex), {node.name}, xmask)")
         final = chunk + self._scalar_leaves()
-        self.emitted = {n for n in self.emitted}  # row scalars are recomputed, not re-stored
+        self.emitted = set()  # the second kernel recomputes the row scalars it needs (stores stay done)
         final += ["# -- combine the chunks' partials ----", "cindex = tl.arange(0, CBLOCK)[None, :]",
                   "cmask = cindex < NCHUNK"]
         partial_of = {}
@@ -166,7 +167,7 @@ class LoopedSchedule:
             partial_of[node] = var
             final.append(f"{var} = tl.load(ws_ptr{k} + (cindex * xnumel + xindex), xmask & cmask, other={ident})")
         for node, expr, kind in results:
-            final.append(em._finish(node, self._combine(node, kind, partial_of), kind if kind != "mean" else "sum"))
+            final.append(em._finish(node, self._combine(node, kind, partial_of), kind))
         self.emitted |= {node for node, _, _ in results}
         for p in range(1, self.passes + 1):
             final += self._scalars_until(p, SPLIT_GUARD)

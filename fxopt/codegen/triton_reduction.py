@@ -29,6 +29,8 @@ from .triton_pointwise import INT32_MAX, PointwiseEmitter, view_root
 
 PERSISTENT_MAX = 8192  # widest row (elements) kept whole in registers
 LOOP_RBLOCK = 4096
+SPLIT_PROGRAMS = 1024  # below this many programs, long rows are cut into chunks (two kernels)
+SPLIT_MIN_BLOCKS = 4  # RBLOCK-sized steps a chunk keeps at least
 
 COMBINE = '''
 @triton.jit
@@ -139,28 +141,66 @@ class ReductionEmitter(PointwiseEmitter):
 
         used_x = set().union(*(a.free_symbols for a in self.xaddr))
         used_r = set().union(*(a.free_symbols for a in self.raddr))
-        body = [f"xoffset = tl.program_id(0){'.to(tl.int64)' if wide else ''} * XBLOCK",
-                "xindex = xoffset + tl.arange(0, XBLOCK)[:, None]", "xmask = xindex < xnumel"]
-        body += xs.coord_lines(used_x)
+        prelude = [f"xoffset = tl.program_id(0){'.to(tl.int64)' if wide else ''} * XBLOCK",
+                   "xindex = xoffset + tl.arange(0, XBLOCK)[:, None]", "xmask = xindex < xnumel"]
+        prelude += xs.coord_lines(used_x)
         self.ops: list[str] = []
         self.rcoords = rs.coord_lines(used_r)
-        if persistent:
-            body += self._persistent()
-        else:
-            body += self._looped()
-        args = [f"in_ptr{i}" for i in range(len(self.placeholders))] + \
-               [f"out_ptr{j}" for j in range(len(self.output_nodes))] + \
-               ["xnumel", "rnumel", "XBLOCK: tl.constexpr", "RBLOCK: tl.constexpr"]
+        schedule = None if persistent else LoopedSchedule(self)
+        nchunk = self._chunks(xblock, rblock) if schedule is not None and schedule.splittable else 1
+        if nchunk > 1:
+            return self._split(schedule, prelude, xblock, rblock, warps, nchunk)
+        body = prelude + (self._persistent() if persistent else schedule.lines())
         kind = "persistent" if persistent else "looped"
-        header = [f"# {kind} reduction over {describe_value(self.reductions[0].args[0].meta['val'])} dims "
-                  f"{list(self.D)}: {', '.join(self.ops)}", "@triton.jit", f"def {self.name}({', '.join(args)}):"]
-        source = "\n".join(header + ["    " + line for line in body]) + "\n"
-        if any("_fx_max" in line or "_fx_min" in line for line in body):
-            source = COMBINE.lstrip("\n") + "\n\n" + source
+        source = self._function(self.name, kind, body, ["in", "out"], ["xnumel", "rnumel"], ["XBLOCK", "RBLOCK"])
         return Kernel(self.name, "reduction", source, self.ops, grid=(self.xnumel + xblock - 1) // xblock,
                       int_args=[self.xnumel, self.rnumel], constexprs={"XBLOCK": xblock, "RBLOCK": rblock},
                       num_warps=warps, outputs=[o.meta["val"] for o in self.output_nodes],
                       input_dtypes=[p.meta["val"].dtype for p in self.placeholders], notes={"reduction": kind})
+
+    def _function(self, name: str, kind: str, body: list[str], pointers: list[str], ints: list[str],
+                  consts: list[str], n_ws: int = 0) -> str:
+        groups = {"in": [f"in_ptr{i}" for i in range(len(self.placeholders))],
+                  "ws": [f"ws_ptr{k}" for k in range(n_ws)],
+                  "out": [f"out_ptr{j}" for j in range(len(self.output_nodes))]}
+        args = [a for g in pointers for a in groups[g]] + ints + [f"{c}: tl.constexpr" for c in consts]
+        header = [f"# {kind} reduction over {describe_value(self.reductions[0].args[0].meta['val'])} dims "
+                  f"{list(self.D)}: {', '.join(self.ops)}", "@triton.jit", f"def {name}({', '.join(args)}):"]
+        source = "\n".join(header + ["    " + line for line in body]) + "\n"
+        if any("_fx_max" in line or "_fx_min" in line for line in body):
+            source = COMBINE.lstrip("\n") + "\n\n" + source
+        return source
+
+    def _chunks(self, xblock: int, rblock: int) -> int:
+        """How many chunks to cut each row into so that ~SPLIT_PROGRAMS programs run (1: no split)."""
+        programs = (self.xnumel + xblock - 1) // xblock
+        if programs >= SPLIT_PROGRAMS:
+            return 1
+        most = max(1, self.rnumel // (SPLIT_MIN_BLOCKS * rblock))  # every chunk keeps some blocks of work
+        return max(1, min(-(-SPLIT_PROGRAMS // programs), most, 1024))
+
+    def _split(self, schedule, prelude, xblock, rblock, warps, nchunk) -> Kernel:
+        rchunk = -(-(-(-self.rnumel // nchunk)) // rblock) * rblock  # ceil to a multiple of RBLOCK
+        nchunk = -(-self.rnumel // rchunk)
+        partial, final, results = schedule.split_lines()
+        n_ws = len(results)
+        grid = ((self.xnumel + xblock - 1) // xblock, nchunk)
+        consts = {"XBLOCK": xblock, "RBLOCK": rblock}
+        workspaces = [((nchunk, self.xnumel), compute_dtype(r.meta["val"].dtype)) for r in results]
+        pre = Kernel(f"{self.name}_partial", "reduction",
+                     self._function(f"{self.name}_partial", "split (partials)", prelude + partial,
+                                    ["in", "ws", "out"], ["xnumel", "rnumel", "RCHUNK"], ["XBLOCK", "RBLOCK"], n_ws),
+                     self.ops, grid, [self.xnumel, self.rnumel, rchunk], consts, warps,
+                     outputs=[o.meta["val"] for o in self.output_nodes],
+                     input_dtypes=[p.meta["val"].dtype for p in self.placeholders], workspaces=workspaces)
+        source = self._function(self.name, "split (combine)", prelude + final, ["in", "ws", "out"],
+                                ["xnumel", "rnumel", "RCHUNK", "NCHUNK"], ["XBLOCK", "RBLOCK", "CBLOCK"], n_ws)
+        return Kernel(self.name, "reduction", source, self.ops, grid, [self.xnumel, self.rnumel, rchunk, nchunk],
+                      {**consts, "CBLOCK": _pow2(nchunk)}, warps,
+                      outputs=[o.meta["val"] for o in self.output_nodes],
+                      input_dtypes=[p.meta["val"].dtype for p in self.placeholders],
+                      notes={"reduction": f"split into {nchunk} chunks"},
+                      workspaces=workspaces, prologue=pre)
 
     def _config(self, persistent: bool, column: bool) -> tuple[int, int, int]:
         """(XBLOCK, RBLOCK, num_warps), from benchmarks/tune_reduction.py on an H200 (bf16):
@@ -255,9 +295,6 @@ class ReductionEmitter(PointwiseEmitter):
         body.append("# -- store outputs ----")
         body += [self._store(j) for j in range(len(self.outs))]
         return body
-
-    def _looped(self) -> list[str]:
-        return LoopedSchedule(self).lines()
 
     def _exp_of(self, s: fx.Node):
         """The exp the graph's exp node (feeding the paired sum) is lowered to, as a function."""

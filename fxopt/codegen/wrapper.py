@@ -143,7 +143,7 @@ def generate_wrapper(gm: fx.GraphModule, kernels: dict[str, Kernel], graph: str,
     src = HEADER.format(graph=graph, filename=filename, libdevice=libdevice)
     if mode == "triton":
         for k in kernels.values():
-            src += "\n" + k.source + "\n"
+            src += "\n" + (k.prologue.source + "\n\n" if k.prologue is not None else "") + k.source + "\n"
     src += "\n\ndef call(args):\n" + "".join(f"    {line}\n" for line in body)
     src += f"\n\nINPUT_SPECS = [{', '.join(specs)}]\n" + MAIN
     return src
@@ -172,5 +172,16 @@ def _launch(n: fx.Node, k: Kernel, names, mode: str) -> list[str]:
     for name, o in zip(outs, k.outputs):
         lines.append(f"{name} = empty_strided({tuple(o.shape)}, {tuple(o.stride())}, dtype={o.dtype}, "
                      f"device={_dev(o.device)})")
-    lines.append(f"{k.name}[{k.grid_source()}]({args}, {', '.join(outs)}{k.launch_suffix()})")
+    device = _dev(k.outputs[0].device)
+    scratch = [f"ws_{n.name}_{i}" for i in range(len(k.workspaces))]
+    for name, (shape, dtype) in zip(scratch, k.workspaces):
+        lines.append(f"{name} = torch.empty({shape}, dtype={dtype}, device={device})  # per-chunk partials")
+    if k.prologue is not None:
+        p = k.prologue
+        lines.append(f"{p.name}[{p.grid_source()}]({args}, {''.join(w + ', ' for w in scratch)}{', '.join(outs)}"
+                     f"{p.launch_suffix()})")
+    lines.append(f"{k.name}[{k.grid_source()}]({args}, {''.join(w + ', ' for w in scratch)}{', '.join(outs)}"
+                 f"{k.launch_suffix()})")
+    if scratch:
+        lines.append(f"del {', '.join(scratch)}")
     return lines

@@ -26,11 +26,14 @@ def check(fn, *args, dtype=torch.float32):
     assert_close_to_reference(out, ref, dtype)
 
 
-@pytest.fixture(params=["persistent", "looped"])
+@pytest.fixture(params=["persistent", "looped", "split"])
 def schedule(request, monkeypatch):
-    if request.param == "looped":
+    """Force each schedule at small sizes: looped rows of 16-element blocks; split cuts them in chunks."""
+    if request.param != "persistent":
         monkeypatch.setattr(triton_reduction, "PERSISTENT_MAX", 16)
-        monkeypatch.setattr(triton_reduction, "LOOP_RBLOCK", 16)
+        monkeypatch.setattr(triton_reduction, "LOOP_RBLOCK", 8)
+    monkeypatch.setattr(triton_reduction, "SPLIT_PROGRAMS", 64 if request.param == "split" else 0)
+    monkeypatch.setattr(triton_reduction, "SPLIT_MIN_BLOCKS", 1)
     return request.param
 
 
@@ -51,7 +54,7 @@ def rmsnorm(x, w):
 def test_softmax_is_one_kernel(device, dtype, schedule):
     x = torch.randn(7, 37, device=device, dtype=dtype)
     ks, _ = kernels(softmax_scaled, x)
-    assert len(ks) == 1 and ks[0].kind == "reduction" and ks[0].schedule == schedule
+    assert len(ks) == 1 and ks[0].kind == "reduction" and ks[0].schedule.startswith(schedule)
     assert {"aten.amax.default", "aten.exp.default", "aten.sum.dim_IntList"} <= set(ks[0].ops)
     check(softmax_scaled, x, dtype=dtype)
 
