@@ -89,7 +89,7 @@ def compile_aten_graph(gm: fx.GraphModule, example_inputs, *, options: Options, 
                         else generate_pointwise_kernel)
             k = generate(sub, _kernel_name(sub, len(kernels)), kernel_target)
             kernels[node.target] = k
-            record.kernels.append(KernelRecord(k.name, k.kind, k.ops, k.source, graph_name,
+            record.kernels.append(KernelRecord(k.name, k.kind, k.ops, k.full_source(), graph_name,
                                                k.notes.get("reduction")))
     mode = "eager" if target == "eager" else "triton"
     filename = "wrapper.py" if graph_name in ("forward", "inference") else f"wrapper_{graph_name}.py"

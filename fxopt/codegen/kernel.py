@@ -24,6 +24,10 @@ class Kernel:
     workspaces: list[tuple[tuple[int, ...], torch.dtype]] = field(default_factory=list)
     prologue: "Kernel | None" = None
 
+    def full_source(self) -> str:
+        """Every Triton function this kernel launches (a split reduction's partial kernel first)."""
+        return (self.prologue.source + "\n\n" if self.prologue is not None else "") + self.source
+
     def warmup_args(self) -> list:
         """Arguments for JITFunction.warmup: pointer dtypes, then the real integer arguments."""
         return [*self.input_dtypes, *(dt for _, dt in self.workspaces), *(o.dtype for o in self.outputs),

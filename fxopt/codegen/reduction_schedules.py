@@ -51,7 +51,12 @@ class LoopedSchedule:
 
     @property
     def splittable(self) -> bool:
-        return all(self.ready[r] == 1 for r in self.em.reductions)
+        """Every reduction finishes in the first pass, and no row output waits for a later pass: a
+        later pass re-reads the row from memory, which costs more than the parallelism gains (softmax
+        over a few long rows stays looped, reading the row twice, the second time mostly from L2)."""
+        em = self.em
+        return all(self.ready[r] == 1 for r in em.reductions) and \
+            all(self.need[o] == 0 for o, _ in em.outs if em.is_row.get(o))
 
     # -- pieces ----
     def _scalar_leaves(self) -> list[str]:

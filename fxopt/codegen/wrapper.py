@@ -138,12 +138,12 @@ def generate_wrapper(gm: fx.GraphModule, kernels: dict[str, Kernel], graph: str,
         dead = [names[v] for v in frees.get(n, []) if _holds_value(v)]
         if dead:
             body.append(f"del {', '.join(dead)}")
-    uses_libdevice = any("libdevice." in k.source for k in kernels.values())
+    uses_libdevice = any("libdevice." in k.full_source() for k in kernels.values())
     libdevice = "from triton.language.extra import libdevice" if uses_libdevice else ""
     src = HEADER.format(graph=graph, filename=filename, libdevice=libdevice)
     if mode == "triton":
         for k in kernels.values():
-            src += "\n" + (k.prologue.source + "\n\n" if k.prologue is not None else "") + k.source + "\n"
+            src += "\n" + k.full_source() + "\n"
     src += "\n\ndef call(args):\n" + "".join(f"    {line}\n" for line in body)
     src += f"\n\nINPUT_SPECS = [{', '.join(specs)}]\n" + MAIN
     return src
