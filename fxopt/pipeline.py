@@ -5,6 +5,7 @@ from .options import Options
 from .passes.cleanup import Cleanup
 from .passes.fuse import FusePointwise
 from .passes.fuse_reductions import FuseReductions
+from .passes.recompute import RecomputeForReductions
 
 
 def pre_autograd_passes(options: Options) -> list:
@@ -18,6 +19,7 @@ def post_grad_passes(options: Options) -> list:
     """On each ATen graph aot_autograd hands over (forward, backward, or inference)."""
     return [
         Cleanup(),  # drop aliases, no-op views/casts and duplicates first, so groups come out larger
+        RecomputeForReductions(),  # column sums (dw, db) get their own copy of cheap row math
         FuseReductions(),  # reductions take their pointwise producers and consumers first (softmax, norms)
         FusePointwise(),  # the remaining elementwise chains -> one submodule (one Triton kernel) per group
         Cleanup(name="cleanup_after_fuse"),  # views that fed a group and are now unused disappear

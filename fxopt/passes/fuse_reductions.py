@@ -32,6 +32,7 @@ from ..analysis.op_classes import pointwise_unsupported_reason
 from ..analysis.reductions import dropped_shape, kept_shape, reduction_info, reduction_unsupported_reason
 from ..pass_manager import PassContext, PassResult
 from .fuse import _NO_HORIZONTAL, FUSED_PREFIX, absorb_input_views
+from .recompute import RESERVED_FOR
 
 REDUCTION_PREFIX = f"{FUSED_PREFIX}red"
 
@@ -46,6 +47,8 @@ class _ReductionGroupSupport(OperatorSupportBase):
         info = reduction_info(node)
         if info is not None:
             return info.key == self.key and reduction_unsupported_reason(node, self.target) is None
+        if node.meta.get(RESERVED_FOR, self.key) != self.key:
+            return False  # a copy made for another group's reduction (passes/recompute.py)
         val = node.meta.get("val")
         if not (isinstance(val, torch.Tensor) and tuple(val.shape) in self.shapes and str(val.device) == self.device
                 and pointwise_unsupported_reason(node, self.target) is None):

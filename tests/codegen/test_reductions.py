@@ -169,3 +169,29 @@ def test_backward_fuses_and_gradients_equal_eager(device, which, schedule):
     bwd = [k for k in rep.kernels if k.graph == "backward"]
     assert any(k.kind == "reduction" for k in bwd)
     assert not [r for _, r in rep.fallbacks if "reduction" in r]  # every reduction was fused
+
+
+def test_layernorm_backward_column_sums_recompute_instead_of_reloading(device):
+    """dw and db are sums over the rows; their kernel recomputes x_hat from x, mean and rstd rather
+    than reading an fp32 copy the row kernel would have to write (passes/recompute.py)."""
+    n, m = 12, 40
+    x, w, b = (torch.randn(n, m, device=device, dtype=torch.bfloat16), torch.randn(m, device=device,
+               dtype=torch.bfloat16), torch.randn(m, device=device, dtype=torch.bfloat16))
+    _, mean, rstd = torch.ops.aten.native_layer_norm(x, [m], w, b, 1e-5)
+    dy = torch.randn(n, m, device=device, dtype=torch.bfloat16)
+
+    def bwd(dy, x, mean, rstd, w, b):
+        return torch.ops.aten.native_layer_norm_backward(dy, x, [m], mean, rstd, w, b, [True, True, True])
+
+    rep = fxopt.explain(bwd, dy, x, mean, rstd, w, b)
+    copied = next(p for p in rep.passes if p.name == "recompute_for_reductions")
+    assert copied.stats["chains_copied"] >= 1
+    fused = rep.graph(after="fuse")
+    full_size = [v for node in fused.graph.nodes if node.op != "placeholder"
+                 for v in (node.meta.get("val") if isinstance(node.meta.get("val"), tuple) else [node.meta.get("val")])
+                 if isinstance(v, torch.Tensor) and tuple(v.shape) == (n, m)]
+    assert all(v.dtype == torch.bfloat16 for v in full_size)  # only dx: no fp32 [n, m] goes through memory
+    out = compile_fxopt(bwd)(dy, x, mean, rstd, w, b)
+    ref = bwd(*(t.double() for t in (dy, x, mean, rstd, w, b)))
+    for o, r in zip(out, ref):
+        assert_close_to_reference(o, r, torch.bfloat16)

@@ -1,0 +1,90 @@
+"""Recompute cheap row values for reductions over other dims, instead of storing and reloading them.
+
+A LayerNorm backward computes x_hat = (x - mean) * rstd and dy * w for its row sums (over the hidden
+dim) and again for its column sums (dw, db: over the tokens). The two kinds of reduction cannot share
+a kernel, so without this pass the row kernel writes those values out in fp32 and the column kernel
+reads them back. This pass gives the column reduction its own copy of the pointwise chain, computed
+from the chain's inputs, when that reads fewer bytes than the write-and-reload it replaces.
+
+Cost rule: copy the chain (at most MAX_CHAIN ops) feeding reduction r when the full-size inputs the copy
+reads are fewer bytes than twice (one write, one read) the full-size values r's group would otherwise
+load from other groups.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from ..analysis.op_classes import pointwise_unsupported_reason
+from ..analysis.reductions import reduction_info, reduction_unsupported_reason
+from ..pass_manager import PassContext, PassResult
+
+MAX_CHAIN = 32
+RESERVED_FOR = "fxopt_reduction_key"  # node.meta key: the reduction group a copied op belongs to
+
+
+def _nbytes(node: fx.Node) -> int:
+    v = node.meta.get("val")
+    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+
+
+def _chain(r: fx.Node, shape, target: str) -> list[fx.Node]:
+    """The pointwise ops of the reduction's input shape that feed r, in graph order."""
+    seen, stack = set(), [r.args[0]]
+    while stack:
+        n = stack.pop()
+        if n in seen or not isinstance(n, fx.Node):
+            continue
+        v = n.meta.get("val")
+        if not (isinstance(v, torch.Tensor) and tuple(v.shape) == shape
+                and pointwise_unsupported_reason(n, target) is None):
+            continue
+        seen.add(n)
+        stack += n.all_input_nodes
+    order = {n: i for i, n in enumerate(r.graph.nodes)}
+    return sorted(seen, key=order.__getitem__)
+
+
+@dataclass(frozen=True)
+class RecomputeForReductions:
+    name: str = "recompute_for_reductions"
+
+    def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        stats = {"chains_copied": 0, "ops_copied": 0}
+        if not ctx.options.fuse:
+            return PassResult(gm, False, stats)
+        keys = {reduction_info(n).key for n in gm.graph.nodes if reduction_info(n) is not None}
+        if len(keys) < 2:  # one kind of reduction: every chain can live in one group
+            return PassResult(gm, False, stats)
+        for r in [n for n in gm.graph.nodes if reduction_info(n) is not None]:
+            if reduction_unsupported_reason(r, ctx.target) is not None:
+                continue
+            info = reduction_info(r)
+            chain = _chain(r, info.in_shape, ctx.target)
+            inside = set(chain)
+            shared = [n for n in chain if any(u not in inside and u is not r for u in n.users)]
+            if not shared or len(chain) > MAX_CHAIN:
+                continue
+            numel = 1
+            for s in info.in_shape:
+                numel *= s
+            leaves = {a for n in chain for a in n.all_input_nodes if a not in inside}
+            reads = sum(_nbytes(a) for a in leaves if isinstance(a.meta.get("val"), torch.Tensor)
+                        and a.meta["val"].numel() == numel)
+            if reads >= 2 * sum(_nbytes(n) for n in shared):
+                continue
+            copies: dict[fx.Node, fx.Node] = {}
+            with gm.graph.inserting_before(r):
+                for n in chain:
+                    c = gm.graph.node_copy(n, lambda a: copies.get(a, a))
+                    c.meta[RESERVED_FOR] = info.key  # only r's reduction group may take the copy
+                    copies[n] = c
+            r.replace_input_with(r.args[0], copies[r.args[0]])
+            stats["chains_copied"] += 1
+            stats["ops_copied"] += len(chain)
+        if stats["chains_copied"]:
+            gm.graph.eliminate_dead_code()
+            gm.recompile()
+        return PassResult(gm, stats["chains_copied"] > 0, stats)
