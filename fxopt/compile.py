@@ -27,7 +27,7 @@ from .report import GraphReport, KernelRecord, Report
 from .verify import GraphVerifier
 
 log = logging.getLogger("fxopt")
-_KERNELS: dict[str, object] = {}  # kernel source hash -> loaded JITFunction, shared by all wrappers
+_KERNELS: dict[tuple, object] = {}  # (kernel source hash, target) -> loaded JITFunction, shared by wrappers
 _warned_eager = False
 
 
@@ -145,7 +145,7 @@ def _load(gm: fx.GraphModule, kernels: dict[str, Kernel], record: GraphReport, e
     record.cache = {"hits": cache.hits - hits, "misses": 1 - (cache.hits - hits)}
     for k in _launched(kernels):  # one JITFunction per distinct kernel, so Triton compiles it once
         if mode == "triton":
-            key = source_hash(k.source)
+            key = (source_hash(k.source), record.target)  # an interpreted kernel never serves CUDA
             setattr(module, k.name, _KERNELS.setdefault(key, getattr(module, k.name)))
     for node in gm.graph.nodes:
         if node.op == "get_attr":

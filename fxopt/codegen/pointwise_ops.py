@@ -183,7 +183,8 @@ def _arg(node: fx.Node, i: int, name: str, default=None):
 # Each entry: (LowerCtx, node, operand expressions) -> expression. Operands follow node.args order.
 LOWERINGS = {
     aten.abs.default: lambda c, n, o: f"tl.abs({o[0]})",
-    aten.neg.default: lambda c, n, o: f"(-{o[0]})",
+    # Triton spells float negation 0 - x, which turns -0.0 into +0.0 (so 1/-x would flip sign at 0)
+    aten.neg.default: lambda c, n, o: f"({o[0]} * -1.0)" if c.compute.is_floating_point else f"(-{o[0]})",
     aten.exp.default: lambda c, n, o: _exp(c, o[0]),
     aten.exp2.default: lambda c, n, o: f"libdevice.exp2({o[0]})" if c.exact else f"tl.exp2({o[0]})",
     aten.expm1.default: lambda c, n, o: _libdevice_or("expm1", lambda x: f"(tl.exp({x}) - 1.0)")(c, o[0]),
