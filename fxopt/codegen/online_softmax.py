@@ -50,9 +50,8 @@ def online_update(s: fx.Node, m: fx.Node, u_expr: str, exp) -> list[str]:
             f"acc_{m.name} = {mn}"]
 
 
-def online_finish(s: fx.Node, m: fx.Node, exp) -> tuple[str, str]:
-    """(max expression, sum expression) over the lanes, each [XBLOCK, 1]."""
-    mx = f"tl.reduce(acc_{m.name}, 1, _fx_max)[:, None]"
+def online_finish(s: fx.Node, m: fx.Node, exp, mx: str) -> tuple[str, str]:
+    """(max expression, sum expression) over the lanes, each [XBLOCK, 1]; `mx` reduces acc_max."""
     total = (f"tl.sum(tl.where(acc_{m.name} == {m.name}, acc_{s.name}, "
              f"acc_{s.name} * {exp(f'acc_{m.name} - {m.name}')}), 1)[:, None]")
     return mx, total

@@ -17,6 +17,20 @@ from ..analysis.reductions import reduction_info
 from .dtypes import TL_DTYPE, compute_dtype
 from .online_softmax import find_online_pairs, online_finish, online_init, online_update
 
+def lane_reduce(kind: str, expr: str, target: str) -> str:
+    """Reduce a [XBLOCK, N] block over axis 1 to [XBLOCK, 1].
+
+    max/min propagate NaN as torch does: on the GPU through a combine function (_fx_max); in the
+    Triton interpreter through an explicit NaN test, because calling a @triton.jit combine function there leaves
+    triton.language patched for the rest of the process (triton 3.6-3.9), breaking later GPU compiles."""
+    if kind in ("amax", "amin"):
+        if target == "interpret":  # tl.max skips NaN there: put it back
+            plain = f"tl.{'max' if kind == 'amax' else 'min'}({expr}, 1)[:, None]"
+            return f"tl.where(tl.max(({expr} != {expr}).to(tl.int32), 1)[:, None] > 0, float('nan'), {plain})"
+        return f"tl.reduce({expr}, 1, {'_fx_max' if kind == 'amax' else '_fx_min'})[:, None]"
+    return f"tl.sum({expr}, 1)[:, None]"
+
+
 SPLIT_GUARD = " & first_chunk"  # only chunk 0 stores row scalars in split kernels
 
 
@@ -128,13 +142,12 @@ class LoopedSchedule:
         out = []
         for r in reds:
             if r in self.pairs:
-                mx, total = online_finish(r, self.pairs[r], self.em._exp_of(r))
+                mx, total = online_finish(r, self.pairs[r], self.em._exp_of(r),
+                                          lane_reduce("amax", f"acc_{self.pairs[r].name}", self.em.target))
                 out += [(self.pairs[r], mx, "amax"), (r, total, "sum")]
             elif r not in self.paired_max:
                 kind = reduction_info(r).kind
-                combine = {"amax": "_fx_max", "amin": "_fx_min"}.get(kind)
-                red = f"tl.reduce(acc_{r.name}, 1, {combine})" if combine else f"tl.sum(acc_{r.name}, 1)"
-                out.append((r, f"{red}[:, None]", kind))
+                out.append((r, lane_reduce(kind, f"acc_{r.name}", self.em.target), kind))
         return out
 
     # -- schedules ----
@@ -182,10 +195,8 @@ class LoopedSchedule:
 
     def _combine(self, node: fx.Node, kind: str, partial_of: dict) -> str:
         v = partial_of[node]
-        if kind == "amax":
-            return f"tl.reduce({v}, 1, _fx_max)[:, None]"
-        if kind == "amin":
-            return f"tl.reduce({v}, 1, _fx_min)[:, None]"
+        if kind in ("amax", "amin"):
+            return lane_reduce(kind, v, self.em.target)
         pair_max = self.pairs.get(node)
         if pair_max is not None:  # online softmax partial sums were taken against each chunk's max
             m, pm = pair_max.name, partial_of[pair_max]

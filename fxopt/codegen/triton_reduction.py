@@ -23,7 +23,7 @@ from ..printing import describe_value, target_name
 from .dtypes import TL_DTYPE, compute_dtype, literal
 from .indexing import IterationSpace, Layout, broadcast_strides, print_index
 from .kernel import Kernel
-from .reduction_schedules import LoopedSchedule
+from .reduction_schedules import LoopedSchedule, lane_reduce
 from .pointwise_ops import LOWERINGS, LowerCtx
 from .triton_pointwise import INT32_MAX, PointwiseEmitter, view_root
 
@@ -287,9 +287,7 @@ class ReductionEmitter(PointwiseEmitter):
                 continue
             if reduction_info(n) is not None:
                 block, acc, kind = self._reduced_value(n)
-                combine = {"amax": "_fx_max", "amin": "_fx_min"}.get(kind)
-                red = f"tl.reduce({block}, 1, {combine})" if combine else f"tl.sum({block}, 1)"
-                body.append(self._finish(n, f"{red}[:, None]", kind))
+                body.append(self._finish(n, lane_reduce(kind, block, self.target), kind))
             else:
                 body.append(self._node(n))
         body.append("# -- store outputs ----")
