@@ -175,12 +175,13 @@ def _precompile(module, kernels: dict[str, Kernel]) -> None:
             raise FxoptError(f"fxopt: Triton could not compile kernel {k.name}: {exc}\n{k.source}") from exc
 
     todo = _launched(kernels)
-    if len(todo) <= 1:
-        for k in todo:
-            warm(k)
-        return
-    with ThreadPoolExecutor(max_workers=min(8, len(todo))) as pool:
-        list(pool.map(warm, todo))
+    with _triton_interpreter(False):  # a process-wide TRITON_INTERPRET=1 (CPU tests) must not reach nvcc-side compiles
+        if len(todo) <= 1:
+            for k in todo:
+                warm(k)
+            return
+        with ThreadPoolExecutor(max_workers=min(8, len(todo))) as pool:
+            list(pool.map(warm, todo))
 
 
 @contextlib.contextmanager
