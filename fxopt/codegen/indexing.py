@@ -81,16 +81,8 @@ class IterationSpace:
         return self.offsets[i] + sum(abs(s) * (n - 1) for s, n in zip(self.operand_strides[i], self.sizes))
 
     def coord_lines(self, used: set[sympy.Symbol]) -> list[str]:
-        """Lines defining the coordinates that the addresses use, innermost first."""
-        lines = []
-        for k, (x, size, pitch) in enumerate(zip(self.coords, self.sizes, self.pitches)):
-            if x not in used:
-                continue
-            expr = f"{self.xindex}" if pitch == 1 else f"({self.xindex} // {pitch})"
-            if k > 0:  # the outermost coordinate never wraps
-                expr = f"{expr} % {size}"
-            lines.append(f"{x} = {expr}")
-        return lines
+        """Lines defining the coordinates that the addresses use."""
+        return _coord_lines(self.xindex, self.coords, self.sizes, self.pitches, used)
 
 
 class TiledSpace:
@@ -136,16 +128,8 @@ class TiledSpace:
                 + abs(self.x_strides[i]) * (self.xnumel - 1))
 
     def coord_lines(self, used: set[sympy.Symbol]) -> list[str]:
-        """Lines defining the y coordinates that the addresses use, innermost first."""
-        lines = []
-        for k, (y, size, pitch) in enumerate(zip(self.ycoords, self.ysizes, self.ypitches)):
-            if y not in used:
-                continue
-            expr = f"{self.yindex}" if pitch == 1 else f"({self.yindex} // {pitch})"
-            if k > 0:  # the outermost coordinate never wraps
-                expr = f"{expr} % {size}"
-            lines.append(f"{y} = {expr}")
-        return lines
+        """Lines defining the y coordinates that the addresses use."""
+        return _coord_lines(self.yindex, self.ycoords, self.ysizes, self.ypitches, used)
 
 
 def tile_dim(space: IterationSpace) -> int | None:
@@ -163,6 +147,19 @@ def tile_dim(space: IterationSpace) -> int | None:
         if abs(s[-1]) > 1 and 1 in s[:-1]:
             return s.index(1)
     return None
+
+
+def _coord_lines(index, coords, sizes, pitches, used) -> list[str]:
+    """`x1 = (xindex // 4096) % 8`-style lines for the coordinates in `used`, outermost first."""
+    lines = []
+    for k, (x, size, pitch) in enumerate(zip(coords, sizes, pitches)):
+        if x not in used:
+            continue
+        expr = f"{index}" if pitch == 1 else f"({index} // {pitch})"
+        if k > 0:  # the outermost coordinate never wraps
+            expr = f"{expr} % {size}"
+        lines.append(f"{x} = {expr}")
+    return lines
 
 
 def _prod(xs) -> int:
