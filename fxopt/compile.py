@@ -18,6 +18,7 @@ from .codegen.triton_pointwise import generate_pointwise_kernel
 from .codegen.triton_reduction import generate_reduction_kernel
 from .codegen.wrapper import generate_wrapper
 from .errors import FxoptError
+from .memory.plan_report import memory_plan
 from .options import Environment, Options
 from .pass_manager import PassContext, PassManager, PassRecord, count_nodes
 from .passes.fuse import FUSED_PREFIX
@@ -79,6 +80,8 @@ def compile_aten_graph(gm: fx.GraphModule, example_inputs, *, options: Options, 
     verifier = GraphVerifier(gm, example_inputs, options.verify_rtol, graph_name) if options.verify else None
     gm, records, snapshots = PassManager(pipeline.post_grad_passes(options), verifier).run(gm, ctx)
     record.passes, record.snapshots = records, snapshots
+    if options.memory_plan:
+        record.memory_plan = memory_plan(gm)
 
     kernel_target = "cuda" if target == "cuda" else "interpret"
     kernels: dict[str, Kernel] = {}

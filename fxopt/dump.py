@@ -4,6 +4,8 @@ from __future__ import annotations
 import html
 import os
 
+from .memory.plan_report import memory_svg
+
 KERNEL_HEADER = """# fxopt kernel {name} ({kind}): {ops}
 import torch
 import triton
@@ -29,6 +31,8 @@ def write_dump(rep, directory: str) -> None:
                    KERNEL_HEADER.format(name=k.name, kind=k.kind, ops=", ".join(k.ops)) + k.source)
         name = "wrapper.py" if gi == 0 else f"wrapper_{tag}.py"
         _write(directory, name, g.wrapper_source)
+    if rep.memory_plan is not None:
+        _write(directory, "memory.svg", memory_svg(rep.memory_plan))
     _write(directory, "report.txt", str(rep))
     _write(directory, "report.html", report_html(rep))
 
@@ -46,6 +50,8 @@ def report_html(rep) -> str:
              "<h1>fxopt report</h1>", f"<pre>{html.escape(str(rep))}</pre>"]
     for g in rep.graphs:
         parts.append(f"<h2>{html.escape(g.name)} graph</h2>")
+        if g.memory_plan is not None:
+            parts.append(memory_svg(g.memory_plan))
         for k in g.kernels:
             parts.append(f"<h3 id='{k.name}'>{k.name} <small>[{k.kind}] {html.escape(', '.join(k.ops))}"
                          f"</small></h3><pre>{html.escape(k.source)}</pre>")

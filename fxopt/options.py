@@ -15,7 +15,7 @@ class Options:
     precision: str | None = None  # None keeps the model's dtypes (issue: mixed precision)
     fuse: bool = True  # fuse pointwise chains into Triton kernels
     attention: bool = True  # match hand-written attention (not built yet: recorded as a note)
-    memory_plan: bool = True  # free buffers at their last use (arena planning: not built yet)
+    memory_plan: bool = True  # plan an arena from liveness and report it (the wrapper does not use it yet)
     cudagraphs: bool = False  # replay as CUDA graphs (not built yet: recorded as a note)
     dump_dir: str | None = None  # write passes, kernels, wrapper and report.html here
     verify: bool = False  # check every pass numerically against the captured graph

@@ -46,10 +46,15 @@ class BufferRecord:
 
 @dataclass
 class MemoryPlan:
-    naive_bytes: int
-    lower_bound_bytes: int
-    planned_bytes: int
+    naive_bytes: int  # every intermediate its own allocation
+    lower_bound_bytes: int  # most bytes alive at any one node: no plan can use less
+    planned_bytes: int  # the arena the plan uses
     buffers: list[BufferRecord]
+    strategy: str = ""  # which placement order won
+
+    @property
+    def ratio(self) -> float:
+        return self.planned_bytes / self.lower_bound_bytes if self.lower_bound_bytes else 1.0
 
 
 @dataclass
@@ -67,6 +72,7 @@ class GraphReport:
     compile_seconds: float = 0.0
     cache: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    memory_plan: MemoryPlan | None = None
 
 
 @dataclass
@@ -74,7 +80,11 @@ class Report:
     graphs: list[GraphReport] = field(default_factory=list)
     attention: list[AttentionSite] = field(default_factory=list)
     casts: list[CastRecord] = field(default_factory=list)
-    memory_plan: MemoryPlan | None = None  # arena planning is not built yet (issue 5)
+
+    @property
+    def memory_plan(self) -> MemoryPlan | None:
+        """The plan of the first compiled graph (each graph's is on rep.graphs[i].memory_plan)."""
+        return self.graphs[0].memory_plan if self.graphs else None
 
     @property
     def passes(self) -> list[PassRecord]:

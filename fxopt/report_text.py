@@ -24,11 +24,19 @@ def report_to_text(rep) -> str:
             for k in g.kernels:
                 kind = f"{k.kind}, {k.schedule}" if k.schedule else k.kind
                 out.append(f"  {k.name} [{kind}] {len(k.ops)} ops: {', '.join(k.ops)}")
+        if g.memory_plan is not None:
+            out.append(plan_line(g.memory_plan))
         if g.fallbacks:
             out.append(f"left to ATen ({len(g.fallbacks)}):")
             for node, reason in g.fallbacks:
                 out.append(f"  {node}: {reason}")
         out.append("")
-    if rep.memory_plan is None:
-        out.append("memory plan: not built yet (buffers are freed at their last use)")
     return "\n".join(out)
+
+
+def plan_line(mp) -> str:
+    mib = 2**20
+    return (f"memory plan ({mp.strategy}): {len(mp.buffers)} intermediates, naive {mp.naive_bytes / mib:.2f} MiB, "
+            f"lower bound {mp.lower_bound_bytes / mib:.2f} MiB, planned arena {mp.planned_bytes / mib:.2f} MiB "
+            f"({mp.ratio:.3f}x the bound); the wrapper does not use the arena yet: it frees each buffer at its "
+            f"last use")

@@ -1,0 +1,1 @@
+"""Memory planning: buffers from liveness, placed at byte offsets of one arena."""

@@ -1,0 +1,67 @@
+"""Place buffers at byte offsets of one arena so that buffers alive at the same time never overlap.
+
+Two strategies are tried and the smaller arena kept:
+- by size: largest buffers first, each at the lowest offset where it fits beside the buffers already
+  placed whose lifetimes overlap its own (best fit);
+- by time: buffers in order of birth, same placement rule.
+The lower bound is the most bytes alive at any one node; no plan can use less. Graph outputs are not
+placed (they are returned to the user and must not share memory fxopt reuses).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..analysis.liveness import Interval
+
+ALIGN = 256
+
+
+def align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass
+class Placement:
+    interval: Interval
+    offset: int
+
+
+def overlaps(a: Interval, b: Interval) -> bool:
+    """Lifetimes share a node. A buffer dying at node t and one born at t overlap (the kernel at t
+    reads one while writing the other), except that in-place reuse is not planned yet."""
+    return a.first_use <= b.last_use and b.first_use <= a.last_use
+
+
+def _place(order: list[Interval]) -> list[Placement]:
+    placed: list[Placement] = []
+    for iv in order:
+        busy = sorted((p.offset, p.offset + align(p.interval.nbytes)) for p in placed if overlaps(p.interval, iv))
+        size, offset, best = align(iv.nbytes), 0, None
+        for start, stop in busy:  # gaps between busy ranges, smallest that fits
+            if start - offset >= size and (best is None or start - offset < best[1]):
+                best = (offset, start - offset)
+            offset = max(offset, stop)
+        placed.append(Placement(iv, best[0] if best else offset))
+    return placed
+
+
+def lower_bound(intervals: list[Interval]) -> int:
+    if not intervals:
+        return 0
+    last = max(iv.last_use for iv in intervals)
+    return max(sum(align(iv.nbytes) for iv in intervals if iv.first_use <= t <= iv.last_use)
+               for t in range(last + 1))
+
+
+def arena_bytes(placed: list[Placement]) -> int:
+    return max((p.offset + align(p.interval.nbytes) for p in placed), default=0)
+
+
+def plan(intervals: list[Interval]) -> tuple[list[Placement], str]:
+    """The smallest arena of the strategies, and the strategy's name."""
+    candidates = {
+        "by size": _place(sorted(intervals, key=lambda iv: (-iv.nbytes, iv.first_use))),
+        "by time": _place(sorted(intervals, key=lambda iv: (iv.first_use, -iv.nbytes))),
+    }
+    name = min(candidates, key=lambda k: arena_bytes(candidates[k]))
+    return candidates[name], name
