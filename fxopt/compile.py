@@ -32,6 +32,18 @@ _KERNELS: dict[tuple, object] = {}  # (kernel source hash, target) -> loaded JIT
 _warned_eager = False
 
 
+def configure_logging(level: str | None) -> None:
+    """FXOPT_LOG=info|debug: print fxopt's log lines to stderr (one handler, added once)."""
+    if not level:
+        return
+    log.setLevel(level.upper())
+    if not any(getattr(h, "_fxopt", False) for h in log.handlers):
+        handler = logging.StreamHandler()
+        handler._fxopt = True
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+
+
 def choose_target(gm: fx.GraphModule, env: Environment) -> str:
     """cuda when the graph holds CUDA tensors; on CPU the interpreter if TRITON_INTERPRET=1, else eager."""
     devices = {n.meta["val"].device.type for n in gm.graph.nodes
@@ -70,6 +82,7 @@ def compile_aten_graph(gm: fx.GraphModule, example_inputs, *, options: Options, 
                        report: Report, on_done=None):
     """Run the post-grad pipeline on an ATen graph and return the boxed callable aot_autograd wants."""
     env = Environment.read()
+    configure_logging(env.log_level)
     start = time.perf_counter()
     check_devices(gm)
     target = choose_target(gm, env)
@@ -107,8 +120,9 @@ def compile_aten_graph(gm: fx.GraphModule, example_inputs, *, options: Options, 
     if mode == "eager":
         _warn_eager_once()
     report.graphs.append(record)
-    log.info("fxopt: compiled %s graph in %.3fs: %d kernels, %d fallbacks", graph_name,
-             record.compile_seconds, len(record.kernels), len(record.fallbacks))
+    planned = record.memory_plan.planned_bytes if record.memory_plan else 0
+    log.info("fxopt: compiled %s graph in %.3fs: %d kernels, %d fallbacks, %.2f MiB planned", graph_name,
+             record.compile_seconds, len(record.kernels), len(record.fallbacks), planned / 2**20)
     if on_done is not None:
         on_done(report)
     return call

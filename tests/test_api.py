@@ -168,3 +168,11 @@ def test_mixed_devices_error_names_the_node():
         b.meta["val"] = torch.empty(4, device="meta")
     with pytest.raises(FxoptError, match="node 'add_tensor' .* mixes devices.*Fix: move"):
         check_devices(gm)
+
+
+def test_fxopt_log_info_prints_one_line_per_compiled_graph(monkeypatch, capsys):
+    monkeypatch.setenv("FXOPT_LOG", "info")
+    x, b = inputs()
+    torch.compile(chain, backend="fxopt")(x, b)
+    err = capsys.readouterr().err
+    assert "fxopt: compiled inference graph in" in err and "1 kernels" in err and "MiB planned" in err
