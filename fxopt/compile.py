@@ -17,7 +17,7 @@ from .codegen.kernel import Kernel
 from .codegen.triton_pointwise import generate_pointwise_kernel
 from .codegen.triton_reduction import generate_reduction_kernel
 from .codegen.wrapper import generate_wrapper
-from .errors import FxoptError
+from .errors import FxoptError, node_error
 from .memory.plan_report import memory_plan
 from .options import Environment, Options
 from .pass_manager import PassContext, PassManager, PassRecord, count_nodes
@@ -65,8 +65,7 @@ def check_devices(gm: fx.GraphModule) -> None:
                 devs.setdefault(str(v.device), a.name)
         if len(devs) > 1:
             listing = ", ".join(f"'{name}' on {d}" for d, name in devs.items())
-            raise FxoptError(f"fxopt: node '{n.name}' ({target_name(n.target)}) mixes devices: {listing}. "
-                             f"Fix: move these tensors to one device before calling the model")
+            raise node_error(n, f"mixes devices: {listing}", "move these tensors to one device before calling the model")
 
 
 def _kernel_name(gm: fx.GraphModule, index: int) -> str:

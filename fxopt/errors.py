@@ -1,4 +1,5 @@
 """Errors fxopt raises at users: each names the node and says what to do."""
+from .printing import target_name
 
 
 class FxoptError(RuntimeError):
@@ -11,5 +12,5 @@ class VerifyError(FxoptError):
 
 def node_error(node, problem: str, fix: str) -> FxoptError:
     """An error that names the fx node, its op, and the fix."""
-    target = getattr(node.target, "__name__", str(node.target))
+    target = target_name(node.target)
     return FxoptError(f"fxopt: node '{node.name}' ({target}): {problem}. Fix: {fix}")

@@ -174,12 +174,6 @@ def _add(c, o):
     return f"({o[0]} + {o[1]})" if len(o) < 3 else f"({o[0]} + {o[2]} * {o[1]})"
 
 
-def _arg(node: fx.Node, i: int, name: str, default=None):
-    if len(node.args) > i:
-        return node.args[i]
-    return node.kwargs.get(name, default)
-
-
 # Each entry: (LowerCtx, node, operand expressions) -> expression. Operands follow node.args order.
 LOWERINGS = {
     aten.abs.default: lambda c, n, o: f"tl.abs({o[0]})",

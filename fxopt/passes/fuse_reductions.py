@@ -74,7 +74,7 @@ class FuseReductions:
 
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         stats = {"groups": 0, "reductions": 0, "fused_ops": 0}
-        if not ctx.options.fuse or ctx.target == "eager_only":
+        if not ctx.options.fuse:
             return PassResult(gm, False, stats)
         device_type = "cpu" if ctx.target in ("interpret", "eager") else "cuda"
         keys = OrderedDict()
