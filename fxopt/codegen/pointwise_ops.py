@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.fx as fx
 
 from .dtypes import TL_DTYPE
 
