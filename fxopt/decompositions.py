@@ -43,7 +43,7 @@ def _var(x, dim=None, *, correction=None, keepdim=False):
 def decomposition_table() -> dict:
     table = dict(core_aten_decompositions())
     table.update(get_decompositions([aten.native_layer_norm, aten._softmax, aten._log_softmax,
-                                     aten.native_group_norm, aten._native_batch_norm_legit_no_training]))
+                                     aten.native_group_norm]))
     table[aten.var_mean.correction] = _var_mean
     table[aten.var.correction] = _var
     return table
