@@ -13,6 +13,7 @@ import torch.fx as fx
 
 from . import pipeline
 from .codegen.cache import module_cache, source_hash
+from .codegen.harness import standalone_source
 from .codegen.kernel import Kernel
 from .codegen.triton_pointwise import generate_pointwise_kernel
 from .codegen.triton_reduction import generate_reduction_kernel
@@ -105,7 +106,7 @@ def compile_aten_graph(gm: fx.GraphModule, example_inputs, *, options: Options, 
             k = generate(sub, _kernel_name(sub, len(kernels)), kernel_target)
             kernels[node.target] = k
             record.kernels.append(KernelRecord(k.name, k.kind, k.ops, k.full_source(), graph_name,
-                                               k.notes.get("reduction")))
+                                               k.notes.get("reduction"), standalone_source(k)))
     mode = "eager" if target == "eager" else "triton"
     filename = "wrapper.py" if graph_name in ("forward", "inference") else f"wrapper_{graph_name}.py"
     record.wrapper_source = generate_wrapper(gm, kernels, graph_name, mode, filename)

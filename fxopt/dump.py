@@ -6,15 +6,6 @@ import os
 
 from .memory.plan_report import memory_svg
 
-KERNEL_HEADER = """# fxopt kernel {name} ({kind}): {ops}
-import torch
-import triton
-import triton.language as tl
-from triton.language.extra import libdevice
-
-"""
-
-
 def write_dump(rep, directory: str) -> None:
     os.makedirs(os.path.join(directory, "passes"), exist_ok=True)
     os.makedirs(os.path.join(directory, "kernels"), exist_ok=True)
@@ -27,8 +18,7 @@ def write_dump(rep, directory: str) -> None:
             if p.changed or p.name == "codegen":
                 _write(directory, f"passes/{index:02d}_{tag}_{p.name}.txt", p.text)
         for k in g.kernels:
-            _write(directory, f"kernels/{k.name}.py",
-                   KERNEL_HEADER.format(name=k.name, kind=k.kind, ops=", ".join(k.ops)) + k.source)
+            _write(directory, f"kernels/{k.name}.py", k.standalone)
         name = "wrapper.py" if gi == 0 else f"wrapper_{tag}.py"
         _write(directory, name, g.wrapper_source)
     if rep.memory_plan is not None:

@@ -176,3 +176,18 @@ def test_fxopt_log_info_prints_one_line_per_compiled_graph(monkeypatch, capsys):
     torch.compile(chain, backend="fxopt")(x, b)
     err = capsys.readouterr().err
     assert "fxopt: compiled inference graph in" in err and "1 kernels" in err and "MiB planned" in err
+
+
+def test_dumped_kernels_run_on_their_own(tmp_path):
+    def f(x, b):
+        return torch.softmax(chain(x, b), -1), chain(x, b).t() + 1
+
+    x, b = inputs()
+    fxopt.explain(f, x, b).save(str(tmp_path))
+    files = sorted((tmp_path / "kernels").glob("*.py"))
+    assert len(files) >= 2
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    for path in files:
+        out = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=env, timeout=120)
+        assert out.returncode == 0, (path.name, out.stderr[-2000:])
+        assert "output 0:" in out.stdout and "nan" not in out.stdout

@@ -18,6 +18,7 @@ class Kernel:
     num_warps: int
     outputs: list[torch.Tensor] = field(default_factory=list)  # meta values of the outputs, in order
     input_dtypes: list[torch.dtype] = field(default_factory=list)  # dtypes of the pointer inputs
+    inputs: list[torch.Tensor] = field(default_factory=list)  # meta values of the pointer inputs
     notes: dict[str, str] = field(default_factory=dict)  # e.g. {"reduction": "persistent"}
     # split reductions: scratch buffers (shape, dtype) and a kernel that fills them first; both kernels
     # take (inputs..., workspaces..., outputs...)

@@ -172,7 +172,8 @@ class PointwiseEmitter:
         return Kernel(self.name, "pointwise", source, self.ops, grid=(space.numel + xblock - 1) // xblock,
                       int_args=[space.numel], constexprs={"XBLOCK": xblock}, num_warps=warps,
                       outputs=[o.meta["val"] for o in self.output_nodes],
-                      input_dtypes=[p.meta["val"].dtype for p in self.placeholders])
+                      input_dtypes=[p.meta["val"].dtype for p in self.placeholders],
+                      inputs=[p.meta["val"] for p in self.placeholders])
 
     def _generate_tiled(self, leaves: list[fx.Node], space: IterationSpace, plan: TilePlan,
                         wide: bool) -> Kernel:
@@ -211,7 +212,8 @@ class PointwiseEmitter:
                       int_args=[tiles.ynumel, tiles.xnumel],
                       constexprs={"YBLOCK": plan.yblock, "XBLOCK": plan.xblock}, num_warps=plan.num_warps,
                       outputs=[o.meta["val"] for o in self.output_nodes],
-                      input_dtypes=[p.meta["val"].dtype for p in self.placeholders], notes={"tiling": "2d"})
+                      input_dtypes=[p.meta["val"].dtype for p in self.placeholders],
+                      inputs=[p.meta["val"] for p in self.placeholders], notes={"tiling": "2d"})
 
     def _pointwise_body(self, leaves: list[fx.Node], space: IterationSpace, addresses: list, load_mask,
                         store_pad, store_mask: str) -> list[str]:

@@ -156,7 +156,8 @@ class ReductionEmitter(PointwiseEmitter):
         return Kernel(self.name, "reduction", source, self.ops, grid=(self.xnumel + xblock - 1) // xblock,
                       int_args=[self.xnumel, self.rnumel], constexprs={"XBLOCK": xblock, "RBLOCK": rblock},
                       num_warps=warps, outputs=[o.meta["val"] for o in self.output_nodes],
-                      input_dtypes=[p.meta["val"].dtype for p in self.placeholders], notes={"reduction": kind})
+                      input_dtypes=[p.meta["val"].dtype for p in self.placeholders],
+                      inputs=[p.meta["val"] for p in self.placeholders], notes={"reduction": kind})
 
     def _function(self, name: str, kind: str, body: list[str], pointers: list[str], ints: list[str],
                   consts: list[str], n_ws: int = 0) -> str:
@@ -192,13 +193,15 @@ class ReductionEmitter(PointwiseEmitter):
                                     ["in", "ws", "out"], ["xnumel", "rnumel", "RCHUNK"], ["XBLOCK", "RBLOCK"], n_ws),
                      self.ops, grid, [self.xnumel, self.rnumel, rchunk], consts, warps,
                      outputs=[o.meta["val"] for o in self.output_nodes],
-                     input_dtypes=[p.meta["val"].dtype for p in self.placeholders], workspaces=workspaces)
+                     input_dtypes=[p.meta["val"].dtype for p in self.placeholders],
+                      inputs=[p.meta["val"] for p in self.placeholders], workspaces=workspaces)
         source = self._function(self.name, "split (combine)", prelude + final, ["in", "ws", "out"],
                                 ["xnumel", "rnumel", "RCHUNK", "NCHUNK"], ["XBLOCK", "RBLOCK", "CBLOCK"], n_ws)
         return Kernel(self.name, "reduction", source, self.ops, grid, [self.xnumel, self.rnumel, rchunk, nchunk],
                       {**consts, "CBLOCK": _pow2(nchunk)}, warps,
                       outputs=[o.meta["val"] for o in self.output_nodes],
                       input_dtypes=[p.meta["val"].dtype for p in self.placeholders],
+                      inputs=[p.meta["val"] for p in self.placeholders],
                       notes={"reduction": f"split into {nchunk} chunks"},
                       workspaces=workspaces, prologue=pre)
 

@@ -1,0 +1,60 @@
+"""A generated kernel as a file that runs on its own: imports, the kernel, and a small launch harness.
+
+    python kernels/fused_mul_add_0.py     # random inputs of the compiled shapes, one launch, a summary
+
+On a machine without a GPU the harness runs the kernel in the Triton interpreter (kernels built for
+CUDA that call libdevice need the GPU).
+"""
+from __future__ import annotations
+
+import torch
+
+from .kernel import Kernel
+
+HEADER = '''# fxopt kernel {name} ({kind}): {ops}
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # run on CPU tensors in the Triton interpreter
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.language.extra import libdevice  # noqa: E402,F401
+
+'''
+
+MAIN = '''
+
+def _tensor(size, stride, dtype, device):
+    """Random values laid out with the compiled strides (broadcast strides of 0 included)."""
+    span = 1 + sum((s - 1) * st for s, st in zip(size, stride)) if all(size) else 0
+    base = torch.randn(span) if dtype.is_floating_point else torch.randint(0, 2, (span,))
+    return base.to(dtype).to(device).as_strided(size, stride)
+
+
+if __name__ == "__main__":
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    inputs = [_tensor(*spec, device) for spec in INPUTS]
+    scratch = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in WORKSPACES]
+    outputs = [torch.empty_strided(size, stride, dtype=dtype, device=device) for size, stride, dtype in OUTPUTS]
+{launches}
+    for i, o in enumerate(outputs):
+        print(f"output {{i}}: {{o.dtype}}{{list(o.shape)}} sum={{o.double().sum().item():.6g}}")
+'''
+
+
+def _specs(vals) -> str:
+    return "[" + ", ".join(f"({tuple(v.shape)}, {tuple(v.stride())}, {v.dtype})" for v in vals) + "]"
+
+
+def standalone_source(k: Kernel) -> str:
+    launches = []
+    for stage in ([k.prologue] if k.prologue else []) + [k]:
+        launches.append(f"    {stage.name}[{stage.grid_source()}](*inputs, *scratch, *outputs"
+                        f"{stage.launch_suffix()})")
+    body = (HEADER.format(name=k.name, kind=k.kind, ops=", ".join(k.ops)) + k.full_source()
+            + f"\n\nINPUTS = {_specs(k.inputs)}\nOUTPUTS = {_specs(k.outputs)}\n"
+            + f"WORKSPACES = {[(shape, dtype) for shape, dtype in k.workspaces]}\n"
+            + MAIN.format(launches="\n".join(launches)))
+    return body
