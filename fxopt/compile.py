@@ -18,6 +18,7 @@ from .codegen.kernel import Kernel
 from .codegen.triton_pointwise import generate_pointwise_kernel
 from .codegen.triton_reduction import generate_reduction_kernel
 from .codegen.wrapper import generate_wrapper
+from .analysis.roofline import roofline
 from .errors import FxoptError, node_error
 from .memory.plan_report import memory_plan
 from .options import Environment, Options
@@ -95,6 +96,7 @@ def compile_aten_graph(gm: fx.GraphModule, example_inputs, *, options: Options, 
     record.passes, record.snapshots = records, snapshots
     if options.memory_plan:
         record.memory_plan = memory_plan(gm)
+    record.roofline = roofline(gm)
 
     kernel_target = "cuda" if target == "cuda" else "interpret"
     kernels: dict[str, Kernel] = {}

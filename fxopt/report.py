@@ -74,6 +74,7 @@ class GraphReport:
     cache: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     memory_plan: MemoryPlan | None = None
+    roofline: list = field(default_factory=list)  # [RooflineRow] for every kernel and ATen call
 
 
 @dataclass
@@ -81,6 +82,11 @@ class Report:
     graphs: list[GraphReport] = field(default_factory=list)
     attention: list[AttentionSite] = field(default_factory=list)
     casts: list[CastRecord] = field(default_factory=list)
+
+    @property
+    def roofline(self) -> list:
+        """[RooflineRow(name, kind, flops, bytes, seconds)] of every compiled graph, in order."""
+        return [r for g in self.graphs for r in g.roofline]
 
     @property
     def memory_plan(self) -> MemoryPlan | None:

@@ -26,6 +26,12 @@ def report_to_text(rep) -> str:
                 out.append(f"  {k.name} [{kind}] {len(k.ops)} ops: {', '.join(k.ops)}")
         if g.memory_plan is not None:
             out.append(plan_line(g.memory_plan))
+        if g.roofline:
+            total = sum(r.seconds for r in g.roofline)
+            out.append(f"roofline (least time at H200 ceilings): {total * 1e6:.1f} us in all; largest:")
+            for r in sorted(g.roofline, key=lambda r: -r.seconds)[:5]:
+                out.append(f"  {r.name} [{r.kind}] {r.flops / 1e6:.2f} MFLOP {r.bytes / 2**20:.2f} MiB "
+                           f"{r.intensity:.1f} FLOP/B -> {r.seconds * 1e6:.2f} us ({r.bound}-bound)")
         if g.fallbacks:
             out.append(f"left to ATen ({len(g.fallbacks)}):")
             for node, reason in g.fallbacks:

@@ -1,0 +1,115 @@
+"""Where time will go: FLOPs and bytes of every kernel and ATen call, and the least time the device's
+ceilings allow for each (the larger of bytes / bandwidth and FLOPs / rate).
+
+Counting rules (stated so the numbers can be checked by hand):
+- a fused kernel moves each pointer input once (the whole tensor it points into) and each output once;
+  it does one FLOP per element per pointwise op and per reduced element per reduction;
+- mm/addmm/bmm/baddbmm: 2*M*N*K (+ M*N for the add); convolution: 2 * output elements * Cin/groups * kernel
+  area; flash/efficient SDPA: 4 * B * H * Sq * Sk * D;
+- other ATen calls: bytes of their tensor inputs and outputs, no FLOPs.
+Ceilings default to what this project measured on an H200 (benchmarks/results: ~4.24 TB/s copy,
+~790 TFLOP/s bf16 matmul); vector math at 67 TFLOP/s fp32 (datasheet).
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from .op_classes import is_view
+from .reductions import reduction_info
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    name: str = "H200 (measured)"
+    bytes_per_s: float = 4.24e12
+    matmul_flops_per_s: float = 7.9e14
+    vector_flops_per_s: float = 6.7e13
+
+
+@dataclass
+class RooflineRow:
+    name: str
+    kind: str  # pointwise | reduction | matmul | aten
+    flops: int
+    bytes: int
+    seconds: float  # the least time the ceilings allow
+
+    @property
+    def intensity(self) -> float:
+        return self.flops / self.bytes if self.bytes else 0.0
+
+    bound: str = "memory"  # which ceiling sets `seconds`
+
+
+def _bytes(val) -> int:
+    if isinstance(val, torch.Tensor):
+        return val.numel() * val.element_size()
+    if isinstance(val, (tuple, list)):
+        return sum(_bytes(v) for v in val)
+    return 0
+
+
+def _numel(node: fx.Node) -> int:
+    v = node.meta.get("val")
+    return v.numel() if isinstance(v, torch.Tensor) else 0
+
+
+def matmul_flops(node: fx.Node) -> int:
+    t, args = node.target, node.args
+    shape = lambda a: tuple(a.meta["val"].shape)  # noqa: E731
+    if t is aten.mm.default:
+        (m, k), (_, n) = shape(args[0]), shape(args[1])
+        return 2 * m * n * k
+    if t is aten.addmm.default:
+        (m, k), (_, n) = shape(args[1]), shape(args[2])
+        return 2 * m * n * k + m * n
+    if t in (aten.bmm.default, aten.baddbmm.default):
+        a, b = (args[0], args[1]) if t is aten.bmm.default else (args[1], args[2])
+        (bs, m, k), (_, _, n) = shape(a), shape(b)
+        return 2 * bs * m * n * k + (bs * m * n if t is aten.baddbmm.default else 0)
+    if t is aten.convolution.default:
+        w = shape(args[1])  # [Cout, Cin / groups, *kernel]: each output element sums Cin/groups * kernel terms
+        return 2 * _numel(node) * w[1] * math.prod(w[2:])
+    if t in (aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default):
+        b, h, sq, d = shape(args[0])
+        return 4 * b * h * sq * shape(args[1])[2] * d
+    return 0
+
+
+def kernel_flops(sub: fx.GraphModule) -> int:
+    flops = 0
+    for n in sub.graph.nodes:
+        if n.op != "call_function" or is_view(n):
+            continue
+        info = reduction_info(n)
+        flops += math.prod(info.in_shape) if info else _numel(n)
+    return flops
+
+
+def roofline(gm: fx.GraphModule, ceilings: Ceilings = Ceilings()) -> list[RooflineRow]:
+    rows = []
+    for n in gm.graph.nodes:
+        if n.op == "call_module":
+            sub = gm.get_submodule(n.target)
+            flops = kernel_flops(sub)
+            nbytes = sum(_bytes(a.meta.get("val")) for a in n.all_input_nodes) + _bytes(n.meta.get("val"))
+            kind = "reduction" if any(reduction_info(s) for s in sub.graph.nodes) else "pointwise"
+            rate = ceilings.vector_flops_per_s
+        elif n.op == "call_function" and n.target is not operator.getitem and not is_view(n):
+            flops = matmul_flops(n)
+            nbytes = sum(_bytes(a.meta.get("val")) for a in n.all_input_nodes) + _bytes(n.meta.get("val"))
+            kind = "matmul" if flops else "aten"
+            rate = ceilings.matmul_flops_per_s
+        else:
+            continue
+        memory_s, compute_s = nbytes / ceilings.bytes_per_s, flops / rate
+        rows.append(RooflineRow(n.name, kind, flops, nbytes, max(memory_s, compute_s),
+                                "compute" if compute_s > memory_s else "memory"))
+    return rows
