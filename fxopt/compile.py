@@ -96,7 +96,6 @@ def compile_aten_graph(gm: fx.GraphModule, example_inputs, *, options: Options, 
     record.passes, record.snapshots = records, snapshots
     if options.memory_plan:
         record.memory_plan = memory_plan(gm)
-    record.roofline = roofline(gm)
 
     kernel_target = "cuda" if target == "cuda" else "interpret"
     kernels: dict[str, Kernel] = {}
@@ -109,6 +108,7 @@ def compile_aten_graph(gm: fx.GraphModule, example_inputs, *, options: Options, 
             kernels[node.target] = k
             record.kernels.append(KernelRecord(k.name, k.kind, k.ops, k.full_source(), graph_name,
                                                k.notes.get("reduction"), standalone_source(k)))
+    record.roofline = roofline(gm, {target: k.name for target, k in kernels.items()})
     mode = "eager" if target == "eager" else "triton"
     filename = "wrapper.py" if graph_name in ("forward", "inference") else f"wrapper_{graph_name}.py"
     record.wrapper_source = generate_wrapper(gm, kernels, graph_name, mode, filename)

@@ -93,8 +93,9 @@ def kernel_flops(sub: fx.GraphModule) -> int:
     return flops
 
 
-def roofline(gm: fx.GraphModule, ceilings: Ceilings = Ceilings()) -> list[RooflineRow]:
-    rows = []
+def roofline(gm: fx.GraphModule, kernel_names: dict | None = None, ceilings: Ceilings = Ceilings()) -> list[RooflineRow]:
+    """One row per fused kernel (named by `kernel_names[submodule]` when given) and per ATen call."""
+    rows, kernel_names = [], kernel_names or {}
     for n in gm.graph.nodes:
         if n.op == "call_module":
             sub = gm.get_submodule(n.target)
@@ -110,6 +111,7 @@ def roofline(gm: fx.GraphModule, ceilings: Ceilings = Ceilings()) -> list[Roofli
         else:
             continue
         memory_s, compute_s = nbytes / ceilings.bytes_per_s, flops / rate
-        rows.append(RooflineRow(n.name, kind, flops, nbytes, max(memory_s, compute_s),
+        name = kernel_names.get(n.target, n.name) if n.op == "call_module" else n.name
+        rows.append(RooflineRow(name, kind, flops, nbytes, max(memory_s, compute_s),
                                 "compute" if compute_s > memory_s else "memory"))
     return rows
