@@ -20,6 +20,7 @@ from .codegen.triton_reduction import generate_reduction_kernel
 from .codegen.wrapper import generate_wrapper
 from .analysis.roofline import roofline
 from .errors import FxoptError, node_error
+from .graph_svg import graph_svg
 from .memory.plan_report import memory_plan
 from .options import Environment, Options
 from .pass_manager import PassContext, PassManager, PassRecord, count_nodes
@@ -108,7 +109,10 @@ def compile_aten_graph(gm: fx.GraphModule, example_inputs, *, options: Options, 
             kernels[node.target] = k
             record.kernels.append(KernelRecord(k.name, k.kind, k.ops, k.full_source(), graph_name,
                                                k.notes.get("reduction"), standalone_source(k)))
-    record.roofline = roofline(gm, {target: k.name for target, k in kernels.items()})
+    kernel_names = {target: k.name for target, k in kernels.items()}
+    record.roofline = roofline(gm, kernel_names)
+    if options.keep_graphs or options.dump_dir or env.dump_dir:
+        record.graph_svg = graph_svg(gm, kernel_names)
     mode = "eager" if target == "eager" else "triton"
     filename = "wrapper.py" if graph_name in ("forward", "inference") else f"wrapper_{graph_name}.py"
     record.wrapper_source = generate_wrapper(gm, kernels, graph_name, mode, filename)

@@ -40,6 +40,9 @@ def report_html(rep) -> str:
              "<h1>fxopt report</h1>", f"<pre>{html.escape(str(rep))}</pre>"]
     for g in rep.graphs:
         parts.append(f"<h2>{html.escape(g.name)} graph</h2>")
+        if g.graph_svg:
+            parts.append(f"<details open><summary>graph after the passes (fused kernels in orange link to "
+                         f"their source)</summary><div style='overflow:auto'>{g.graph_svg}</div></details>")
         if g.memory_plan is not None:
             parts.append(memory_svg(g.memory_plan))
         for k in g.kernels:

@@ -75,6 +75,7 @@ class GraphReport:
     notes: list[str] = field(default_factory=list)
     memory_plan: MemoryPlan | None = None
     roofline: list = field(default_factory=list)  # [RooflineRow] for every kernel and ATen call
+    graph_svg: str = ""  # the final graph as a picture (explain and dumps only)
 
 
 @dataclass

@@ -191,3 +191,13 @@ def test_dumped_kernels_run_on_their_own(tmp_path):
         out = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=env, timeout=120)
         assert out.returncode == 0, (path.name, out.stderr[-2000:])
         assert "output 0:" in out.stdout and "nan" not in out.stdout
+
+
+def test_report_html_draws_the_graph_with_kernels_linked(tmp_path):
+    x, b = inputs()
+    rep = fxopt.explain(chain, x, b)
+    rep.save(str(tmp_path))
+    html = (tmp_path / "report.html").read_text()
+    kernel = rep.kernels[0].name
+    assert f'<a href="#{kernel}">' in html and f"id='{kernel}'" in html
+    assert html.count("<rect") >= len(list(rep.graph(after="cleanup_after_fuse").graph.nodes))
