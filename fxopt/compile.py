@@ -14,6 +14,7 @@ import torch.fx as fx
 from . import pipeline
 from .codegen.cache import module_cache, source_hash
 from .codegen.harness import standalone_source
+from .codegen.interpreter_guard import GuardedKernel
 from .codegen.kernel import Kernel
 from .codegen.triton_pointwise import generate_pointwise_kernel
 from .codegen.triton_reduction import generate_reduction_kernel
@@ -169,7 +170,10 @@ def _load(gm: fx.GraphModule, kernels: dict[str, Kernel], record: GraphReport, e
     for k in _launched(kernels):  # one JITFunction per distinct kernel, so Triton compiles it once
         if mode == "triton":
             key = (source_hash(k.source), record.target)  # an interpreted kernel never serves CUDA
-            setattr(module, k.name, _KERNELS.setdefault(key, getattr(module, k.name)))
+            fn = getattr(module, k.name)
+            if record.target == "interpret":
+                fn = GuardedKernel(fn)
+            setattr(module, k.name, _KERNELS.setdefault(key, fn))
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             setattr(module, node.name, getattr(gm, node.target))

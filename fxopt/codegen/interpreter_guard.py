@@ -1,0 +1,42 @@
+"""Keep the Triton interpreter from leaving triton.language patched after a kernel runs.
+
+The interpreter swaps triton.language's builtins for numpy-backed ones while a kernel runs. Library
+functions such as tl.sum and tl.max are themselves @triton.jit functions, and when one is called inside
+an interpreted kernel, its patches into triton.language.core are never undone (triton 3.6-3.9). A real
+GPU compile later in the same process then calls the interpreter's builtins and fails
+("'ir.value' object has no attribute 'dtype'"). fxopt launches interpreted kernels through this guard,
+which puts back whatever the launch changed.
+"""
+from __future__ import annotations
+
+import triton.language as tl
+
+
+def _patched_namespaces() -> list:
+    spaces = [tl, tl.core, tl.math, tl.tensor, tl.core.dtype]
+    for name in ("standard", "semantic"):
+        if hasattr(tl, name):
+            spaces.append(getattr(tl, name))
+    return spaces
+
+
+class GuardedKernel:
+    """Launch as `kernel[grid](...)`; triton.language is restored after every launch."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            saved = [(space, dict(vars(space))) for space in _patched_namespaces()]
+            try:
+                return self.fn[grid](*args, **kwargs)
+            finally:
+                for space, attrs in saved:
+                    for name, value in attrs.items():
+                        if vars(space).get(name) is not value:
+                            setattr(space, name, value)
+        return launch
+
+    def __getattr__(self, name):
+        return getattr(self.fn, name)

@@ -1,0 +1,25 @@
+"""Interpreted kernels must leave triton.language as they found it (a GPU compile later in the same
+process uses it): the Triton interpreter leaks patches when tl.sum/tl.max run inside a kernel."""
+import inspect
+
+import torch
+import triton.language as tl
+
+from fxopt.codegen.interpreter_guard import _patched_namespaces
+from tests.helpers import compile_fxopt
+
+
+def snapshot():
+    return {(id(space), name): value for space in _patched_namespaces() for name, value in inspect.getmembers(space)
+            if not name.startswith("__")}
+
+
+def test_reduction_kernels_leave_triton_language_unpatched():
+    before = snapshot()
+    x = torch.randn(6, 30)
+    compile_fxopt(lambda x: torch.softmax(x, -1))(x)
+    compile_fxopt(lambda x: x.t() * 2 + x.amax())(torch.randn(20, 20))
+    after = snapshot()
+    changed = [name for key, name in [(k, k[1]) for k in before] if after.get(key) is not before[key]]
+    assert not changed, changed[:10]
+    assert tl.core.arange is before[(id(tl.core), "arange")]
