@@ -38,6 +38,11 @@ class PassContext:
     def note(self, node_name: str, reason: str) -> None:
         self.notes.append((node_name, reason))
 
+    @property
+    def device_type(self) -> str:
+        """The device kernels are generated for: CPU graphs run (or are interpreted) on the CPU."""
+        return "cpu" if self.target in ("interpret", "eager") else "cuda"
+
 
 class Pass(Protocol):
     name: str

@@ -34,8 +34,8 @@ _NO_HORIZONTAL = ({"skip_horizontal_fusion": True}
 
 
 class _SameDomainPointwise(OperatorSupportBase):
-    def __init__(self, key, target: str, device_type: str):
-        self.key, self.target, self.device_type = key, target, device_type
+    def __init__(self, key, target: str):
+        self.key, self.target = key, target
 
     def is_node_supported(self, submodules, node: fx.Node) -> bool:
         return _domain_key(node) == self.key and pointwise_unsupported_reason(node, self.target) is None
@@ -114,15 +114,14 @@ class FusePointwise:
         if not ctx.options.fuse:
             self._note_fallbacks(gm, ctx, fused=set())
             return PassResult(gm, False, stats)
-        device_type = "cpu" if ctx.target in ("interpret", "eager") else "cuda"
         keys = OrderedDict()
         for node in gm.graph.nodes:
             key = _domain_key(node)
-            if key and key[1].startswith(device_type) and pointwise_unsupported_reason(node, ctx.target) is None:
+            if key and key[1].startswith(ctx.device_type) and pointwise_unsupported_reason(node, ctx.target) is None:
                 keys[key] = None
         fused_nodes: set[str] = set()
         for i, key in enumerate(keys):
-            support = _SameDomainPointwise(key, ctx.target, device_type)
+            support = _SameDomainPointwise(key, ctx.target)
             partitioner = CapabilityBasedPartitioner(gm, support, allows_single_node_partition=True,
                                                      **_NO_HORIZONTAL)
             partitions = partitioner.propose_partitions()

@@ -76,11 +76,10 @@ class FuseReductions:
         stats = {"groups": 0, "reductions": 0, "fused_ops": 0}
         if not ctx.options.fuse:
             return PassResult(gm, False, stats)
-        device_type = "cpu" if ctx.target in ("interpret", "eager") else "cuda"
         keys = OrderedDict()
         for node in gm.graph.nodes:
             info = reduction_info(node)
-            if info and info.device.startswith(device_type) and reduction_unsupported_reason(node, ctx.target) is None:
+            if info and info.device.startswith(ctx.device_type) and reduction_unsupported_reason(node, ctx.target) is None:
                 keys[info.key] = None
         for i, key in enumerate(keys):
             partitioner = CapabilityBasedPartitioner(gm, _ReductionGroupSupport(key, ctx.target),
