@@ -110,7 +110,7 @@ def compile_aten_graph(gm: fx.GraphModule, example_inputs, *, options: Options, 
             kernels[node.target] = k
             record.kernels.append(KernelRecord(k.name, k.kind, k.ops, k.full_source(), graph_name,
                                                k.notes.get("reduction"), standalone_source(k)))
-    kernel_names = {target: k.name for target, k in kernels.items()}
+    kernel_names = {sub_name: k.name for sub_name, k in kernels.items()}
     record.roofline = roofline(gm, kernel_names)
     if options.keep_graphs or options.dump_dir or env.dump_dir:
         record.graph_svg = graph_svg(gm, kernel_names)
