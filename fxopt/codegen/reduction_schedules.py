@@ -13,6 +13,12 @@ import torch
 import torch.fx as fx
 
 from ..analysis.op_classes import is_view
+from .triton_pointwise import view_root
+
+
+def inner_view(n: fx.Node) -> bool:
+    """A view of a value computed inside the group (a row scalar squeezed or unsqueezed)."""
+    return is_view(n) and view_root(n).op != "placeholder"
 from ..analysis.reductions import reduction_info
 from .dtypes import TL_DTYPE, compute_dtype
 from .online_softmax import find_online_pairs, online_finish, online_init, online_update
@@ -48,7 +54,7 @@ class LoopedSchedule:
     def _levels(self):
         em, ready, need = self.em, {}, {}
         for n in em.nodes:
-            if n.op == "placeholder" or is_view(n):
+            if n.op == "placeholder" or (is_view(n) and not inner_view(n)):
                 ready[n] = need[n] = 0
             elif n.op == "call_function":
                 level = max([need[a] if em.is_row.get(a) or a in em.row_leaves else ready[a]
@@ -83,7 +89,8 @@ class LoopedSchedule:
         """Row scalars computable before pass p, then the stores of those that are outputs."""
         em, lines = self.em, []
         for n in em.nodes:
-            if n.op == "call_function" and not is_view(n) and n not in self.emitted and not em.is_row.get(n) \
+            if n.op == "call_function" and (not is_view(n) or inner_view(n)) and n not in self.emitted \
+                    and not em.is_row.get(n) \
                     and reduction_info(n) is None and self.ready.get(n, 0) <= p:
                 em.suffix = ""
                 lines.append(em._node(n))

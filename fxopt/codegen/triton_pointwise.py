@@ -136,7 +136,7 @@ class PointwiseEmitter:
         """Values read from memory: placeholders and view chains of placeholders used by compute."""
         leaves = []
         for n in self.nodes:
-            if n.op == "placeholder" or is_view(n):
+            if n.op == "placeholder" or (is_view(n) and view_root(n).op == "placeholder"):
                 if any(u.op == "call_function" and not is_view(u) for u in n.users) or n in self.output_nodes:
                     leaves.append(n)
         return leaves

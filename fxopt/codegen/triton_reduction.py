@@ -23,7 +23,7 @@ from ..printing import describe_value, target_name
 from .dtypes import TL_DTYPE, compute_dtype, literal
 from .indexing import IterationSpace, Layout, broadcast_strides, print_index
 from .kernel import Kernel
-from .reduction_schedules import LoopedSchedule, lane_reduce
+from .reduction_schedules import LoopedSchedule, inner_view, lane_reduce
 from .pointwise_ops import LOWERINGS, LowerCtx
 from .triton_pointwise import INT32_MAX, PointwiseEmitter, view_root
 
@@ -89,9 +89,9 @@ class ReductionEmitter(PointwiseEmitter):
     # -- classification ----
     def _classify(self) -> None:
         for n in self.nodes:
-            if n.op == "placeholder" or n.op == "output" or is_view(n):
+            if n.op == "placeholder" or n.op == "output" or (is_view(n) and not inner_view(n)):
                 continue
-            if reduction_info(n) is not None:
+            if reduction_info(n) is not None or inner_view(n):  # inner views only reshape row scalars
                 self.is_row[n] = False
             else:
                 self.is_row[n] = tuple(n.meta["val"].shape) == self.S and any(
@@ -238,6 +238,9 @@ class ReductionEmitter(PointwiseEmitter):
         return f"{var}{self.suffix if has_r else ''} = {load}  # {describe_value(val)}"
 
     def _node(self, n: fx.Node) -> str:
+        if inner_view(n):  # [XBLOCK, 1] either way: the same registers under another name
+            self.vdtype[n] = self.vdtype[n.args[0]]
+            return f"{n.name} = {self._var(n.args[0])}  # {target_name(n.target)}"
         self.current_mapping = self._mapping(n.meta["val"].shape)
         if n not in self.counted:
             self.ops.append(target_name(n.target))
@@ -286,7 +289,7 @@ class ReductionEmitter(PointwiseEmitter):
         body += [self._load(i) for i in range(len(self.loads))]
         body.append("# -- compute ----")
         for n in self.nodes:
-            if n.op != "call_function" or is_view(n):
+            if n.op != "call_function" or (is_view(n) and not inner_view(n)):
                 continue
             if reduction_info(n) is not None:
                 block, acc, kind = self._reduced_value(n)

@@ -28,7 +28,7 @@ import torch.fx as fx
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
-from ..analysis.op_classes import pointwise_unsupported_reason
+from ..analysis.op_classes import is_view, pointwise_unsupported_reason
 from ..analysis.reductions import dropped_shape, kept_shape, reduction_info, reduction_unsupported_reason
 from ..pass_manager import PassContext, PassResult
 from .fuse import _NO_HORIZONTAL, FUSED_PREFIX, absorb_input_views
@@ -49,6 +49,12 @@ class _ReductionGroupSupport(OperatorSupportBase):
             return info.key == self.key and reduction_unsupported_reason(node, self.target) is None
         if node.meta.get(RESERVED_FOR, self.key) != self.key:
             return False  # a copy made for another group's reduction (passes/recompute.py)
+        if is_view(node):  # squeezing/unsqueezing a row scalar between its kept and dropped shapes
+            src, val = node.args[0].meta.get("val"), node.meta.get("val")
+            scalars = self.shapes - {self.key[0]}
+            return (isinstance(src, torch.Tensor) and isinstance(val, torch.Tensor) and src.dtype == val.dtype
+                    and tuple(src.shape) in scalars and tuple(val.shape) in scalars
+                    and not self._ambiguous_row_scalar(node, tuple(val.shape)))
         val = node.meta.get("val")
         if not (isinstance(val, torch.Tensor) and tuple(val.shape) in self.shapes and str(val.device) == self.device
                 and pointwise_unsupported_reason(node, self.target) is None):

@@ -195,3 +195,16 @@ def test_layernorm_backward_column_sums_recompute_instead_of_reloading(device):
     ref = bwd(*(t.double() for t in (dy, x, mean, rstd, w, b)))
     for o, r in zip(out, ref):
         assert_close_to_reference(o, r, torch.bfloat16)
+
+
+def test_row_scalars_squeezed_or_unsqueezed_stay_in_the_group(device, schedule):
+    """torch.logsumexp squeezes its max; x.mean(-1).unsqueeze(-1) restores a dim: still one kernel."""
+    x = torch.randn(5, 43, device=device) * 3
+
+    def centred(x):
+        return x - x.mean(-1).unsqueeze(-1) * x.amax(-1).view(5, 1)
+
+    for fn in (lambda x: torch.logsumexp(x, -1), centred):
+        ks, _ = kernels(fn, x)
+        assert len(ks) == 1, [k.ops for k in ks]
+        check(fn, x)
