@@ -27,7 +27,7 @@ from .options import Environment, Options
 from .pass_manager import PassContext, PassManager, PassRecord, count_nodes
 from .passes.fuse import FUSED_PREFIX
 from .passes.fuse_reductions import REDUCTION_PREFIX
-from .printing import graph_to_text, target_name
+from .printing import graph_to_text
 from .report import GraphReport, KernelRecord, Report
 from .verify import GraphVerifier
 

@@ -7,8 +7,6 @@ CUDA that call libdevice need the GPU).
 """
 from __future__ import annotations
 
-import torch
-
 from .kernel import Kernel
 
 HEADER = '''# fxopt kernel {name} ({kind}): {ops}
