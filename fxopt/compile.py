@@ -89,8 +89,10 @@ def compile_aten_graph(gm: fx.GraphModule, example_inputs, *, options: Options, 
     start = time.perf_counter()
     check_devices(gm)
     target = choose_target(gm, env)
-    ctx = PassContext(options=options, env=env, graph_name=graph_name, target=target)
-    record = GraphReport(name=graph_name, target=target, captured_text=graph_to_text(gm, "captured"))
+    inspect = options.keep_graphs or bool(options.dump_dir or env.dump_dir)  # printing graphs costs compile time
+    ctx = PassContext(options=options, env=env, graph_name=graph_name, target=target, inspect=inspect)
+    record = GraphReport(name=graph_name, target=target,
+                         captured_text=graph_to_text(gm, "captured") if inspect else "")
     if has_symbolic_shapes(gm):
         return _run_as_aten(gm, record, report, on_done, start)
     verifier = GraphVerifier(gm, example_inputs, options.verify_rtol, graph_name) if options.verify else None
@@ -109,10 +111,10 @@ def compile_aten_graph(gm: fx.GraphModule, example_inputs, *, options: Options, 
             k = generate(sub, _kernel_name(sub, len(kernels)), kernel_target)
             kernels[node.target] = k
             record.kernels.append(KernelRecord(k.name, k.kind, k.ops, k.full_source(), graph_name,
-                                               k.notes.get("reduction"), standalone_source(k)))
+                                               k.notes.get("reduction"), standalone_source(k) if inspect else ""))
     kernel_names = {sub_name: k.name for sub_name, k in kernels.items()}
     record.roofline = roofline(gm, kernel_names)
-    if options.keep_graphs or options.dump_dir or env.dump_dir:
+    if inspect:
         record.graph_svg = graph_svg(gm, kernel_names)
     mode = "eager" if target == "eager" else "triton"
     filename = "wrapper.py" if graph_name in ("forward", "inference") else f"wrapper_{graph_name}.py"

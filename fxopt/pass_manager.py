@@ -34,6 +34,7 @@ class PassContext:
     graph_name: str = "forward"  # forward | backward | inference | torch (pre-autograd)
     target: str = "cuda"  # cuda | interpret | eager (CPU tensors without TRITON_INTERPRET)
     notes: list[tuple[str, str]] = field(default_factory=list)  # (node name, reason) for nodes left alone
+    inspect: bool = False  # someone will read the report (explain, dumps): print graphs after each pass
 
     def note(self, node_name: str, reason: str) -> None:
         self.notes.append((node_name, reason))
@@ -95,7 +96,8 @@ class PassManager:
             gm = result.gm
             gm.recompile()
             record = PassRecord(p.name, seconds, before, count_nodes(gm), dict(result.stats),
-                                ctx.graph_name, result.changed, graph_to_text(gm, f"after {p.name}"))
+                                ctx.graph_name, result.changed,
+                                graph_to_text(gm, f"after {p.name}") if ctx.inspect else "")
             if self.verifier is not None:
                 record.max_rel_error = self.verifier(gm, p.name)
             records.append(record)
