@@ -38,15 +38,30 @@ def compile_dynamo_graph(gm: fx.GraphModule, example_inputs, options: Options, r
             report = Report()
     elif dump_dir:
         on_done = lambda rep: rep.save(dump_dir)  # noqa: E731
-    ctx = PassContext(options=options, env=env, graph_name="torch")
+    ctx = PassContext(options=options, env=env, graph_name="torch", example_inputs=list(example_inputs),
+                      inspect=options.keep_graphs or bool(dump_dir))
     pre = pipeline.pre_autograd_passes(options)
     if pre:
         gm, records, _ = PassManager(pre).run(gm, ctx)
+        report.pre_autograd.extend(records)
+        report.attention.extend(ctx.attention)
     compiler = functools.partial(compile_aten_graph, options=options, report=report, on_done=on_done)
     # explain() wants the backward graph now; torch.compile compiles it at the first backward call
     eager_backward = options.keep_graphs
     with torch._functorch.config.patch(force_non_lazy_backward_lowering=eager_backward):
-        return _aot(gm, example_inputs, compiler)
+        compiled = _aot(gm, example_inputs, compiler)
+    return _guarded(compiled, ctx.input_guards) if ctx.input_guards else compiled
+
+
+def _guarded(compiled, guards):
+    """Check compile-time facts about buffers (a causal mask buffer) before every call."""
+    @functools.wraps(compiled)
+    def call(*args):
+        flat = args[0] if len(args) == 1 and isinstance(args[0], list) else args  # boxed or not
+        for guard in guards:
+            guard.check(flat[guard.index])
+        return compiled(*args)
+    return call
 
 
 def _aot(gm, example_inputs, compiler):

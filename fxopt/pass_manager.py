@@ -35,6 +35,9 @@ class PassContext:
     target: str = "cuda"  # cuda | interpret | eager (CPU tensors without TRITON_INTERPRET)
     notes: list[tuple[str, str]] = field(default_factory=list)  # (node name, reason) for nodes left alone
     inspect: bool = False  # someone will read the report (explain, dumps): print graphs after each pass
+    example_inputs: list | None = None  # pre-autograd only: the real inputs dynamo compiled for
+    attention: list = field(default_factory=list)  # AttentionSite records from the attention matcher
+    input_guards: list = field(default_factory=list)  # InputGuard: facts about inputs checked every call
 
     def note(self, node_name: str, reason: str) -> None:
         self.notes.append((node_name, reason))

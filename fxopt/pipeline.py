@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from .options import Options
+from .passes.attention import FuseAttention
 from .passes.cleanup import Cleanup
 from .passes.fuse import FusePointwise
 from .passes.fuse_reductions import FuseReductions
@@ -10,9 +11,7 @@ from .passes.recompute import RecomputeForReductions
 
 def pre_autograd_passes(options: Options) -> list:
     """On the torch-level graph dynamo captured, before aot_autograd decomposes it."""
-    return [
-        # (attention matching and precision casts plug in here: issues 4 and 6)
-    ]
+    return [FuseAttention()] if options.attention else []  # (precision casts plug in here: issue 6)
 
 
 def post_grad_passes(options: Options) -> list:

@@ -21,11 +21,25 @@ class KernelRecord:
 
 @dataclass
 class AttentionSite:
-    causal: bool
-    scale: float | None
-    mask: str | None
-    kernel: str | None
-    fallback: str | None
+    """One place attention was found (a softmax between two matmuls, or an SDPA call)."""
+
+    node: str  # the node whose value the fused op replaces (the P @ V matmul, or the SDPA call)
+    source: str  # the model's line of code, when dynamo recorded it
+    fused: bool
+    causal: bool = False
+    scale: float | None = None
+    mask: str = "none"  # "none" | "causal (...)" | "additive [shape]" (read by the kernel)
+    kv_groups: int = 1  # query heads per kv head (grouped-query attention), 1 for multi-head
+    recognised: list[str] = field(default_factory=list)  # the spellings that were folded away
+    kernel: str | None = None  # what runs the fused op
+    reason: str | None = None  # why a site was left unfused
+
+    def __str__(self) -> str:
+        if not self.fused:
+            return f"{self.node}: not fused: {self.reason}  [{self.source}]"
+        gqa = f", {self.kv_groups} query heads per kv head" if self.kv_groups > 1 else ""
+        return (f"{self.node}: fused (causal={self.causal}, scale={self.scale:.6g}, mask={self.mask}{gqa}) "
+                f"-> {self.kernel}; recognised: {', '.join(self.recognised) or '-'}  [{self.source}]")
 
 
 @dataclass
@@ -81,6 +95,7 @@ class GraphReport:
 @dataclass
 class Report:
     graphs: list[GraphReport] = field(default_factory=list)
+    pre_autograd: list[PassRecord] = field(default_factory=list)  # passes on the torch-level graph
     attention: list[AttentionSite] = field(default_factory=list)
     casts: list[CastRecord] = field(default_factory=list)
 
@@ -96,7 +111,7 @@ class Report:
 
     @property
     def passes(self) -> list[PassRecord]:
-        return [p for g in self.graphs for p in g.passes]
+        return self.pre_autograd + [p for g in self.graphs for p in g.passes]
 
     @property
     def kernels(self) -> list[KernelRecord]:

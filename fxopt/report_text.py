@@ -10,6 +10,16 @@ def _table(rows: list[list[str]], header: list[str]) -> list[str]:
 
 def report_to_text(rep) -> str:
     out = []
+    if rep.pre_autograd:
+        rows = [[p.name, f"{p.seconds * 1000:.2f} ms", p.nodes_before, p.nodes_after,
+                 ", ".join(f"{k}={v}" for k, v in p.stats.items() if v)] for p in rep.pre_autograd]
+        out.append("== torch-level graph (before autograd) ==")
+        out += _table(rows, ["pass", "time", "nodes in", "nodes out", "stats"])
+        out.append("")
+    if rep.attention:
+        out.append(f"attention sites ({sum(s.fused for s in rep.attention)} of {len(rep.attention)} fused):")
+        out += [f"  {site}" for site in rep.attention]
+        out.append("")
     for g in rep.graphs:
         out.append(f"== {g.name} graph (kernels for {g.target}) compiled in {g.compile_seconds * 1000:.1f} ms ==")
         rows = []

@@ -64,10 +64,12 @@ def is_view(node: fx.Node) -> bool:
 
 
 def classify(node: fx.Node) -> str:
-    """pointwise | view | reduction | matmul | random | creation | other."""
+    """pointwise | view | reduction | matmul | random | creation | fxopt | other."""
     t = node.target
     if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
         return "other"
+    if t.namespace == "fxopt":
+        return "fxopt"  # fxopt's own fused ops (attention): already a kernel, not a fallback
     if t in POINTWISE_OPS:
         return "pointwise"
     if t.is_view:

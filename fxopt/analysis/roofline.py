@@ -80,7 +80,22 @@ def matmul_flops(node: fx.Node) -> int:
     if t in (aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default):
         b, h, sq, d = shape(args[0])
         return 4 * b * h * sq * shape(args[1])[2] * d
+    if getattr(t, "namespace", "") == "fxopt":
+        return attention_flops(node)
     return 0
+
+
+def attention_flops(node: fx.Node) -> int:
+    """fxopt's flash attention: 2 matmuls forward (QK^T, PV), 5 backward (S and dP recomputed, dQ,
+    dK, dV); causal does about half the work."""
+    name = node.target.name()
+    first = 1 if "backward" in name else 0  # backward(dout, q, k, v, ...)
+    q, k = node.args[first].meta["val"], node.args[first + 1].meta["val"]
+    b, h, sq, d = q.shape
+    forward = 4 * b * h * sq * k.shape[2] * d
+    causal = bool(node.args[-1])
+    work = forward * (2.5 if "backward" in name else 1)
+    return int(work / 2 if causal else work)
 
 
 def kernel_flops(sub: fx.GraphModule) -> int:
@@ -106,7 +121,7 @@ def roofline(gm: fx.GraphModule, kernel_names: dict | None = None, ceilings: Cei
         elif n.op == "call_function" and n.target is not operator.getitem and not is_view(n):
             flops = matmul_flops(n)
             nbytes = sum(_bytes(a.meta.get("val")) for a in n.all_input_nodes) + _bytes(n.meta.get("val"))
-            kind = "matmul" if flops else "aten"
+            kind = "attention" if getattr(n.target, "namespace", "") == "fxopt" else "matmul" if flops else "aten"
             rate = ceilings.matmul_flops_per_s
         else:
             continue

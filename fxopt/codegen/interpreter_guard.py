@@ -9,6 +9,8 @@ which puts back whatever the launch changed.
 """
 from __future__ import annotations
 
+import contextlib
+
 import triton.language as tl
 
 
@@ -20,6 +22,19 @@ def _patched_namespaces() -> list:
     return spaces
 
 
+@contextlib.contextmanager
+def restoring_triton_language():
+    """Run interpreted kernels inside this; triton.language is put back as it was afterwards."""
+    saved = [(space, dict(vars(space))) for space in _patched_namespaces()]
+    try:
+        yield
+    finally:
+        for space, attrs in saved:
+            for name, value in attrs.items():
+                if vars(space).get(name) is not value:
+                    setattr(space, name, value)
+
+
 class GuardedKernel:
     """Launch as `kernel[grid](...)`; triton.language is restored after every launch."""
 
@@ -28,14 +43,8 @@ class GuardedKernel:
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            saved = [(space, dict(vars(space))) for space in _patched_namespaces()]
-            try:
+            with restoring_triton_language():
                 return self.fn[grid](*args, **kwargs)
-            finally:
-                for space, attrs in saved:
-                    for name, value in attrs.items():
-                        if vars(space).get(name) is not value:
-                            setattr(space, name, value)
         return launch
 
     def __getattr__(self, name):

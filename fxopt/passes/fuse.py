@@ -143,7 +143,7 @@ class FusePointwise:
     @staticmethod
     def _note_fallbacks(gm: fx.GraphModule, ctx: PassContext, fused: set[str]) -> None:
         for node in gm.graph.nodes:
-            if node.op != "call_function" or node.name in fused or classify(node) == "view":
+            if node.op != "call_function" or node.name in fused or classify(node) in ("view", "fxopt"):
                 continue
             if getattr(node.target, "__name__", "") == "getitem":
                 continue

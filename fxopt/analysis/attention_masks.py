@@ -1,0 +1,112 @@
+"""Turn the masking steps of a hand-written attention into facts the fused kernel can use.
+
+A score chain applies masks in three spellings: `s.masked_fill(cond, v)`, `torch.where(cond, s, v)`
+and `s + m`. Masks whose value is known at compile time (built from constants or module buffers) are
+evaluated and compared with the causal pattern; when they equal it, the kernel gets `causal=True` and
+reads no mask at all. A mask that depends on the model's inputs (a padding mask) becomes the kernel's
+additive mask operand. Anything else is refused with the reason, and the site stays unfused.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+# A masked score must vanish after exp(): -inf does exactly; so does any value at or below fp16's
+# lowest finite value (-65504), as long as the row keeps one unmasked score (true for causal rows).
+MASKED_AT_MOST = -65504.0
+
+
+class NotAttention(Exception):
+    """The site cannot be fused; the message says why (shown in rep.attention)."""
+
+
+@dataclass
+class MaskStep:
+    kind: str  # "fill": scores set to `value` where `cond` is True | "add": scores + `tensor`
+    tensor: object  # cond (fill) or the additive mask (add): an fx.Node or a constant
+    value: float = 0.0  # fill value
+    after_scale: bool = False  # a scale step comes after this one (between it and the softmax)
+    negate: bool = False  # fill where `cond` is False (torch.where(keep, scores, value))
+
+
+@dataclass
+class MaskFacts:
+    causal: bool = False
+    runtime_mask: fx.Node | None = None  # additive mask the kernel loads
+    runtime_fill: MaskStep | None = None  # an input-dependent -inf fill, rewritten as an additive mask
+    buffers: tuple = ()  # module buffers the causal fact was read from (guarded at run time)
+    described: str = "none"
+
+
+def causal_keep(seq_q: int, seq_k: int) -> torch.Tensor:
+    return torch.ones(seq_q, seq_k, dtype=torch.bool).tril(seq_k - seq_q)
+
+
+def _scalar(value) -> float | None:
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value.item())
+    return None
+
+
+def _keep_of_step(step: MaskStep, values, score_shape) -> torch.Tensor:
+    """Where a constant mask step keeps the score, broadcast to the scores' shape."""
+    tensor = torch.as_tensor(values.value(step.tensor)).cpu()
+    if step.kind == "fill":
+        if step.value > MASKED_AT_MOST:
+            raise NotAttention(f"masked scores are filled with {step.value:g}, not -inf or a value <= "
+                               f"{MASKED_AT_MOST:g}: exp() would not drop them")
+        masked = ~tensor.bool() if step.negate else tensor.bool()
+        return (~masked).expand(score_shape)
+    additive = tensor.float().expand(score_shape)
+    kept = additive == 0
+    if not bool(((additive <= MASKED_AT_MOST) | kept).all()):
+        raise NotAttention("a constant additive mask holds values other than 0 and -inf: not a causal mask "
+                           "(pass it as an input to have the kernel read it)")
+    return kept
+
+
+def _describe_buffers(buffers) -> str:
+    return ", ".join(b.name for b in buffers) or "built in the graph"
+
+
+def mask_facts(steps: list[MaskStep], values, score_shape, requires_grad) -> MaskFacts:
+    """Fold the mask steps of one site into MaskFacts, or raise NotAttention with the reason."""
+    facts = MaskFacts()
+    keep = torch.ones(score_shape, dtype=torch.bool)
+    constant_steps = []
+    for step in steps:
+        if values.is_constant(step.tensor):
+            keep = keep & _keep_of_step(step, values, score_shape)
+            constant_steps.append(step)
+        elif facts.runtime_mask is not None or facts.runtime_fill is not None:
+            raise NotAttention("more than one mask computed from the model's inputs")
+        elif step.after_scale:
+            raise NotAttention("the scale is applied after an input-dependent mask (the kernel adds the "
+                               "mask to already-scaled scores)")
+        elif step.kind == "add":
+            if requires_grad(step.tensor):
+                raise NotAttention("the additive mask requires grad (the kernel gives no mask gradient)")
+            facts.runtime_mask = step.tensor
+        elif step.value == -math.inf:
+            facts.runtime_fill = step
+        else:
+            raise NotAttention(f"an input-dependent mask fills with {step.value:g}, not -inf: rows it masks "
+                               "completely would differ from eager")
+    seq_q, seq_k = score_shape[-2], score_shape[-1]
+    if not bool(keep.all()):
+        if seq_q > seq_k or not bool((keep == causal_keep(seq_q, seq_k)).all()):
+            raise NotAttention("a compile-time mask that is not causal (bottom-right aligned)")
+        facts.causal = True
+        buffers = [b for s in constant_steps if isinstance(s.tensor, fx.Node) for b in values.buffers_used(s.tensor)]
+        facts.buffers = tuple(dict.fromkeys(buffers))
+        facts.described = f"causal (from {_describe_buffers(facts.buffers)})"
+    if facts.runtime_mask is not None or facts.runtime_fill is not None:
+        node = facts.runtime_mask if facts.runtime_mask is not None else facts.runtime_fill.tensor
+        extra = f"additive {list(node.meta['example_value'].shape)} read by the kernel"
+        facts.described = extra if not facts.causal else f"{facts.described} + {extra}"
+    return facts

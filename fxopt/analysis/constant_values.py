@@ -1,0 +1,87 @@
+"""Compile-time values of torch-level nodes that depend only on constants and module buffers.
+
+Masks in model code are often built in the graph (`torch.ones(T, T).tril()`, `full(-inf).triu(1)`)
+or sliced from a registered buffer (GPT-2's `bias[:, :, :T, :T]`). With static shapes their value is
+fixed, so fxopt computes it once from the example inputs and turns it into a fact (causal or not).
+A buffer can still be changed in place later; whoever relies on a buffer's value records a guard
+(see `buffers_used`) that is checked on every call.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor
+
+from .torch_ops import is_random
+
+
+def is_module_buffer(node: fx.Node, example) -> bool:
+    """A placeholder dynamo lifted from a module's registered buffers (not a user input, not a parameter)."""
+    grapharg = node.meta.get("grapharg")
+    source = getattr(getattr(grapharg, "source", None), "name", "")
+    source = source() if callable(source) else source
+    from_buffers = "_buffers[" in str(source) or "_buffers_" in node.name
+    real = isinstance(example, torch.Tensor) and not isinstance(example, FakeTensor)
+    return from_buffers and real and not isinstance(example, torch.nn.Parameter) and not example.requires_grad
+
+
+class ConstantValues:
+    def __init__(self, gm: fx.GraphModule, example_inputs):
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        examples = list(example_inputs) if example_inputs is not None else []
+        self.gm = gm
+        self.index = {n: i for i, n in enumerate(placeholders)}
+        self.buffers = {n: ex for n, ex in zip(placeholders, examples) if is_module_buffer(n, ex)}
+        self._constant: dict[fx.Node, bool] = {}
+        self._value: dict[fx.Node, object] = {}
+
+    def is_constant(self, value) -> bool:
+        if not isinstance(value, fx.Node):
+            return not isinstance(value, (list, tuple)) or all(self.is_constant(v) for v in value)
+        if value not in self._constant:
+            self._constant[value] = self._decide(value)
+        return self._constant[value]
+
+    def _decide(self, node: fx.Node) -> bool:
+        if node.op == "placeholder":
+            return node in self.buffers
+        if node.op == "get_attr":
+            return True
+        if node.op not in ("call_function", "call_method") or is_random(node):
+            return False
+        return all(self.is_constant(a) for a in node.all_input_nodes)
+
+    def value(self, value):
+        """The compile-time value (only for `is_constant` nodes)."""
+        if not isinstance(value, fx.Node):
+            return value
+        if value not in self._value:
+            self._value[value] = self._evaluate(value)
+        return self._value[value]
+
+    def _evaluate(self, node: fx.Node):
+        if node.op == "placeholder":
+            return self.buffers[node]
+        if node.op == "get_attr":
+            obj = self.gm
+            for part in node.target.split("."):
+                obj = getattr(obj, part)
+            return obj
+        args = fx.node.map_arg(node.args, self.value)
+        kwargs = fx.node.map_arg(node.kwargs, self.value)
+        if node.op == "call_method":
+            return getattr(args[0], node.target)(*args[1:], **kwargs)
+        return node.target(*args, **kwargs)
+
+    def buffers_used(self, node: fx.Node) -> list[fx.Node]:
+        """The buffer placeholders a constant node's value comes from (what a guard must watch)."""
+        seen, stack, found = set(), [node], []
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if n in self.buffers:
+                found.append(n)
+            stack.extend(n.all_input_nodes)
+        return found

@@ -1,0 +1,100 @@
+"""Read torch-level (dynamo) graph nodes as canonical ops, whatever spelling the model used.
+
+Dynamo records a model's own calls: `q @ k.transpose(-2, -1)` is `operator.matmul`, `torch.matmul`,
+`torch.bmm` or the `matmul` method; a cast is `.float()`, `.to(torch.float32)`, `.type(...)` or
+`.type_as(x)`. Matchers ask `op_of(node)` for one name per meaning and `arg(node, i, name)` for an
+argument wherever it was passed, so a pattern is written once.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+_FUNCTIONS = {
+    torch.matmul: "matmul", operator.matmul: "matmul", torch.bmm: "matmul",
+    operator.mul: "mul", torch.mul: "mul", operator.truediv: "div", torch.div: "div",
+    operator.add: "add", torch.add: "add",
+    torch.softmax: "softmax", F.softmax: "softmax",
+    torch.masked_fill: "masked_fill", torch.where: "where",
+    F.dropout: "dropout", torch.dropout: "dropout",
+    torch.transpose: "transpose", torch.permute: "permute",
+    torch.repeat_interleave: "repeat_interleave",
+    operator.getitem: "getitem",
+    F.scaled_dot_product_attention: "sdpa",
+}
+_METHODS = {
+    "matmul": "matmul", "bmm": "matmul", "mul": "mul", "div": "div", "add": "add",
+    "softmax": "softmax", "masked_fill": "masked_fill", "transpose": "transpose", "permute": "permute",
+    "float": "cast", "half": "cast", "bfloat16": "cast", "to": "cast", "type": "cast", "type_as": "cast",
+    "view": "reshape", "reshape": "reshape", "expand": "expand", "repeat_interleave": "repeat_interleave",
+    "contiguous": "contiguous", "unsqueeze": "unsqueeze",
+}
+_RANDOM_WORDS = ("rand", "dropout", "bernoulli", "normal", "multinomial")
+
+
+def op_of(node) -> str | None:
+    """The canonical op name of a call node, or None for anything this module does not know."""
+    if not isinstance(node, fx.Node):
+        return None
+    if node.op == "call_function":
+        return _FUNCTIONS.get(node.target)
+    if node.op == "call_method":
+        return _METHODS.get(node.target)
+    return None
+
+
+def is_random(node: fx.Node) -> bool:
+    """Ops whose value changes from call to call: never evaluated at compile time."""
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return any(word in name for word in _RANDOM_WORDS)
+
+
+def arg(node: fx.Node, index: int, name: str, default=None):
+    """Argument `name`, passed positionally at `index` or by keyword."""
+    if index < len(node.args):
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def meta(value):
+    """The example value (a fake tensor) dynamo recorded for a node; plain values pass through."""
+    return value.meta.get("example_value") if isinstance(value, fx.Node) else value
+
+
+def shape(value) -> tuple[int, ...] | None:
+    v = meta(value)
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def dtype(value) -> torch.dtype | None:
+    v = meta(value)
+    return v.dtype if isinstance(v, torch.Tensor) else None
+
+
+def cast_target(node: fx.Node) -> torch.dtype | None:
+    """The dtype a cast node produces (only for nodes whose op_of is "cast")."""
+    return dtype(node)
+
+
+def is_identity_dropout(node: fx.Node) -> bool:
+    """F.dropout(x, p, training) that does nothing: eval mode or p == 0."""
+    p = arg(node, 1, "p", 0.5)
+    training = arg(node, 2, "training" if node.target is F.dropout else "train", True)
+    return isinstance(p, (int, float)) and (p == 0 or training is False)
+
+
+def swaps_last_two(node: fx.Node) -> bool:
+    """transpose(-2, -1) / transpose(2, 3) on 4-D / permute(..., last, second-last)."""
+    rank = len(shape(node) or ())
+    op = op_of(node)
+    if op == "transpose" and len(node.args) >= 3:
+        dims = {d % rank for d in node.args[1:3] if isinstance(d, int)}
+        return dims == {rank - 2, rank - 1}
+    if op == "permute":
+        dims = node.args[1:] if len(node.args) > 2 else node.args[1]
+        dims = [d % rank for d in dims] if all(isinstance(d, int) for d in dims) else None
+        return dims == list(range(rank - 2)) + [rank - 1, rank - 2]
+    return False

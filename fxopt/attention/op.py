@@ -1,0 +1,104 @@
+"""The fused attention op aot_autograd sees: torch.ops.fxopt.flash_attention and its backward.
+
+A `torch.library` custom op with a fake (shape) implementation and an autograd formula, so the
+forward graph holds one `flash_attention` node and the backward graph one `flash_attention_backward`
+node. The op picks its implementation when it runs:
+  - CUDA tensors: fxopt's Triton kernels (split-KV decode for short queries over long keys, else the
+    flash forward); the backward is fxopt's flash backward.
+  - CPU tensors under TRITON_INTERPRET=1: the same Triton kernels in the interpreter (how tests check them).
+  - other CPU tensors: `reference.attention` in plain torch ops.
+
+Contract (the matcher builds calls that meet it): q [B, H, Tq, D], k and v [B, Hkv, Tk, D] with H a
+multiple of Hkv (grouped-query attention), any strides; `mask` None or an additive float mask
+broadcastable to [B, H, Tq, Tk]; causal is aligned bottom-right. Returns (out [B, H, Tq, D] in q's
+dtype, lse [B, H, Tq] float32: the natural-log log-sum-exp of each row, saved for the backward).
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import reference
+
+
+def _on_triton(t: Tensor) -> bool:
+    """CUDA tensors, or CPU tensors when the Triton interpreter is on."""
+    return t.is_cuda or (t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+def _triton_call(t: Tensor, fn, *args, **kwargs):
+    if t.is_cuda:
+        return fn(*args, **kwargs)
+    from ..codegen.interpreter_guard import restoring_triton_language
+    with restoring_triton_language():
+        return fn(*args, **kwargs)
+
+
+def _full_mask(mask: Optional[Tensor], q: Tensor, k: Tensor) -> Optional[Tensor]:
+    """The additive mask as a [B, H, Tq, Tk] view (stride 0 where it broadcasts); no copy."""
+    if mask is None:
+        return None
+    return mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+
+
+@torch.library.custom_op("fxopt::flash_attention", mutates_args=())
+def flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float,
+                    causal: bool) -> tuple[Tensor, Tensor]:
+    if not _on_triton(q):
+        out, lse = reference.attention(q, k, v, scale=scale, causal=causal, mask=mask)
+        return out.contiguous(), lse.contiguous()
+    from .flash_decode import decode_applies, flash_decode
+    from .flash_forward import flash_forward
+    kernel = flash_decode if decode_applies(q.shape[2], k.shape[2]) else flash_forward
+    return _triton_call(q, kernel, q, k, v, scale=scale, causal=causal, mask=_full_mask(mask, q, k))
+
+
+@flash_attention.register_fake
+def _(q, k, v, mask, scale, causal):
+    b, h, tq, _ = q.shape
+    out = q.new_empty(b, h, tq, v.shape[-1])
+    lse = q.new_empty(b, h, tq, dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.custom_op("fxopt::flash_attention_backward", mutates_args=())
+def flash_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                             mask: Optional[Tensor], scale: float, causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+    if not _on_triton(q):
+        dq, dk, dv = reference.attention_backward(dout, q, k, v, scale=scale, causal=causal, mask=mask)
+        return dq.contiguous(), dk.contiguous(), dv.contiguous()
+    from .flash_backward import flash_backward
+    return _triton_call(q, flash_backward, dout, q, k, v, out, lse, scale=scale, causal=causal,
+                        mask=_full_mask(mask, q, k))
+
+
+@flash_attention_backward.register_fake
+def _(dout, q, k, v, out, lse, mask, scale, causal):
+    # contiguous, as the kernels write them (not empty_like: q/k/v are often transposed views)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, mask, scale, causal = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, mask)
+    ctx.scale, ctx.causal = scale, causal
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse, mask = ctx.saved_tensors
+    dq, dk, dv = flash_attention_backward(dout, q, k, v, out, lse, mask, ctx.scale, ctx.causal)
+    return dq, dk, dv, None, None, None
+
+
+flash_attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool = False,
+              mask: Optional[Tensor] = None) -> Tensor:
+    """The fused op's output alone: what the matcher's replacement computes."""
+    return flash_attention(q, k, v, mask, scale, causal)[0]

@@ -1,0 +1,59 @@
+"""Attention in plain torch ops: what the fused op computes, for CPU graphs that run without Triton.
+
+Same contract as the Triton kernels: q [B, H, Tq, D], k and v [B, Hkv, Tk, D] (H a multiple of Hkv),
+scores and softmax in float32, causal masks aligned bottom-right (query i sees key j <= i + Tk - Tq),
+an optional additive mask broadcastable to [B, H, Tq, Tk]. Returns (out in q's dtype, lse float32).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """[B, Hkv, T, D] -> [B, H, T, D]: each kv head serves H // Hkv consecutive query heads."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def causal_keep(seq_q: int, seq_k: int, device) -> torch.Tensor:
+    """[Tq, Tk] bool, True where query i may see key j (bottom-right aligned)."""
+    return torch.ones(seq_q, seq_k, dtype=torch.bool, device=device).tril(seq_k - seq_q)
+
+
+def scores(q, k, *, scale, causal, mask) -> torch.Tensor:
+    """scale * q k^T (+ mask), float32, with causal positions at -inf."""
+    s = torch.matmul(q.float(), expand_kv(k, q.shape[1]).float().transpose(-2, -1)) * scale
+    if mask is not None:
+        s = s + mask.float()
+    if causal:
+        s = s.masked_fill(~causal_keep(q.shape[-2], k.shape[-2], q.device), float("-inf"))
+    return s
+
+
+def attention(q, k, v, *, scale: float, causal: bool, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+    s = scores(q, k, scale=scale, causal=causal, mask=mask)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse.unsqueeze(-1))
+    out = torch.matmul(p.to(v.dtype), expand_kv(v, q.shape[1]))
+    return out.to(q.dtype), lse
+
+
+def _sum_groups(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[B, H, T, D] -> [B, Hkv, T, D]: a kv head's gradient is the sum over the query heads it served."""
+    b, h, t, d = x.shape
+    return x.view(b, kv_heads, h // kv_heads, t, d).sum(2)
+
+
+def attention_backward(dout, q, k, v, *, scale: float, causal: bool, mask=None):
+    """(dq, dk, dv) from the softmax gradient written out (custom ops run below autograd, so no
+    autograd here): P recomputed, dS = P * (dP - rowsum(dO * O)), all in float32."""
+    s = scores(q, k, scale=scale, causal=causal, mask=mask)
+    p = torch.softmax(s, dim=-1)
+    heads, kv_heads = q.shape[1], k.shape[1]
+    do, vf = dout.float(), expand_kv(v, heads).float()
+    dp = torch.matmul(do, vf.transpose(-2, -1))
+    out = torch.matmul(p, vf)
+    ds = p * (dp - (do * out).sum(-1, keepdim=True))
+    dq = torch.matmul(ds, expand_kv(k, heads).float()) * scale
+    dk = torch.matmul(ds.transpose(-2, -1), q.float()) * scale
+    dv = torch.matmul(p.transpose(-2, -1), do)
+    return dq.to(q.dtype), _sum_groups(dk, kv_heads).to(k.dtype), _sum_groups(dv, kv_heads).to(v.dtype)
