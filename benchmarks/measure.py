@@ -1,6 +1,7 @@
 """Measurement helpers for benchmarks/run.py: backends, timing, memory, correctness, copy ceiling, cold first call."""
 from __future__ import annotations
 
+import copy
 import datetime
 import gc
 import json
@@ -21,7 +22,7 @@ from .workloads import tensors
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIRST_CALL_MARK = "FIRST_CALL_JSON "
-BACKENDS = ("eager", "inductor", "fxopt")
+BACKENDS = ("eager", "inductor", "fxopt", "sdpa")  # sdpa: the workload's anchor, run eagerly
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # allclose tolerances against eager, per dtype (compiled kernels compute in fp32 and round once, eager
 # rounds after every op, so a chain of ops differs by a few ulps of the output)
@@ -72,6 +73,32 @@ def compile_for(backend: str, fn):
     if backend == "fxopt":
         return torch.compile(fn, backend=fxopt_backend_name())
     raise SystemExit(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
+
+
+def backends_for(w, requested) -> list[str]:
+    """The requested backends that apply to workload `w`: "sdpa" only where `w` has an anchor."""
+    return [b for b in requested if b != "sdpa" or w.anchor is not None]
+
+
+def runnable(w, backend: str, fn):
+    """What `backend` calls with the workload's inputs: `fn` compiled by it, or, for "sdpa", the
+    workload's anchor (the same computation through F.scaled_dot_product_attention), uncompiled."""
+    if backend == "sdpa":
+        torch._dynamo.reset()
+        return w.anchor
+    return compile_for(backend, fn)
+
+
+def as_float64(inputs) -> list:
+    """The inputs of the float64 reference run: floating tensors as float64, modules as float64 copies
+    (a workload may pass an nn.Module, e.g. gpt_block), anything else unchanged."""
+    def convert(x):
+        if isinstance(x, torch.Tensor):
+            return x.double() if x.is_floating_point() else x
+        if isinstance(x, torch.nn.Module):
+            return copy.deepcopy(x).double()
+        return x
+    return [convert(x) for x in inputs]
 
 
 def grad_mode(w):
@@ -185,7 +212,7 @@ def first_call_child(w, backend: str, device: str, dtype, quick: bool) -> dict:
             pass
     with grad_mode(w):
         t0 = time.perf_counter()
-        out = compile_for(backend, fn)(*inputs)
+        out = runnable(w, backend, fn)(*inputs)
         sync(device)
         seconds = time.perf_counter() - t0
     del out

@@ -1,7 +1,7 @@
-"""Benchmark runner: eager vs inductor vs fxopt on the registered workloads; one plain-text table.
+"""Benchmark runner: eager vs inductor vs fxopt (vs SDPA) on the registered workloads; one plain-text table.
 
     PYTHONPATH=. python -m benchmarks.run [--workloads a,b] [--quick] [--device cuda|cpu]
-                                          [--backends eager,inductor,fxopt] [--json out.json]
+                                          [--backends eager,inductor,fxopt,sdpa] [--json out.json]
 
 See benchmarks/README.md for what each column means.
 """
@@ -20,7 +20,7 @@ from . import measure, workloads
 
 COLUMNS = [  # (key, title, format)
     ("workload", "workload", "{}"), ("backend", "backend", "{}"), ("ok", "ok", "{}"),
-    ("max_abs_diff", "max|diff|", "{:.3g}"), ("median_ms", "median_ms", "{:.4f}"),
+    ("max_abs_diff", "max|diff|", "{:.3g}"), ("median_ms", "median_ms", "{:.4f}"), ("vs", "vs", "{}"),
     ("first_call_s", "first_call_s", "{:.2f}"), ("peak_mib", "peak_MiB", "{:.1f}"),
     ("gbs", "GB/s", "{:.0f}"), ("pct_copy", "%copy", "{:.1f}"), ("tflops", "TFLOP/s", "{:.1f}"),
     ("note", "note", "{}"),
@@ -30,7 +30,9 @@ COLUMNS = [  # (key, title, format)
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.splitlines()[0])
     p.add_argument("--workloads", default="all", help=f"comma-separated, default all: {','.join(workloads.WORKLOADS)}")
-    p.add_argument("--backends", default=",".join(measure.BACKENDS), help="comma-separated: eager,inductor,fxopt")
+    p.add_argument("--backends", default=",".join(measure.BACKENDS),
+                   help="comma-separated: eager,inductor,fxopt,sdpa (sdpa: the workload's SDPA anchor, run "
+                        "eagerly; skipped for workloads without one). Default: all")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     p.add_argument("--dtype", default="bf16", choices=sorted(measure.DTYPES))
     p.add_argument("--quick", action="store_true", help="tiny sizes (256x256): a smoke test, e.g. on CPU")
@@ -67,7 +69,7 @@ def run_backend(w, backend, fn, inputs, expected, ref64, args, copy_gbs, min_byt
     rtol, atol = w.rtol if w.rtol is not None else rtol, w.atol if w.atol is not None else atol
     stage = "compile"
     try:
-        compiled = measure.compile_for(backend, fn)
+        compiled = measure.runnable(w, backend, fn)
         call = lambda: compiled(*inputs)  # noqa: E731
         with measure.grad_mode(w):
             out = call()  # compiles (warm caches: the cold first call is measured in a child process)
@@ -94,10 +96,11 @@ def run_backend(w, backend, fn, inputs, expected, ref64, args, copy_gbs, min_byt
 
 def run_workload(w, args, copy_gbs) -> list[dict]:
     dtype = measure.DTYPES[args.dtype]
+    backends = measure.backends_for(w, args.backend_list)
     log(f"== {w.name}: {w.description}")
     firsts = {}
     if not args.no_first_call:  # before this process allocates the workload's inputs
-        for b in args.backend_list:
+        for b in backends:
             log(f"   first call (cold caches, fresh process): {b}")
             firsts[b] = measure.first_call(w, b, args.device, args.dtype, args.quick, args.first_call_timeout)
     try:
@@ -111,17 +114,17 @@ def run_workload(w, args, copy_gbs) -> list[dict]:
     except Exception as e:
         traceback.print_exc(file=sys.stderr)
         return [{"workload": w.name, "backend": b, "ok": "ERR", "note": f"setup failed: {short_error(e)}"}
-                for b in args.backend_list]
+                for b in backends]
     cached = []
 
     def ref64():  # float64 run of eager, computed once and only if a check needs it
         if not cached:
             with measure.grad_mode(w):
-                cached.append(fn(*[t.double() if t.is_floating_point() else t for t in inputs]))
+                cached.append(fn(*measure.as_float64(inputs)))
         return cached[0]
 
     rows = []
-    for b in args.backend_list:
+    for b in backends:
         log(f"   {b}")
         row = run_backend(w, b, fn, inputs, expected, ref64, args, copy_gbs, min_bytes, flops)
         first = firsts.get(b, {})
@@ -131,12 +134,31 @@ def run_workload(w, args, copy_gbs) -> list[dict]:
         row.update(min_bytes=min_bytes, flops=flops, dtype=args.dtype, device=args.device, quick=args.quick)
         rows.append(row)
         gc.collect()
+    add_speed_ratios(rows)
     del fn, inputs, expected, cached
     torch._dynamo.reset()
     gc.collect()
     if args.device == "cuda":
         torch.cuda.empty_cache()
     return rows
+
+
+def add_speed_ratios(rows):
+    """Give each row of one workload `vs` = baseline median_ms / its own (>1: faster than the baseline).
+
+    The baseline is the SDPA anchor row where the workload has one (it ran), else the inductor row; it
+    is marked "base". No baseline row or no baseline time: no ratios."""
+    by_backend = {r["backend"]: r for r in rows}
+    base_name = next((b for b in ("sdpa", "inductor") if b in by_backend), None)
+    base_ms = by_backend[base_name].get("median_ms") if base_name else None
+    if not base_ms:
+        return
+    for r in rows:
+        r["vs_baseline"] = base_name
+        if r is by_backend[base_name]:
+            r["vs"] = "base"
+        elif r.get("median_ms"):
+            r["vs"] = f"{base_ms / r['median_ms']:.2f}x"
 
 
 def cell(row, key, fmt):
@@ -150,7 +172,7 @@ def cell(row, key, fmt):
 def format_table(rows) -> str:
     cells = [[title for _, title, _ in COLUMNS]] + [[cell(r, k, f) for k, _, f in COLUMNS] for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
-    numeric = {"max_abs_diff", "median_ms", "first_call_s", "peak_mib", "gbs", "pct_copy", "tflops"}
+    numeric = {"max_abs_diff", "median_ms", "vs", "first_call_s", "peak_mib", "gbs", "pct_copy", "tflops"}
     lines = []
     for c in cells:
         parts = [v.rjust(wd) if k in numeric else v.ljust(wd) for (k, _, _), v, wd in zip(COLUMNS, c, widths)]
@@ -199,6 +221,8 @@ def main(argv=None) -> int:
     ceiling = f"{copy_gbs:.0f} GB/s" if copy_gbs else "unavailable"
     print(f"# dtype {args.dtype}{'  quick sizes' if args.quick else ''}  copy ceiling {ceiling} "
           f"({nbytes / 2**20:.0f} MiB read + written)")
+    print("# vs: baseline median_ms / this row's (>1x: faster); baseline (base) = the sdpa anchor where the "
+          "workload has one, else inductor")
     print(format_table(rows))
     return 0
 

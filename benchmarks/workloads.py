@@ -13,7 +13,11 @@ the runner can be smoke-tested on a CPU. Besides the factory a workload records:
   training                            False: run under torch.no_grad(). True: run with grad enabled;
                                       fn itself then does the forward and backward it wants timed.
   rtol, atol                          tolerance of the check against eager; None = default for the dtype.
-  kind                                "pointwise" now; later "reduction", "attention", "training".
+  kind                                "pointwise", "reduction", "attention" or "model".
+  anchor(*inputs)                     optional: the same computation written with PyTorch's own fused op
+                                      (for attention: F.scaled_dot_product_attention), taking the same
+                                      inputs. The runner's "sdpa" backend times it in eager mode, so each
+                                      number has PyTorch's best in the same run to be judged against.
 
 Adding a workload (a softmax, a layernorm, attention, a training step) is one decorated function.
 """
@@ -65,6 +69,7 @@ class Workload:
     training: bool = False
     rtol: float | None = None
     atol: float | None = None
+    anchor: Callable | None = None
 
 
 WORKLOADS: dict[str, Workload] = {}
@@ -152,3 +157,4 @@ def make_add(device, dtype, quick):
 
 
 from . import workloads_reduction  # noqa: E402,F401  (registers the reduction workloads)
+from . import workloads_attention  # noqa: E402,F401  (registers the attention workloads)

@@ -1,0 +1,226 @@
+"""Attention workloads (causal and full forward, causal backward, decode, a GPT-2 block), registered
+into workloads.WORKLOADS, each with an SDPA anchor.
+
+The attention is written by hand the way model code writes it: `q @ k.transpose(-2, -1) * scale`, a
+causal mask applied with `masked_fill` (a `torch.triu` mask built in the function, or GPT-2's
+registered `tril` buffer), softmax in fp32 and cast back, `@ v`. That is what fxopt's matcher has to
+recognise; the anchor (`Workload.anchor`) computes the same thing with
+`F.scaled_dot_product_attention`, so every table has PyTorch's own fused kernel next to it.
+
+Sizes follow the attention issue (bf16): q [B, H, Tq, D], k and v [B, H, Tk, D].
+
+FLOPs are counted as FlashAttention's benchmarks count them, so TFLOP/s can be compared with published
+numbers and with the SDPA row (which is given the same count):
+  forward   4 * B * H * Tq * Tk * D          (two matmuls, q @ k^T and p @ v; halved when causal)
+  backward  2.5 * forward                    (five matmuls: s recomputed, dv, dp, dq, dk)
+  training  3.5 * forward                    (attn_causal_bwd times forward + backward together)
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .workloads import nbytes, randn, tensors, workload
+
+BACKWARD_FLOPS_PER_FORWARD = 2.5  # FlashAttention's convention: backward = 5 matmuls vs forward's 2
+
+
+# ---------------------------------------------------------------- hand-written attention (what gets matched)
+# Module-level, so that dynamo sees the same code object on every run.
+
+def _causal_attention(q, k, v):
+    """Causal attention as a model writes it: the mask is built from torch.triu inside the function."""
+    T = q.size(-2)
+    scale = 1.0 / math.sqrt(q.size(-1))
+    att = q @ k.transpose(-2, -1) * scale
+    future = torch.triu(torch.ones(T, T, dtype=torch.bool, device=q.device), diagonal=1)
+    att = att.masked_fill(future, float("-inf"))
+    att = torch.softmax(att.float(), dim=-1).to(q.dtype)
+    return att @ v
+
+
+def _full_attention(q, k, v):
+    """Attention with no mask (encoder attention, and decode: one query against the whole cache)."""
+    scale = 1.0 / math.sqrt(q.size(-1))
+    att = q @ k.transpose(-2, -1) * scale
+    att = torch.softmax(att.float(), dim=-1).to(q.dtype)
+    return att @ v
+
+
+@torch.compiler.disable
+def _gradients(out, inputs, dout):
+    """torch.autograd.grad kept outside dynamo, as a training loop's backward is. A compiler sees the
+    forward graph and, through aot_autograd, its backward graph; without this, dynamo would try to
+    trace into the compiled backward where autograd runs it on the calling thread (CPU)."""
+    return torch.autograd.grad(out, inputs, dout)
+
+
+def _causal_attention_fwd_bwd(q, k, v, dout):
+    """Forward and backward of _causal_attention: (dq, dk, dv)."""
+    return _gradients(_causal_attention(q, k, v), (q, k, v), dout)
+
+
+# ---------------------------------------------------------------- SDPA anchors (same inputs, same result)
+
+def _sdpa_causal(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0 / math.sqrt(q.size(-1)))
+
+
+def _sdpa_full(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, scale=1.0 / math.sqrt(q.size(-1)))
+
+
+def _sdpa_causal_fwd_bwd(q, k, v, dout):
+    return _gradients(_sdpa_causal(q, k, v), (q, k, v), dout)
+
+
+# ---------------------------------------------------------------- sizes and costs
+
+def _qkv(device, dtype, B, H, Tq, Tk, D, requires_grad=False):
+    q = randn(B, H, Tq, D, device=device, dtype=dtype)
+    k = randn(B, H, Tk, D, device=device, dtype=dtype)
+    v = randn(B, H, Tk, D, device=device, dtype=dtype)
+    return tuple(t.requires_grad_(requires_grad) for t in (q, k, v))
+
+
+def attention_flops(q, k, causal: bool) -> int:
+    """Forward FLOPs of attention: 4 * B * H * Tq * Tk * D, half of it when causal."""
+    B, H, Tq, D = q.shape
+    flops = 4 * B * H * Tq * k.shape[-2] * D
+    return flops // 2 if causal else flops
+
+
+def _causal_flops(inputs) -> int:
+    return attention_flops(inputs[0], inputs[1], causal=True)
+
+
+def _full_flops(inputs) -> int:
+    return attention_flops(inputs[0], inputs[1], causal=False)
+
+
+def _causal_fwd_bwd_flops(inputs) -> int:
+    return int((1 + BACKWARD_FLOPS_PER_FORWARD) * _causal_flops(inputs))
+
+
+# ---------------------------------------------------------------- the attention workloads
+
+@workload("attn_causal", "causal attention fwd, hand-written (triu mask, fp32 softmax); B8 H16 T2048 D128",
+          kind="attention", flops=_causal_flops, anchor=_sdpa_causal)
+def make_attn_causal(device, dtype, quick):
+    B, H, T, D = (1, 2, 64, 32) if quick else (8, 16, 2048, 128)
+    return _causal_attention, _qkv(device, dtype, B, H, T, T, D)
+
+
+@workload("attn_full", "attention fwd, no mask, hand-written; B4 H16 T4096 D128",
+          kind="attention", flops=_full_flops, anchor=_sdpa_full)
+def make_attn_full(device, dtype, quick):
+    B, H, T, D = (1, 2, 64, 64) if quick else (4, 16, 4096, 128)
+    return _full_attention, _qkv(device, dtype, B, H, T, T, D)
+
+
+@workload("attn_causal_bwd", "causal attention fwd+bwd (dq, dk, dv) via autograd; B8 H16 T2048 D128; "
+          "FLOPs = 3.5x fwd", kind="attention", training=True, flops=_causal_fwd_bwd_flops,
+          anchor=_sdpa_causal_fwd_bwd, rtol=5e-2, atol=5e-2)
+def make_attn_causal_bwd(device, dtype, quick):
+    B, H, T, D = (1, 2, 64, 32) if quick else (8, 16, 2048, 128)
+    q, k, v = _qkv(device, dtype, B, H, T, T, D, requires_grad=True)
+    return _causal_attention_fwd_bwd, (q, k, v, randn(B, H, T, D, device=device, dtype=dtype))
+
+
+@workload("attn_decode", "decode: one query vs a KV cache, no mask; B8 H32 Tq1 Tk8192 D128 (memory-bound: "
+          "min bytes = q + K + V + out)", kind="attention", anchor=_sdpa_full)
+def make_attn_decode(device, dtype, quick):
+    B, H, Tk, D = (2, 2, 256, 32) if quick else (8, 32, 8192, 128)
+    return _full_attention, _qkv(device, dtype, B, H, 1, Tk, D)
+
+
+# ---------------------------------------------------------------- GPT-2 block
+
+class CausalSelfAttention(nn.Module):
+    """GPT-2 attention as model code writes it: one fused qkv Linear, heads split with view/transpose,
+    a registered lower-triangular `bias` buffer as the causal mask, fp32 softmax. `use_sdpa=True` takes
+    the F.scaled_dot_product_attention path instead (as nanoGPT picks its "flash" path), with the
+    same weights: that is the anchor."""
+
+    def __init__(self, d_model: int, n_head: int, max_len: int):
+        super().__init__()
+        self.n_head = n_head
+        self.c_attn = nn.Linear(d_model, 3 * d_model)
+        self.c_proj = nn.Linear(d_model, d_model)
+        mask = torch.tril(torch.ones(max_len, max_len, dtype=torch.bool))
+        self.register_buffer("bias", mask.view(1, 1, max_len, max_len), persistent=False)
+
+    def forward(self, x, use_sdpa: bool = False):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        if use_sdpa:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            att = q @ k.transpose(-2, -1) * (1.0 / math.sqrt(k.size(-1)))
+            att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+            att = torch.softmax(att.float(), dim=-1).to(q.dtype)
+            y = att @ v
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, d_model: int):
+        super().__init__()
+        self.c_fc = nn.Linear(d_model, 4 * d_model)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's GELU
+        self.c_proj = nn.Linear(4 * d_model, d_model)
+
+    def forward(self, x):
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+class GPTBlock(nn.Module):
+    """Pre-LayerNorm GPT-2 transformer block: x + attn(ln_1(x)), then + mlp(ln_2(.))."""
+
+    def __init__(self, d_model: int, n_head: int, max_len: int):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, n_head, max_len)
+        self.ln_2 = nn.LayerNorm(d_model)
+        self.mlp = MLP(d_model)
+
+    def forward(self, x, use_sdpa: bool = False):
+        x = x + self.attn(self.ln_1(x), use_sdpa)
+        return x + self.mlp(self.ln_2(x))
+
+
+def _gpt_block(block, x):
+    return block(x)
+
+
+def _gpt_block_sdpa(block, x):
+    return block(x, use_sdpa=True)
+
+
+def _gpt_block_flops(inputs) -> int:
+    """Every Linear (2 * M * N * K) plus causal attention's forward FLOPs."""
+    block, x = inputs
+    B, T, C = x.shape
+    linears = sum(2 * B * T * m.in_features * m.out_features for m in block.modules() if isinstance(m, nn.Linear))
+    head_dim = C // block.attn.n_head
+    q_like = torch.empty(B, block.attn.n_head, T, head_dim, device="meta")
+    return linears + attention_flops(q_like, q_like, causal=True)
+
+
+def _gpt_block_bytes(inputs, outputs) -> int:
+    """x and every parameter read once, the output written once (the mask buffer is not needed)."""
+    block, x = inputs
+    return nbytes(x) + sum(nbytes(p) for p in block.parameters()) + sum(nbytes(t) for t in tensors(outputs))
+
+
+@workload("gpt_block", "GPT-2 block fwd (LN, qkv Linear, hand-written causal attn with tril buffer, proj, "
+          "LN, GELU MLP, residuals); d1024 16 heads B16 T1024", kind="model", flops=_gpt_block_flops,
+          min_bytes=_gpt_block_bytes, anchor=_gpt_block_sdpa)
+def make_gpt_block(device, dtype, quick):
+    B, T, d_model, n_head = (2, 64, 128, 4) if quick else (16, 1024, 1024, 16)
+    block = GPTBlock(d_model, n_head, max_len=T).to(device=device, dtype=dtype).eval().requires_grad_(False)
+    return _gpt_block, (block, randn(B, T, d_model, device=device, dtype=dtype))
