@@ -19,6 +19,7 @@ from .decompositions import decomposition_table
 from .options import Environment, Options
 from .pass_manager import PassContext, PassManager
 from .report import Report
+from .verify import GraphVerifier
 
 _DUMP_REPORTS: dict[str, Report] = {}  # one accumulating report per dump directory in this process
 _lock = threading.Lock()
@@ -42,7 +43,8 @@ def compile_dynamo_graph(gm: fx.GraphModule, example_inputs, options: Options, r
                       inspect=options.keep_graphs or bool(dump_dir))
     pre = pipeline.pre_autograd_passes(options)
     if pre:
-        gm, records, _ = PassManager(pre).run(gm, ctx)
+        verifier = GraphVerifier(gm, example_inputs, options.verify_rtol, "torch-level") if options.verify else None
+        gm, records, _ = PassManager(pre, verifier).run(gm, ctx)
         report.pre_autograd.extend(records)
         report.attention.extend(ctx.attention)
     compiler = functools.partial(compile_aten_graph, options=options, report=report, on_done=on_done)

@@ -6,10 +6,15 @@ import os
 
 from .memory.plan_report import memory_svg
 
+
 def write_dump(rep, directory: str) -> None:
     os.makedirs(os.path.join(directory, "passes"), exist_ok=True)
     os.makedirs(os.path.join(directory, "kernels"), exist_ok=True)
     index = 0
+    for p in rep.pre_autograd:  # the torch-level graph, before autograd (attention matching)
+        index += 1
+        if p.changed:
+            _write(directory, f"passes/{index:02d}_torch_{p.name}.txt", p.text)
     for gi, g in enumerate(rep.graphs):
         tag = f"{gi}_{g.name}"
         _write(directory, f"passes/{index:02d}_{tag}_captured.txt", g.captured_text)

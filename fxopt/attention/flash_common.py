@@ -1,0 +1,272 @@
+"""What fxopt's flash-attention forward and backward share: launch configs, input checks, Triton helpers.
+
+Both passes walk a grid of [query block x key block] score tiles. Most tiles need no elementwise
+masks: only the tiles on the causal diagonal and at the ragged ends of the sequences do, so each
+kernel splits its loop into a mask-free part and a masked part; the helpers here compute those
+ranges, load tiles with bounds masks only on the axes that can run past the tensor, and build the
+score-tile mask.
+
+CPU tensors run in the Triton interpreter, CUDA tensors through the compiler. Which of the two a
+process can use is fixed when triton is imported (TRITON_INTERPRET=1 turns triton.language's own
+@jit functions into interpreted ones, which the compiler cannot inline), so every launch checks that
+its tensors' device matches.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from triton.runtime.interpreter import InterpretedFunction
+
+from ..codegen.interpreter_guard import GuardedKernel
+
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # scores are kept in base 2: exp(x) = exp2(x * LOG2E)
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)  # log(x) = log2(x) * LN2, for the stored lse
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+HEAD_DIMS = (16, 256)
+MAX_GRID_AXIS_1 = 65535  # CUDA's limit on the grid's y axis, which carries batch * heads
+
+# 16-bit inputs on an H100/H200-class GPU, by the largest head dim served; causal and non-causal
+# share a row (the same tiles won both when measured on an H200, bf16, B8 H16 T2048).
+# Forward: bigger head dims hold a wider q tile and accumulator in registers.
+_FORWARD_GPU = {
+    64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+    128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
+    256: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
+}
+# Backward: the dK/dV kernel keeps a key block (K, V, dK, dV) in registers and streams query blocks;
+# the dQ kernel keeps a query block (Q, dO, dQ) and streams key blocks.
+_BACKWARD_GPU = {
+    64: dict(DKDV_BLOCK_M=32, DKDV_BLOCK_N=64, DQ_BLOCK_M=64, DQ_BLOCK_N=32, num_warps=4, num_stages=3),
+    128: dict(DKDV_BLOCK_M=64, DKDV_BLOCK_N=64, DQ_BLOCK_M=64, DQ_BLOCK_N=64, num_warps=4, num_stages=2),
+    256: dict(DKDV_BLOCK_M=32, DKDV_BLOCK_N=32, DQ_BLOCK_M=32, DQ_BLOCK_N=32, num_warps=4, num_stages=2),
+}
+# float32 products run on the CUDA cores (input_precision "ieee") and float32 tiles take twice the
+# registers: small tiles keep them from spilling.
+_FORWARD_GPU_FP32 = {
+    64: dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
+    128: dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2),
+    256: dict(BLOCK_M=32, BLOCK_N=16, num_warps=8, num_stages=1),
+}
+_BACKWARD_GPU_FP32 = {
+    64: dict(DKDV_BLOCK_M=32, DKDV_BLOCK_N=32, DQ_BLOCK_M=32, DQ_BLOCK_N=32, num_warps=4, num_stages=1),
+    128: dict(DKDV_BLOCK_M=16, DKDV_BLOCK_N=32, DQ_BLOCK_M=32, DQ_BLOCK_N=16, num_warps=8, num_stages=1),
+    256: dict(DKDV_BLOCK_M=16, DKDV_BLOCK_N=16, DQ_BLOCK_M=16, DQ_BLOCK_N=16, num_warps=8, num_stages=1),
+}
+# The interpreter runs one program at a time in numpy: small tiles keep tests fast and still cross
+# block boundaries at tiny sequence lengths.
+_FORWARD_CPU = dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1)
+_BACKWARD_CPU = dict(DKDV_BLOCK_M=16, DKDV_BLOCK_N=32, DQ_BLOCK_M=32, DQ_BLOCK_N=16, num_warps=4, num_stages=1)
+
+
+def forward_config(head_dim: int, causal: bool, dtype, seq_q: int, seq_k: int, device_type: str,
+                   has_mask: bool = False) -> dict:
+    """Default launch parameters for flash_forward (a fresh dict). With a mask, its [BLOCK_M, BLOCK_N]
+    tile is pipelined through shared memory next to K and V: BLOCK_N at most 64 keeps all three in
+    an H200's 227 KB (128 x 128 tiles, 3 stages, need 352 KB)."""
+    if device_type == "cpu":
+        cfg = dict(_FORWARD_CPU)
+    else:
+        cfg = dict(_by_head_dim(_FORWARD_GPU_FP32 if dtype == torch.float32 else _FORWARD_GPU, head_dim))
+        if has_mask:
+            cfg["BLOCK_N"] = min(cfg["BLOCK_N"], 64)
+    return _fit_blocks(cfg, {"BLOCK_M": seq_q, "BLOCK_N": seq_k})
+
+
+def backward_config(head_dim: int, causal: bool, dtype, seq_q: int, seq_k: int, device_type: str) -> dict:
+    """Default launch parameters for flash_backward (a fresh dict)."""
+    if device_type == "cpu":
+        cfg = dict(_BACKWARD_CPU)
+    else:
+        cfg = dict(_by_head_dim(_BACKWARD_GPU_FP32 if dtype == torch.float32 else _BACKWARD_GPU, head_dim))
+    return _fit_blocks(cfg, {"DKDV_BLOCK_M": seq_q, "DKDV_BLOCK_N": seq_k, "DQ_BLOCK_M": seq_q, "DQ_BLOCK_N": seq_k})
+
+
+def _by_head_dim(table: dict, head_dim: int) -> dict:
+    return table[min(d for d in table if d >= head_dim)]
+
+
+def _fit_blocks(cfg: dict, lengths: dict) -> dict:
+    """Shrink blocks longer than their sequence (down to 16, tl.dot's least size): a 1-row decode
+    query should not pay for a 128-row tile."""
+    for key, length in lengths.items():
+        cfg[key] = min(cfg[key], max(16, triton.next_power_of_2(length)))
+    return cfg
+
+
+def resolve_config(config: dict | None, defaults: dict, who: str) -> dict:
+    """The defaults overridden by the caller's config, checked (unknown keys and bad values raise)."""
+    if config is None:
+        return defaults
+    unknown = sorted(set(config) - set(defaults))
+    if unknown:
+        raise ValueError(f"{who}: unknown config keys {unknown}; expected some of {list(defaults)}")
+    cfg = {**defaults, **config}
+    for key, value in cfg.items():
+        if key.endswith(("BLOCK_M", "BLOCK_N")) and not (_is_power_of_two(value) and 16 <= value <= 256):
+            raise ValueError(f"{who}: config {key} must be a power of two in [16, 256], got {value!r}")
+    if not (_is_power_of_two(cfg["num_warps"]) and cfg["num_warps"] <= 16):
+        raise ValueError(f"{who}: config num_warps must be a power of two <= 16, got {cfg['num_warps']!r}")
+    if not (_is_int(cfg["num_stages"]) and cfg["num_stages"] >= 1):
+        raise ValueError(f"{who}: config num_stages must be a positive int, got {cfg['num_stages']!r}")
+    return cfg
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_power_of_two(x) -> bool:
+    return _is_int(x) and x > 0 and x & (x - 1) == 0
+
+
+def check_attention_inputs(who: str, q, k, v, mask, causal: bool, scale) -> None:
+    """ValueError naming the expected shape, dtype or device, before anything launches."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor) or t.dim() != 4:
+            raise ValueError(f"{who}: {name} must be a 4-D tensor [B, heads, seq, head_dim], got "
+                             f"{getattr(t, 'shape', type(t).__name__)}")
+    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"{who}: q, k, v must share one dtype of {DTYPES}, got {q.dtype}, {k.dtype}, {v.dtype}")
+    check_device(who, q, k=k, v=v)
+    (batch, heads, seq_q, head_dim), (kv_heads, seq_k) = q.shape, k.shape[1:3]
+    if k.shape != v.shape or k.shape[0] != batch or k.shape[3] != head_dim:
+        raise ValueError(f"{who}: k and v must both be [B={batch}, Hkv, Tk, D={head_dim}] (q is {list(q.shape)}), "
+                         f"got {list(k.shape)} and {list(v.shape)}")
+    if kv_heads == 0 or heads % kv_heads:
+        raise ValueError(f"{who}: query heads ({heads}) must be a multiple of kv heads ({kv_heads})")
+    if not HEAD_DIMS[0] <= head_dim <= HEAD_DIMS[1]:
+        raise ValueError(f"{who}: head_dim must be in [{HEAD_DIMS[0]}, {HEAD_DIMS[1]}], got {head_dim}")
+    if causal and seq_q > seq_k:
+        raise ValueError(f"{who}: causal attention (bottom-right aligned) needs Tq <= Tk, got Tq={seq_q}, Tk={seq_k}")
+    if batch * heads > MAX_GRID_AXIS_1:
+        raise ValueError(f"{who}: batch * heads must be at most {MAX_GRID_AXIS_1} (the grid's axis 1), "
+                         f"got {batch} * {heads}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise ValueError(f"{who}: scale must be a float, got {scale!r}")
+    if mask is not None:
+        expected = [batch, heads, seq_q, seq_k]
+        if not isinstance(mask, Tensor) or mask.dtype not in DTYPES:
+            raise ValueError(f"{who}: mask must be an additive float tensor of {DTYPES}, "
+                             f"got {getattr(mask, 'dtype', type(mask).__name__)}")
+        if list(mask.shape) != expected:
+            raise ValueError(f"{who}: mask must be expanded to [B, H, Tq, Tk] = {expected}, got {list(mask.shape)}")
+        check_device(who, q, mask=mask)
+
+
+def check_device(who: str, q: Tensor, **others: Tensor) -> None:
+    """Every tensor on q's device, which is a CUDA device or the CPU (the Triton interpreter)."""
+    if q.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{who}: tensors must be on a cuda device or the cpu (Triton interpreter), got {q.device}")
+    for name, t in others.items():
+        if t.device != q.device:
+            raise ValueError(f"{who}: {name} must be on q's device {q.device}, got {t.device}")
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """float32 inputs get float32 products, as torch's matmul does by default (tf32 would keep about
+    3 decimal digits); for 16-bit inputs the setting changes nothing."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def mask_arguments(mask: Tensor | None, placeholder: Tensor) -> tuple:
+    """(pointer, 4 strides) for the kernels' Mask argument; without a mask, an unread placeholder."""
+    return (mask, *mask.stride()) if mask is not None else (placeholder, 0, 0, 0, 0)
+
+
+def launcher(kernel, grid: tuple, device: torch.device):
+    """`kernel[grid]` once the tensors' device matches how triton runs: CPU tensors in the interpreter
+    (guarded, so triton.language is restored afterwards), CUDA tensors compiled."""
+    interpreted = isinstance(kernel, InterpretedFunction)
+    if device.type == "cpu" and not interpreted:
+        raise ValueError("fxopt flash attention: cpu tensors run in the Triton interpreter, which needs "
+                         "TRITON_INTERPRET=1 set before triton is imported")
+    if device.type == "cuda" and interpreted:
+        raise ValueError("fxopt flash attention: cuda tensors need the Triton compiler, but triton was imported "
+                         "with TRITON_INTERPRET=1 (the interpreter); unset it for GPU runs")
+    return GuardedKernel(kernel)[grid] if interpreted else kernel[grid]
+
+
+@triton.jit
+def tile_ptrs(base, row0, rows, stride_r, col0, cols, stride_c):
+    """Pointers to the tile [row0 + rows, col0 + cols]: the tile's start in 64 bits (long sequences,
+    big masks), the offsets inside it in 32."""
+    start = base + tl.cast(row0, tl.int64) * stride_r + tl.cast(col0, tl.int64) * stride_c
+    return start + rows[:, None] * stride_r + cols[None, :] * stride_c
+
+
+@triton.jit
+def load_tile(ptrs, offs_r, n_r, offs_c, n_c, EVEN_R: tl.constexpr, EVEN_C: tl.constexpr):
+    """A [R, C] tile, zeros where it runs past n_r rows or n_c columns; EVEN_* axes are known to be in
+    bounds and get no mask."""
+    if EVEN_R:
+        if EVEN_C:
+            tile = tl.load(ptrs)
+        else:
+            tile = tl.load(ptrs, mask=offs_c[None, :] < n_c, other=0.0)
+    else:
+        if EVEN_C:
+            tile = tl.load(ptrs, mask=offs_r[:, None] < n_r, other=0.0)
+        else:
+            tile = tl.load(ptrs, mask=(offs_r[:, None] < n_r) & (offs_c[None, :] < n_c), other=0.0)
+    return tile
+
+
+@triton.jit
+def store_tile(ptrs, tile, offs_r, n_r, offs_c, n_c, EVEN_R: tl.constexpr, EVEN_C: tl.constexpr):
+    """Store a [R, C] tile, skipping what runs past n_r rows or n_c columns."""
+    if EVEN_R:
+        if EVEN_C:
+            tl.store(ptrs, tile)
+        else:
+            tl.store(ptrs, tile, mask=offs_c[None, :] < n_c)
+    else:
+        if EVEN_C:
+            tl.store(ptrs, tile, mask=offs_r[:, None] < n_r)
+        else:
+            tl.store(ptrs, tile, mask=(offs_r[:, None] < n_r) & (offs_c[None, :] < n_c))
+
+
+@triton.jit
+def load_rows(ptrs, offs, n, EVEN: tl.constexpr):
+    """A vector of per-row values (lse, delta), zeros past n."""
+    if EVEN:
+        rows = tl.load(ptrs)
+    else:
+        rows = tl.load(ptrs, mask=offs < n, other=0.0)
+    return rows
+
+
+@triton.jit
+def store_rows(ptrs, values, offs, n, EVEN: tl.constexpr):
+    if EVEN:
+        tl.store(ptrs, values)
+    else:
+        tl.store(ptrs, values, mask=offs < n)
+
+
+@triton.jit
+def visible(q_idx, k_idx, seq_q, seq_k, causal_shift, CAUSAL: tl.constexpr):
+    """Score-tile mask for the diagonal and ragged-end tiles: both indices inside their sequences and,
+    if causal, key <= query + (Tk - Tq) (bottom-right aligned). q_idx and k_idx broadcast to the tile."""
+    ok = (q_idx < seq_q) & (k_idx < seq_k)
+    if CAUSAL:
+        ok = ok & (k_idx <= q_idx + causal_shift)
+    return ok
+
+
+@triton.jit
+def key_ranges(m0, seq_k, causal_shift, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """(mask_free_end, end) of the key loop of the query block starting at row m0.
+
+    Key blocks below mask_free_end are seen whole by every row of the block and lie inside the keys:
+    no elementwise mask. Blocks in [mask_free_end, end) straddle the causal diagonal or the ragged
+    end of the keys. Causal blocks past `end` are invisible to every row and never visited."""
+    if CAUSAL:
+        mask_free_end = (m0 + causal_shift + 1) // BLOCK_N * BLOCK_N  # row m0 sees keys <= m0 + shift
+        end = tl.minimum(m0 + BLOCK_M + causal_shift, seq_k)  # the block's last row sees keys < this
+    else:
+        mask_free_end = seq_k // BLOCK_N * BLOCK_N
+        end = seq_k
+    return mask_free_end, end

@@ -1,0 +1,161 @@
+"""Flash-attention forward (the FlashAttention-2 schedule) as a Triton kernel.
+
+One program owns BLOCK_M query rows of one (batch, head) and streams the keys and values of that
+head's kv head past them, BLOCK_N keys at a time, never writing the [Tq, Tk] scores to memory. Per
+row it keeps the running max m of the scores, the running sum l of exp(score - m) and the
+unnormalised output acc, all in float32; when a key block raises the max, l and acc are rescaled by
+exp(m_old - m_new) (the online softmax). At the end out = acc / l, and lse = m + log(l) is stored so
+that the backward can recompute the probabilities instead of saving them.
+
+Why it is shaped this way:
+- Scores are kept in base 2: scale * log2(e) is one multiplier, so every probability is one exp2;
+  lse is converted back to a natural log when stored.
+- The q tile is loaded once and stays in registers for the whole key loop.
+- The key loop runs in two parts (`key_ranges`): blocks every row sees whole, with no elementwise
+  mask (the hot loop), then the blocks on the causal diagonal or at the ragged end of the keys.
+  Causal programs never visit blocks above the diagonal.
+- Causal programs take the query blocks in reverse: the last blocks see the most keys, and starting
+  them first leaves short programs for the end of the launch.
+- EVEN_M / EVEN_N / EVEN_D say at compile time that a length is a multiple of its block, so loads
+  and stores there need no bounds masks. Head dims that are not powers of two are padded to one
+  (BLOCK_D) with masked loads.
+- An additive mask is loaded per tile through its strides (0 where it broadcasts). A row whose keys
+  so far are all -inf is shifted by 0 instead of its max, so exp2 gives 0 rather than NaN; a row
+  masked everywhere ends with NaN output and lse = -inf, as softmax does in eager PyTorch.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .flash_common import (
+    LN2, LOG2E, check_attention_inputs, dot_precision, forward_config, key_ranges, launcher, load_tile,
+    mask_arguments, resolve_config, store_rows, store_tile, tile_ptrs, visible,
+)
+
+__all__ = ["flash_forward", "forward_config"]
+
+
+def flash_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool, mask: Tensor | None = None,
+                  config: dict | None = None) -> tuple[Tensor, Tensor]:
+    """Attention forward; returns (out, lse).
+
+    q [B, H, Tq, D]; k, v [B, Hkv, Tk, D] with H a multiple of Hkv (query head h reads kv head
+    h // (H // Hkv)); any strides; float16, bfloat16 or float32. `mask`: None or an additive float
+    tensor expanded to [B, H, Tq, Tk] (any strides, 0 where it broadcasts). `causal`: query i sees
+    key j iff j <= i + Tk - Tq. `config`: overrides of `forward_config`'s BLOCK_M, BLOCK_N, num_warps,
+    num_stages. out: [B, H, Tq, D] in q's dtype, contiguous; lse: float32 [B, H, Tq], contiguous,
+    the natural-log log-sum-exp of each row's scaled, masked scores.
+    """
+    check_attention_inputs("flash_forward", q, k, v, mask, causal, scale)
+    batch, heads, seq_q, head_dim = q.shape
+    kv_heads, seq_k = k.shape[1], k.shape[2]
+    defaults = forward_config(head_dim, causal, q.dtype, seq_q, seq_k, q.device.type, has_mask=mask is not None)
+    cfg = resolve_config(config, defaults, "flash_forward")
+    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    block_d = triton.next_power_of_2(head_dim)
+
+    out = torch.empty(batch, heads, seq_q, head_dim, device=q.device, dtype=q.dtype)
+    lse = torch.empty(batch, heads, seq_q, device=q.device, dtype=torch.float32)
+    grid = (triton.cdiv(seq_q, block_m), batch * heads)
+    launcher(_flash_forward_kernel, grid, q.device)(
+        q, k, v, *mask_arguments(mask, q), out, lse,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E.value,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+        CAUSAL=causal, HAS_MASK=mask is not None, EVEN_M=seq_q % block_m == 0, EVEN_N=seq_k % block_n == 0,
+        EVEN_D=head_dim == block_d, DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out, lse
+
+
+@triton.jit
+def _flash_forward_kernel(
+        Q, K, V, Mask, stride_mb, stride_mh, stride_mm, stride_mn, Out, Lse,
+        stride_qb, stride_qh, stride_qm, stride_qd,
+        stride_kb, stride_kh, stride_kn, stride_kd,
+        stride_vb, stride_vh, stride_vn, stride_vd,
+        stride_ob, stride_oh, stride_om, stride_od,
+        num_heads, group_size, seq_q, seq_k, qk_scale,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+        EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """BLOCK_M query rows of one (batch, head) against every key they may see: out rows and lse."""
+    block_m = tl.program_id(0)
+    if CAUSAL:  # heaviest query blocks first
+        block_m = tl.num_programs(0) - 1 - block_m
+    bh = tl.program_id(1)
+    batch = (bh // num_heads).to(tl.int64)
+    head = bh % num_heads
+    kv_head = (head // group_size).to(tl.int64)
+    head = head.to(tl.int64)
+    m0 = block_m * BLOCK_M
+    rows = tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    causal_shift = seq_k - seq_q
+
+    q = load_tile(tile_ptrs(Q + batch * stride_qb + head * stride_qh, m0, rows, stride_qm, 0, dims, stride_qd),
+                  m0 + rows, seq_q, dims, HEAD_DIM, EVEN_M, EVEN_D)
+    k_head = K + batch * stride_kb + kv_head * stride_kh
+    v_head = V + batch * stride_vb + kv_head * stride_vh
+    mask_head = Mask + batch * stride_mb + head * stride_mh
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    mask_free_end, end = key_ranges(m0, seq_k, causal_shift, BLOCK_M, BLOCK_N, CAUSAL)
+    acc, row_sum, row_max = _attend_key_blocks(
+        acc, row_sum, row_max, q, k_head, v_head, mask_head, m0, 0, mask_free_end, seq_q, seq_k, causal_shift,
+        qk_scale, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, False, EVEN_M, True, EVEN_D, DOT_PRECISION)
+    if CAUSAL or not EVEN_N:
+        acc, row_sum, row_max = _attend_key_blocks(
+            acc, row_sum, row_max, q, k_head, v_head, mask_head, m0, mask_free_end, end, seq_q, seq_k, causal_shift,
+            qk_scale, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+            HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, CAUSAL, EVEN_M, EVEN_N, EVEN_D, DOT_PRECISION)
+
+    out = acc / row_sum[:, None]
+    out_ptrs = tile_ptrs(Out + batch * stride_ob + head * stride_oh, m0, rows, stride_om, 0, dims, stride_od)
+    store_tile(out_ptrs, out.to(Out.dtype.element_ty), m0 + rows, seq_q, dims, HEAD_DIM, EVEN_M, EVEN_D)
+    lse_ptrs = Lse + bh.to(tl.int64) * seq_q + m0 + rows
+    store_rows(lse_ptrs, (row_max + tl.log2(row_sum)) * LN2, m0 + rows, seq_q, EVEN_M)
+
+
+@triton.jit
+def _attend_key_blocks(
+        acc, row_sum, row_max, q, k_head, v_head, mask_head, m0, key_lo, key_hi, seq_q, seq_k, causal_shift,
+        qk_scale, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_MASK: tl.constexpr, MASK_CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_KEYS: tl.constexpr,
+        EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The online-softmax update over key blocks [key_lo, key_hi). EVEN_KEYS: every block lies
+    inside the keys; with it and MASK_CAUSAL off the scores get no elementwise mask at all."""
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    for n0 in range(key_lo, key_hi, BLOCK_N):
+        n0 = tl.multiple_of(n0, BLOCK_N)
+        k = load_tile(tile_ptrs(k_head, n0, cols, stride_kn, 0, dims, stride_kd), n0 + cols, seq_k, dims, HEAD_DIM,
+                      EVEN_KEYS, EVEN_D)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if HAS_MASK:
+            bias = load_tile(tile_ptrs(mask_head, m0, rows, stride_mm, n0, cols, stride_mn), m0 + rows, seq_q,
+                             n0 + cols, seq_k, EVEN_M, EVEN_KEYS)
+            s += bias.to(tl.float32) * LOG2E
+        if MASK_CAUSAL or not EVEN_KEYS:
+            s = tl.where(visible(m0 + rows[:, None], n0 + cols[None, :], seq_q, seq_k, causal_shift, MASK_CAUSAL),
+                         s, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(s, 1))
+        shift = new_max
+        if HAS_MASK:  # rows that have seen only -inf so far: exp2(-inf - 0) = 0, not NaN
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        p = tl.exp2(s - shift[:, None])
+        rescale = tl.exp2(row_max - shift)
+        row_sum = row_sum * rescale + tl.sum(p, 1)
+        v = load_tile(tile_ptrs(v_head, n0, cols, stride_vn, 0, dims, stride_vd), n0 + cols, seq_k, dims, HEAD_DIM,
+                      EVEN_KEYS, EVEN_D)
+        acc = tl.dot(p.to(v.dtype), v, acc * rescale[:, None], input_precision=DOT_PRECISION)
+        row_max = new_max
+    return acc, row_sum, row_max
