@@ -104,9 +104,9 @@ def resolve_config(config: dict | None, defaults: dict, who: str) -> dict:
         raise ValueError(f"{who}: unknown config keys {unknown}; expected some of {list(defaults)}")
     cfg = {**defaults, **config}
     for key, value in cfg.items():
-        if key.endswith(("BLOCK_M", "BLOCK_N")) and not (_is_power_of_two(value) and 16 <= value <= 256):
+        if key.endswith(("BLOCK_M", "BLOCK_N")) and not (is_power_of_two(value) and 16 <= value <= 256):
             raise ValueError(f"{who}: config {key} must be a power of two in [16, 256], got {value!r}")
-    if not (_is_power_of_two(cfg["num_warps"]) and cfg["num_warps"] <= 16):
+    if not (is_power_of_two(cfg["num_warps"]) and cfg["num_warps"] <= 16):
         raise ValueError(f"{who}: config num_warps must be a power of two <= 16, got {cfg['num_warps']!r}")
     if not (_is_int(cfg["num_stages"]) and cfg["num_stages"] >= 1):
         raise ValueError(f"{who}: config num_stages must be a positive int, got {cfg['num_stages']!r}")
@@ -117,7 +117,7 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _is_power_of_two(x) -> bool:
+def is_power_of_two(x) -> bool:
     return _is_int(x) and x > 0 and x & (x - 1) == 0
 
 

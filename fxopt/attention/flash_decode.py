@@ -37,18 +37,14 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from triton.runtime.interpreter import InterpretedFunction
-from triton.runtime.jit import JITFunction
 
-from ..codegen.interpreter_guard import GuardedKernel
+from .flash_common import check_attention_inputs, dot_precision, is_power_of_two, launcher, mask_arguments
 
 MAX_QUERY_ROWS = 16  # decode packs queries into a tile's rows; longer queries go to the main forward kernel
 MIN_DECODE_KEYS = 256  # below this one program per head has little to walk: splitting buys nothing
 MIN_KEYS_PER_SPLIT = 256  # a split must stream enough keys to amortise its partials and the combine
 PROGRAMS_PER_SM = 1.5  # measured best on an H200 (see default_num_splits)
 DEFAULT_SM_COUNT = 132  # H200, for the interpreter (CPU tensors have no SM count)
-HEAD_DIMS = (16, 256)
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 CONFIG_KEYS = ("BLOCK_N", "BLOCK_M", "num_warps", "num_stages")
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
@@ -69,7 +65,10 @@ def flash_decode(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool,
     `num_splits`: how many chunks the keys are cut into (default: `default_num_splits`).
     `config`: overrides of BLOCK_N, BLOCK_M (most packed rows per tile), num_warps, num_stages.
     """
-    _check_inputs(q, k, v, mask, causal)
+    check_attention_inputs("flash_decode", q, k, v, mask, causal, scale)
+    if q.shape[2] > MAX_QUERY_ROWS:
+        raise ValueError(f"flash_decode: needs Tq <= {MAX_QUERY_ROWS} (decode packs queries into a tile's rows), "
+                         f"got Tq={q.shape[2]}")
     cfg = _launch_config(q, config)
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
@@ -86,16 +85,15 @@ def flash_decode(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool,
     lse = torch.empty(batch, heads, seq_q, device=q.device, dtype=torch.float32)
 
     block_d = triton.next_power_of_2(head_dim)
-    mask_arg, mask_strides = (mask, mask.stride()) if mask is not None else (q, (0, 0, 0, 0))
-    partials, combine = _KERNELS[q.device.type]
-    partials[(splits, batch * kv_heads, row_blocks)](
+    mask_arg, *mask_strides = mask_arguments(mask, q)
+    launcher(_split_partials_kernel, (splits, batch * kv_heads, row_blocks), q.device)(
         q, k, v, mask_arg, part_acc, part_max, part_sum,
         *q.stride(), *k.stride(), *v.stride(), *mask_strides,
         heads, kv_heads, seq_q, seq_k, keys_per_split, splits, scale * math.log2(math.e),
-        HAS_MASK=mask is not None, CAUSAL=causal, DOT_PRECISION=_dot_precision(q.dtype),
+        HAS_MASK=mask is not None, CAUSAL=causal, DOT_PRECISION=dot_precision(q.dtype),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    combine[(batch * heads * seq_q,)](
+    launcher(_combine_splits_kernel, (batch * heads * seq_q,), q.device)(
         part_acc, part_max, part_sum, out, lse, splits,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=min(triton.next_power_of_2(splits), 16), num_warps=4)
     return out, lse
@@ -142,11 +140,6 @@ def _block_rows(rows: int, most: int) -> int:
     return max(16, min(triton.next_power_of_2(rows), most))
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    """float32 inputs keep float32 products (tf32 would lose 3 decimal digits); 16-bit ones are exact anyway."""
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
 def _launch_config(q: Tensor, config: dict | None) -> dict:
     """Defaults by device, then the caller's overrides, checked. The interpreter prefers small tiles."""
     if q.is_cuda:
@@ -159,67 +152,16 @@ def _launch_config(q: Tensor, config: dict | None) -> dict:
         raise ValueError(f"flash_decode: unknown config keys {sorted(unknown)}; expected some of {list(CONFIG_KEYS)}")
     cfg.update(config or {})
     for key in ("BLOCK_N", "BLOCK_M"):
-        if not _is_power_of_two(cfg[key]) or not 16 <= cfg[key] <= 256:
+        if not is_power_of_two(cfg[key]) or not 16 <= cfg[key] <= 256:
             raise ValueError(f"flash_decode: config {key} must be a power of two in [16, 256], got {cfg[key]!r}")
-    if not _is_power_of_two(cfg["num_warps"]) or cfg["num_warps"] > 16:
+    if not is_power_of_two(cfg["num_warps"]) or cfg["num_warps"] > 16:
         raise ValueError(f"flash_decode: config num_warps must be a power of two <= 16, got {cfg['num_warps']!r}")
     if isinstance(cfg["num_stages"], bool) or not isinstance(cfg["num_stages"], int) or cfg["num_stages"] < 1:
         raise ValueError(f"flash_decode: config num_stages must be a positive int, got {cfg['num_stages']!r}")
     return cfg
 
 
-def _is_power_of_two(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x > 0 and x & (x - 1) == 0
-
-
-def _check_inputs(q, k, v, mask, causal: bool) -> None:
-    """ValueError naming what is expected, before anything launches."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, Tensor) or t.dim() != 4:
-            raise ValueError(f"flash_decode: {name} must be a 4-D tensor [B, heads, seq, head_dim], got "
-                             f"{getattr(t, 'shape', type(t).__name__)}")
-    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"flash_decode: q, k, v must share one dtype of {DTYPES}, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.device.type not in ("cpu", "cuda") or k.device != q.device or v.device != q.device:
-        raise ValueError(f"flash_decode: q, k, v must be on one cuda device, or the cpu under TRITON_INTERPRET=1, "
-                         f"got {q.device}, {k.device}, {v.device}")
-    if q.device.type == "cpu" and not _interpreter_built():
-        raise ValueError("flash_decode: cpu tensors run in the Triton interpreter, which needs TRITON_INTERPRET=1 "
-                         "set before triton is imported")
-    if q.is_cuda and _interpreter_built():
-        raise ValueError("flash_decode: cuda tensors need the Triton compiler, but triton was imported with "
-                         "TRITON_INTERPRET=1; run GPU work with TRITON_INTERPRET=0")
-    (batch, heads, seq_q, head_dim), (kv_heads, seq_k) = q.shape, k.shape[1:3]
-    if k.shape != v.shape or k.shape[0] != batch or k.shape[3] != head_dim:
-        raise ValueError(f"flash_decode: k and v must both be [B={batch}, Hkv, Tk, D={head_dim}], got "
-                         f"{tuple(k.shape)} and {tuple(v.shape)}")
-    if kv_heads == 0 or heads % kv_heads:
-        raise ValueError(f"flash_decode: query heads ({heads}) must be a multiple of kv heads ({kv_heads})")
-    if not HEAD_DIMS[0] <= head_dim <= HEAD_DIMS[1]:
-        raise ValueError(f"flash_decode: head_dim must be in [{HEAD_DIMS[0]}, {HEAD_DIMS[1]}], got {head_dim}")
-    if not 1 <= seq_q <= MAX_QUERY_ROWS or seq_k < 1:
-        raise ValueError(f"flash_decode: needs 1 <= Tq <= {MAX_QUERY_ROWS} and Tk >= 1, got Tq={seq_q}, Tk={seq_k}")
-    if causal and seq_q > seq_k:
-        raise ValueError(f"flash_decode: causal attention needs Tq <= Tk, got Tq={seq_q}, Tk={seq_k}")
-    if mask is not None:
-        _check_mask(mask, (batch, heads, seq_q, seq_k), q.device)
-
-
-def _check_mask(mask, shape: tuple, device: torch.device) -> None:
-    if not isinstance(mask, Tensor) or not mask.dtype.is_floating_point:
-        raise ValueError(f"flash_decode: mask must be an additive float tensor, got {getattr(mask, 'dtype', mask)!r}")
-    if tuple(mask.shape) != shape or mask.device != device:
-        raise ValueError(f"flash_decode: mask must be expanded to {list(shape)} on {device}, got "
-                         f"{list(mask.shape)} on {mask.device}")
-
-
-def _interpreter_built() -> bool:
-    """Whether triton.language was built for the interpreter (TRITON_INTERPRET=1 when triton was imported).
-    Its library functions (tl.zeros, tl.max, tl.sum) then only run interpreted: compiling a kernel that
-    calls them fails, and without them an interpreted kernel cannot run."""
-    return isinstance(tl.zeros, InterpretedFunction)
-
-
+@triton.jit
 def _split_partials_kernel(
         q, k, v, mask, part_acc, part_max, part_sum,
         stride_qb, stride_qh, stride_qt, stride_qd,
@@ -291,6 +233,7 @@ def _split_partials_kernel(
     tl.store(part_acc + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None] & dim_ok[None, :])
 
 
+@triton.jit
 def _combine_splits_kernel(part_acc, part_max, part_sum, out, lse, splits,
                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
     """One output row from its splits' partial states: rescale each to a common max, sum, normalise."""
@@ -320,15 +263,3 @@ def _combine_splits_kernel(part_acc, part_max, part_sum, out, lse, splits,
 
     tl.store(out + row * HEAD_DIM + dims, (acc / run_sum).to(out.dtype.element_ty), mask=dim_ok)
     tl.store(lse + row, (run_max + tl.log2(run_sum)) * LN2)
-
-
-def _compiled_and_interpreted(*kernels) -> dict:
-    """{device type: kernels}. triton.jit chooses compiler or interpreter once, from TRITON_INTERPRET,
-    when a kernel is defined; CUDA tensors need the compiler and CPU tensors the interpreter, in one
-    process. Interpreted launches are guarded: they leave triton.language as they found it, so a GPU
-    compile later in the process still works."""
-    return {"cuda": tuple(JITFunction(fn) for fn in kernels),
-            "cpu": tuple(GuardedKernel(InterpretedFunction(fn)) for fn in kernels)}
-
-
-_KERNELS = _compiled_and_interpreted(_split_partials_kernel, _combine_splits_kernel)
