@@ -132,7 +132,8 @@ def main() -> int:
         by_graph[k.graph] = by_graph.get(k.graph, 0) + 1
     per_graph = ", ".join(f"{n} in {g}" for g, n in by_graph.items())
     print(f"summary: {len(rep.kernels)} Triton kernels ({per_graph}), "
-          f"{sum(len(k.ops) for k in rep.kernels)} ATen ops fused, {len(rep.fallbacks)} nodes left to ATen")
+          f"{sum(len(k.ops) for k in rep.kernels)} ATen ops fused, {len(rep.fallbacks)} nodes left to ATen, "
+          f"{sum(s.fused for s in rep.attention)} of {len(rep.attention)} attention sites on fxopt's flash kernels")
 
     ok = check(model, idx)
     if ok and DEVICE == "cuda":
