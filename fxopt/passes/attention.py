@@ -272,8 +272,19 @@ def _check_operands(m: Match) -> None:
         raise NotAttention(f"batch/head dims of v {list(v.shape[:-2])} differ from q's {list(lead_q)}")
 
 
+def _require_static_shapes(*nodes) -> None:
+    """Masks are evaluated and shapes compared at compile time: symbolic sizes would need guards
+    fxopt cannot add after dynamo has finished (dynamic shapes are a later issue)."""
+    for node in nodes:
+        v = meta(node)
+        if isinstance(v, torch.Tensor) and any(not isinstance(d, int) for d in v.shape):
+            raise NotAttention(f"symbolic (dynamic) shapes ({node.name}: {list(v.shape)}): attention is matched "
+                               "for static shapes only for now")
+
+
 def match_site(softmax: fx.Node, values: ConstantValues) -> Match:
     """The Match of a hand-written attention site around `softmax`, or NotAttention(reason)."""
+    _require_static_shapes(softmax)
     dim = arg(softmax, 1, "dim")
     rank = len(shape(softmax) or ())
     if not isinstance(dim, int) or dim % max(rank, 1) != rank - 1:
@@ -370,6 +381,7 @@ def _erase_dead(graph: fx.Graph, nodes: list[fx.Node]) -> None:
 def match_sdpa(node: fx.Node, values: ConstantValues) -> Match:
     """An existing F.scaled_dot_product_attention call, as a Match of the same fused op."""
     q, k, v = node.args[:3]
+    _require_static_shapes(q, k, v)
     mask = arg(node, 3, "attn_mask")
     dropout_p = arg(node, 4, "dropout_p", 0.0)
     is_causal = arg(node, 5, "is_causal", False)

@@ -241,3 +241,19 @@ def test_buffer_rewritten_with_the_same_values_is_accepted(device):
     compiled(q, k, v)
     mod.bias.copy_(torch.tril(torch.ones(32, 32, dtype=torch.bool)))
     torch.testing.assert_close(compiled(q, k, v), mod(q, k, v), rtol=1e-4, atol=1e-5)
+
+
+def test_dynamic_shapes_leave_attention_unfused_and_exact(device):
+    """Symbolic sizes: the site is refused (masks cannot be evaluated at compile time), results exact."""
+    from fxopt.backend import compile_dynamo_graph
+    from fxopt.options import Options
+    from fxopt.report import Report
+
+    rep = Report()
+    compiled = torch.compile(gpt2_masked_fill, dynamic=True,
+                             backend=lambda gm, ex: compile_dynamo_graph(gm, ex, Options(), rep))
+    for t in (9, 12):
+        q, k, v = qkv(device, t=t)
+        torch.testing.assert_close(compiled(q, k, v), gpt2_masked_fill(q, k, v), rtol=1e-4, atol=1e-5)
+    assert rep.attention and not any(s.fused for s in rep.attention)
+    assert "symbolic (dynamic) shapes" in rep.attention[0].reason
