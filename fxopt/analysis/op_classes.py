@@ -125,6 +125,14 @@ def _int_scalar_out_of_range(node: fx.Node) -> str | None:
     return f"integer scalar {bad[0]} is outside the range of {dtype} (eager wraps it)" if bad else None
 
 
+def _int_to_half_cast(node: fx.Node, out: torch.Tensor) -> bool:
+    if node.target not in (prims.convert_element_type.default, aten._to_copy.default):
+        return False
+    src = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+    return (out.dtype in (torch.bfloat16, torch.float16) and isinstance(src, torch.Tensor)
+            and not src.dtype.is_floating_point)
+
+
 def pointwise_unsupported_reason(node: fx.Node, target: str) -> str | None:
     """None when the pointwise fuser may take this node for `target`, else why it may not."""
     if node.op != "call_function" or node.target not in POINTWISE_OPS:
@@ -143,6 +151,9 @@ def pointwise_unsupported_reason(node: fx.Node, target: str) -> str | None:
             return f"input '{inp.name}' is on {v.device} while the result is on {out.device}"
     if target == "interpret" and node.target in CUDA_ONLY_OPS:
         return "needs libdevice, which the Triton interpreter cannot run (fuses on the GPU)"
+    if target == "interpret" and _int_to_half_cast(node, out):
+        return ("integer -> bf16/fp16 cast: the Triton interpreter reinterprets the bits instead of converting "
+                "(fuses on the GPU)")
     if out.dtype == torch.float64 and target == "interpret" and node.target in (aten.gelu.default,):
         return "float64 gelu is not lowered for the interpreter"
     t = node.target
