@@ -158,3 +158,4 @@ def make_add(device, dtype, quick):
 
 from . import workloads_reduction  # noqa: E402,F401  (registers the reduction workloads)
 from . import workloads_attention  # noqa: E402,F401  (registers the attention workloads)
+from . import workloads_losses  # noqa: E402,F401  (registers the loss workloads)

@@ -18,6 +18,7 @@ from .compile import compile_aten_graph
 from .decompositions import decomposition_table
 from .options import Environment, Options
 from .pass_manager import PassContext, PassManager
+from .passes.precision import lift_parameter_casts, with_cached_casts
 from .report import Report
 from .verify import GraphVerifier
 
@@ -47,11 +48,16 @@ def compile_dynamo_graph(gm: fx.GraphModule, example_inputs, options: Options, r
         gm, records, _ = PassManager(pre, verifier).run(gm, ctx)
         report.pre_autograd.extend(records)
         report.attention.extend(ctx.attention)
+        report.casts.extend(ctx.casts)
+        report.pre_autograd_notes.extend(ctx.notes)
+    gm, cached_casts = lift_parameter_casts(gm, ctx)  # inference in bf16/fp16: parameters are cast once, not per call
+    example_inputs = [*example_inputs, *(c.get(example_inputs[c.index]) for c in cached_casts)]
     compiler = functools.partial(compile_aten_graph, options=options, report=report, on_done=on_done)
     # explain() wants the backward graph now; torch.compile compiles it at the first backward call
     eager_backward = options.keep_graphs
     with torch._functorch.config.patch(force_non_lazy_backward_lowering=eager_backward):
         compiled = _aot(gm, example_inputs, compiler)
+    compiled = with_cached_casts(compiled, cached_casts) if cached_casts else compiled
     return _guarded(compiled, ctx.input_guards) if ctx.input_guards else compiled
 
 

@@ -118,8 +118,11 @@ def compile_aten_graph(gm: fx.GraphModule, example_inputs, *, options: Options, 
         record.graph_svg = graph_svg(gm, kernel_names)
     mode = "eager" if target == "eager" else "triton"
     filename = "wrapper.py" if graph_name in ("forward", "inference") else f"wrapper_{graph_name}.py"
-    record.wrapper_source = generate_wrapper(gm, kernels, graph_name, mode, filename)
+    record.wrapper_source = generate_wrapper(gm, kernels, graph_name, mode, filename, options.profile)
     call = _load(gm, kernels, record, env, mode)
+    if options.profile:
+        from .profile import attach_timer  # here, not at the top: profile.py compiles through backend.py
+        attach_timer(call, record)
     record.fallbacks = list(ctx.notes)
     record.compile_seconds = time.perf_counter() - start
     if verifier is not None:

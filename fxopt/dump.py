@@ -1,26 +1,31 @@
 """Writing a report to a directory (FXOPT_DUMP=dir, rep.save(dir)): files a person can open and run."""
 from __future__ import annotations
 
+import dataclasses
 import html
 import os
 
 from .memory.plan_report import memory_svg
+from .options import Environment
 
 
-def write_dump(rep, directory: str) -> None:
+def write_dump(rep, directory: str, all_passes: bool = False) -> None:
+    """Every file of the report. passes/ holds the graphs that a pass changed; with all_passes (or
+    FXOPT_DUMP_ALL=1) also those it left as they were, so each pass's input can be read next to it."""
+    all_passes = all_passes or Environment.read().dump_all_passes
     os.makedirs(os.path.join(directory, "passes"), exist_ok=True)
     os.makedirs(os.path.join(directory, "kernels"), exist_ok=True)
     index = 0
     for p in rep.pre_autograd:  # the torch-level graph, before autograd (attention matching)
         index += 1
-        if p.changed:
+        if p.changed or all_passes:
             _write(directory, f"passes/{index:02d}_torch_{p.name}.txt", p.text)
     for gi, g in enumerate(rep.graphs):
         tag = f"{gi}_{g.name}"
         _write(directory, f"passes/{index:02d}_{tag}_captured.txt", g.captured_text)
         for p in g.passes:
             index += 1
-            if p.changed or p.name == "codegen":
+            if p.changed or p.name == "codegen" or all_passes:
                 _write(directory, f"passes/{index:02d}_{tag}_{p.name}.txt", p.text)
         for k in g.kernels:
             _write(directory, f"kernels/{k.name}.py", k.standalone)
@@ -38,11 +43,18 @@ def _write(directory: str, rel: str, text: str) -> None:
 
 
 def report_html(rep) -> str:
-    """Self-contained HTML (no network, no external assets): the text report, kernels and wrappers."""
+    """Self-contained HTML (no network, no external assets): the text report, attention sites and casts,
+    each graph drawn, kernels and wrappers."""
     parts = ["<!doctype html><html><head><meta charset='utf-8'><title>fxopt report</title>",
              "<style>body{font-family:sans-serif;margin:2em}pre{background:#f6f8fa;padding:1em;"
-             "overflow:auto}h2{border-bottom:1px solid #ccc}</style></head><body>",
+             "overflow:auto}h2{border-bottom:1px solid #ccc}table{border-collapse:collapse}"
+             "td,th{border:1px solid #ccc;padding:2px 6px;text-align:left;font-size:90%}</style></head><body>",
              "<h1>fxopt report</h1>", f"<pre>{html.escape(str(rep))}</pre>"]
+    if rep.attention:
+        fused = sum(site.fused for site in rep.attention)
+        parts.append(_records_section(f"attention sites ({fused} of {len(rep.attention)} fused)", rep.attention))
+    if rep.casts:
+        parts.append(_records_section(f"casts inserted by the precision pass ({len(rep.casts)})", rep.casts))
     for g in rep.graphs:
         parts.append(f"<h2>{html.escape(g.name)} graph</h2>")
         if g.graph_svg:
@@ -59,3 +71,20 @@ def report_html(rep) -> str:
                          f"<pre>{html.escape(p.text)}</pre></details>")
     parts.append("</body></html>")
     return "\n".join(parts)
+
+
+def _records_section(title: str, records: list) -> str:
+    """A table of report records (AttentionSite, CastRecord), one column per field, the source line included."""
+    names = [f.name for f in dataclasses.fields(records[0])]
+    head = "".join(f"<th>{html.escape(n)}</th>" for n in names)
+    rows = "".join("<tr>" + "".join(f"<td>{html.escape(_cell(getattr(r, n)))}</td>" for n in names) + "</tr>"
+                   for r in records)
+    return f"<h2>{html.escape(title)}</h2><table><tr>{head}</tr>{rows}</table>"
+
+
+def _cell(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(map(str, value))
+    return "" if value is None else str(value)

@@ -12,7 +12,8 @@ PRECISIONS = (None, "fp32", "bf16", "fp16")
 class Options:
     """What a user can ask of fxopt. Unknown names raise a TypeError listing these fields."""
 
-    precision: str | None = None  # None keeps the model's dtypes (issue: mixed precision)
+    precision: str | None = None  # None keeps the model's dtypes; "bf16"/"fp16": mixed precision (passes/precision.py)
+    precision_policy: dict | None = None  # overrides of the policy table, e.g. {"softmax": "low"} (see POLICY)
     fuse: bool = True  # fuse pointwise chains into Triton kernels
     attention: bool = True  # match hand-written attention (not built yet: recorded as a note)
     memory_plan: bool = True  # plan an arena from liveness and report it (the wrapper does not use it yet)
@@ -21,10 +22,15 @@ class Options:
     verify: bool = False  # check every pass numerically against the captured graph
     verify_rtol: float = 1e-3  # relative error (norm-wise) above which verify names the pass
     keep_graphs: bool = False  # keep a copy of the graph after every pass (explain sets this)
+    profile: bool = False  # wrappers time each kernel and ATen call in a named region (fxopt.profile sets this)
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
             raise ValueError(f"fxopt: precision={self.precision!r} is not one of {PRECISIONS}")
+        if self.precision_policy is not None:
+            from .analysis.precision_policy import check_overrides  # lazily: it loads the attention op
+            check_overrides(self.precision_policy, self.precision)
+            object.__setattr__(self, "precision_policy", dict(self.precision_policy))  # the caller's dict may change
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "Options":
@@ -47,6 +53,7 @@ class Environment:
     interpret: bool = False  # TRITON_INTERPRET=1: run Triton kernels on CPU tensors in the interpreter
     cache_dir: str = ""  # FXOPT_CACHE_DIR, else a per-user directory
     log_level: str | None = None  # FXOPT_LOG
+    dump_all_passes: bool = False  # FXOPT_DUMP_ALL=1: dumps print passes that changed nothing too
 
     @classmethod
     def read(cls) -> "Environment":
@@ -56,6 +63,7 @@ class Environment:
             interpret=os.environ.get("TRITON_INTERPRET", "0") == "1",
             cache_dir=cache,
             log_level=os.environ.get("FXOPT_LOG") or None,
+            dump_all_passes=os.environ.get("FXOPT_DUMP_ALL", "0") == "1",
         )
 
 

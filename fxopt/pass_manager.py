@@ -37,6 +37,7 @@ class PassContext:
     inspect: bool = False  # someone will read the report (explain, dumps): print graphs after each pass
     example_inputs: list | None = None  # pre-autograd only: the real inputs dynamo compiled for
     attention: list = field(default_factory=list)  # AttentionSite records from the attention matcher
+    casts: list = field(default_factory=list)  # CastRecord of every cast the precision pass inserted
     input_guards: list = field(default_factory=list)  # InputGuard: facts about inputs checked every call
 
     def note(self, node_name: str, reason: str) -> None:

@@ -4,14 +4,24 @@ from __future__ import annotations
 from .options import Options
 from .passes.attention import FuseAttention
 from .passes.cleanup import Cleanup
+from .passes.cross_entropy import FuseCrossEntropy
 from .passes.fuse import FusePointwise
 from .passes.fuse_reductions import FuseReductions
+from .passes.precision import LOW_DTYPES, MixedPrecision
 from .passes.recompute import RecomputeForReductions
 
 
 def pre_autograd_passes(options: Options) -> list:
     """On the torch-level graph dynamo captured, before aot_autograd decomposes it."""
-    return [FuseAttention()] if options.attention else []  # (precision casts plug in here: issue 6)
+    passes = []
+    if options.attention:
+        passes.append(FuseAttention())  # hand-written attention -> one fused op, so precision casts q, k, v once
+    if options.precision in LOW_DTYPES:
+        passes.append(MixedPrecision.from_options(options))  # casts by policy; autograd derives the backward ones
+    # F.cross_entropy / nll_loss(log_softmax) -> one fused op; after precision, so the fp32 up-cast of the
+    # logits it inserts is folded into the kernel instead of materialising an fp32 copy
+    passes.append(FuseCrossEntropy())
+    return passes
 
 
 def post_grad_passes(options: Options) -> list:

@@ -96,6 +96,7 @@ class GraphReport:
 class Report:
     graphs: list[GraphReport] = field(default_factory=list)
     pre_autograd: list[PassRecord] = field(default_factory=list)  # passes on the torch-level graph
+    pre_autograd_notes: list[tuple[str, str]] = field(default_factory=list)  # (node, why a torch-level pass left it)
     attention: list[AttentionSite] = field(default_factory=list)
     casts: list[CastRecord] = field(default_factory=list)
 
@@ -119,7 +120,7 @@ class Report:
 
     @property
     def fallbacks(self) -> list[tuple[str, str]]:
-        return [f for g in self.graphs for f in g.fallbacks]
+        return self.pre_autograd_notes + [f for g in self.graphs for f in g.fallbacks]
 
     @property
     def wrapper_source(self) -> str:

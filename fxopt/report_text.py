@@ -15,10 +15,15 @@ def report_to_text(rep) -> str:
                  ", ".join(f"{k}={v}" for k, v in p.stats.items() if v)] for p in rep.pre_autograd]
         out.append("== torch-level graph (before autograd) ==")
         out += _table(rows, ["pass", "time", "nodes in", "nodes out", "stats"])
+        out += [f"  left as written: {node}: {reason}" for node, reason in rep.pre_autograd_notes]
         out.append("")
     if rep.attention:
         out.append(f"attention sites ({sum(s.fused for s in rep.attention)} of {len(rep.attention)} fused):")
         out += [f"  {site}" for site in rep.attention]
+        out.append("")
+    if rep.casts:
+        out.append(f"casts ({len(rep.casts)}), inserted by the precision pass:")
+        out += [f"  {c.node}: {c.from_dtype} -> {c.to_dtype}  ({c.reason})" for c in rep.casts]
         out.append("")
     for g in rep.graphs:
         out.append(f"== {g.name} graph (kernels for {g.target}) compiled in {g.compile_seconds * 1000:.1f} ms ==")

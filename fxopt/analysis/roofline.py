@@ -81,8 +81,27 @@ def matmul_flops(node: fx.Node) -> int:
         b, h, sq, d = shape(args[0])
         return 4 * b * h * sq * shape(args[1])[2] * d
     if getattr(t, "namespace", "") == "fxopt":
-        return attention_flops(node)
+        name = t.name()
+        if "flash_attention" in name:
+            return attention_flops(node)
+        if "cross_entropy" in name:
+            return cross_entropy_flops(node)
     return 0
+
+
+def _fxopt_op_kind(target) -> str | None:
+    """fxopt's own fused ops by family: "attention" or "loss"; None for everything else."""
+    if getattr(target, "namespace", "") != "fxopt":
+        return None
+    return "attention" if "flash_attention" in target.name() else "loss"
+
+
+def cross_entropy_flops(node: fx.Node) -> int:
+    """fxopt's fused cross-entropy on [N, V] logits: about 4 per logit forward (max, subtract, exp,
+    sum), 3 backward (exp, subtract, scale)."""
+    name = node.target.name()
+    logits = node.args[1 if "backward" in name else 0].meta["val"]
+    return (3 if "backward" in name else 4) * logits.numel()
 
 
 def attention_flops(node: fx.Node) -> int:
@@ -121,7 +140,7 @@ def roofline(gm: fx.GraphModule, kernel_names: dict | None = None, ceilings: Cei
         elif n.op == "call_function" and n.target is not operator.getitem and not is_view(n):
             flops = matmul_flops(n)
             nbytes = sum(_bytes(a.meta.get("val")) for a in n.all_input_nodes) + _bytes(n.meta.get("val"))
-            kind = "attention" if getattr(n.target, "namespace", "") == "fxopt" else "matmul" if flops else "aten"
+            kind = _fxopt_op_kind(n.target) or ("matmul" if flops else "aten")
             rate = ceilings.matmul_flops_per_s
         else:
             continue

@@ -33,6 +33,13 @@ def check_layout(t, size, stride, name):
 
 '''
 
+PROFILE_HEADER = '''
+# Each kernel launch and ATen call runs inside `with region(name):`. Standalone, region is torch's
+# profiler annotation (the names show in torch.profiler traces); fxopt.profile rebinds it to its timer.
+region = torch.profiler.record_function
+
+'''
+
 MAIN = '''
 
 def random_inputs():
@@ -102,8 +109,9 @@ def _last_uses(gm: fx.GraphModule) -> dict[fx.Node, list[fx.Node]]:
 
 
 def generate_wrapper(gm: fx.GraphModule, kernels: dict[str, Kernel], graph: str,
-                     mode: str, filename: str = "wrapper.py") -> str:
-    """Python source of the wrapper module. mode: "triton" launches kernels, "eager" runs subgraphs."""
+                     mode: str, filename: str = "wrapper.py", profile: bool = False) -> str:
+    """Python source of the wrapper module. mode: "triton" launches kernels, "eager" runs subgraphs.
+    profile: bracket every launch and ATen call with a named timing region (for fxopt.profile)."""
     names: dict[fx.Node, str] = {n: n.name for n in gm.graph.nodes}
     body, specs = [], []
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -121,14 +129,14 @@ def generate_wrapper(gm: fx.GraphModule, kernels: dict[str, Kernel], graph: str,
             specs.append("None")
     for n in gm.graph.nodes:
         if n.op == "call_module":
-            body += _launch(n, kernels[n.target], names, mode)
+            body += _timed(_launch(n, kernels[n.target], names, mode), kernels[n.target].name, profile)
         elif n.op == "call_function" and n.target is operator.getitem:
             if n.args[0].op != "call_module":
                 body.append(f"{n.name} = {names[n.args[0]]}[{n.args[1]}]")
         elif n.op == "call_function":
             args = [format_value(a, names) for a in n.args]
             args += [f"{k}={format_value(v, names)}" for k, v in n.kwargs.items()]
-            body.append(f"{n.name} = {_callee(n.target)}({', '.join(args)})")
+            body += _timed([f"{n.name} = {_callee(n.target)}({', '.join(args)})"], n.name, profile)
         elif n.op == "get_attr":
             continue  # constants are module globals, set when the wrapper is loaded
         elif n.op == "output":
@@ -141,12 +149,21 @@ def generate_wrapper(gm: fx.GraphModule, kernels: dict[str, Kernel], graph: str,
     uses_libdevice = any("libdevice." in k.full_source() for k in kernels.values())
     libdevice = "from triton.language.extra import libdevice" if uses_libdevice else ""
     src = HEADER.format(graph=graph, filename=filename, libdevice=libdevice)
+    if profile:
+        src += PROFILE_HEADER
     if mode == "triton":
         for k in kernels.values():
             src += "\n" + k.full_source() + "\n"
     src += "\n\ndef call(args):\n" + "".join(f"    {line}\n" for line in body)
     src += f"\n\nINPUT_SPECS = [{', '.join(specs)}]\n" + MAIN
     return src
+
+
+def _timed(lines: list[str], name: str, profile: bool) -> list[str]:
+    """The lines as they are, or (profiling wrappers) inside a region named like its roofline row."""
+    if not profile:
+        return lines
+    return [f"with region({name!r}):"] + [f"    {line}" for line in lines]
 
 
 def _holds_value(node: fx.Node) -> bool:

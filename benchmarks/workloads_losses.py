@@ -1,0 +1,69 @@
+"""Loss workloads: cross-entropy over a large vocabulary, forward and backward (issue 7).
+
+An LM's token loss at 16384 tokens x 131072 vocabulary (bf16 logits, 4 GiB): the forward reduces
+each row to a loss, the backward writes a gradient as large as the logits. A perfect implementation
+reads the logits twice (the forward's log-sum-exp, the backward's softmax) and writes the gradient
+once; eager PyTorch also writes and reads log_softmax [N, V] and its gradient. Every target is a
+real class (no ignore_index rows), so the minimum bytes are exact.
+
+Two spellings: `cross_entropy` (F.cross_entropy on the bf16 logits) and `cross_entropy_fp32`
+(`logits.float()` first, as many Hugging Face models do: eager then holds float32 copies of the
+logits, of log_softmax and of both gradients).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .workloads import nbytes, randn, workload
+
+
+def _token_loss(logits, target):
+    return F.cross_entropy(logits, target)
+
+
+def _token_loss_fp32(logits, target):
+    return F.cross_entropy(logits.float(), target)
+
+
+@torch.compiler.disable
+def _gradients(loss, inputs):
+    """torch.autograd.grad kept outside dynamo, as a training loop's backward is (see
+    workloads_attention._gradients): the compiler sees the forward and, through aot_autograd, the backward."""
+    return torch.autograd.grad(loss, inputs)
+
+
+def _cross_entropy_fwd_bwd(logits, target):
+    """(loss, d loss / d logits)."""
+    loss = _token_loss(logits, target)
+    return (loss, *_gradients(loss, (logits,)))
+
+
+def _cross_entropy_fp32_fwd_bwd(logits, target):
+    loss = _token_loss_fp32(logits, target)
+    return (loss, *_gradients(loss, (logits,)))
+
+
+def _logits_and_targets(device, dtype, quick):
+    n, v = (32, 1000) if quick else (16384, 131072)
+    logits = randn(n, v, device=device, dtype=dtype).requires_grad_(True)
+    target = torch.randint(0, v, (n,), device=device)
+    return logits, target
+
+
+def _min_bytes(inputs, outputs) -> int:
+    """Logits read twice (forward, backward), the gradient written once, the targets read once."""
+    logits, target = inputs
+    return 2 * nbytes(logits) + nbytes(logits) + nbytes(target)
+
+
+@workload("cross_entropy", "F.cross_entropy fwd+bwd (loss, dlogits) via autograd; 16384 tokens x 131072 vocab; "
+          "min bytes = logits read twice + grad written once", kind="reduction", training=True, min_bytes=_min_bytes)
+def make_cross_entropy(device, dtype, quick):
+    return _cross_entropy_fwd_bwd, _logits_and_targets(device, dtype, quick)
+
+
+@workload("cross_entropy_fp32", "F.cross_entropy(logits.float()) fwd+bwd (HF-style up-cast); 16384 x 131072; "
+          "min bytes as cross_entropy", kind="reduction", training=True, min_bytes=_min_bytes)
+def make_cross_entropy_fp32(device, dtype, quick):
+    return _cross_entropy_fp32_fwd_bwd, _logits_and_targets(device, dtype, quick)

@@ -1,0 +1,133 @@
+"""The fused cross-entropy aot_autograd sees: torch.ops.fxopt.cross_entropy and its backward.
+
+A `torch.library` custom op with a fake (shape) implementation and an autograd formula, so the
+forward graph holds one `cross_entropy` node (saving the logits, the targets and the row lse) and the
+backward graph one `cross_entropy_backward` node; no log_softmax [N, V] exists in either. The op picks
+its implementation when it runs:
+  - CUDA tensors, or CPU tensors under TRITON_INTERPRET=1: fxopt's Triton kernels
+    (losses/cross_entropy_kernels.py);
+  - other CPU tensors: the same contract in torch ops (`reference_rows`, `reference_grad`).
+
+Contract (the pass builds calls that meet it): logits [N, V] fp32/bf16/fp16 with a contiguous last
+dim, target int64 [N], reduction "mean" (over rows whose target is not ignore_index, as torch does:
+all rows ignored gives NaN), "sum" or "none". Returns (loss float32: 0-d, or [N] for "none"; lse
+float32 [N], the row log-sum-exp, -inf for ignored rows). The loss is float32 whatever the logits'
+dtype; `cross_entropy()` below casts it back as F.cross_entropy would return it.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def _on_triton(t: Tensor) -> bool:
+    """CUDA tensors, or CPU tensors when the Triton interpreter is on."""
+    return t.is_cuda or (t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+def _check_reduction(reduction: str) -> None:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"fxopt cross_entropy: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+
+
+def _valid_count(target: Tensor, ignore_index: int) -> Tensor:
+    """Rows that count towards "mean" (a device tensor: no host sync)."""
+    return (target != ignore_index).sum()
+
+
+def _reduce(rows: Tensor, target: Tensor, ignore_index: int, reduction: str) -> Tensor:
+    if reduction == "none":
+        return rows
+    total = rows.sum()
+    return total / _valid_count(target, ignore_index) if reduction == "mean" else total
+
+
+def _row_scale(grad_loss: Tensor, target: Tensor, ignore_index: int, reduction: str) -> Tensor:
+    """d loss / d row loss, float32: 0-d for "mean"/"sum" (one factor for all rows), [N] for "none"."""
+    grad = grad_loss.to(torch.float32)
+    if reduction == "none":
+        return grad.contiguous()  # grad of loss.sum() arrives as a stride-0 expand
+    return grad / _valid_count(target, ignore_index) if reduction == "mean" else grad
+
+
+def reference_rows(logits: Tensor, target: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
+    """Per-row (loss, lse) in float32 torch ops: the kernels' contract, for CPU without the interpreter."""
+    x = logits.float()
+    keep = target != ignore_index
+    lse = torch.logsumexp(x, dim=-1)
+    picked = x.gather(1, torch.where(keep, target, 0)[:, None]).squeeze(1)
+    rows = torch.where(keep, lse - picked, 0.0)
+    return rows, torch.where(keep, lse, float("-inf"))
+
+
+def reference_grad(logits: Tensor, target: Tensor, lse: Tensor, scale: Tensor, ignore_index: int) -> Tensor:
+    """(softmax - onehot(target)) * scale per row, in float32 torch ops, cast to the logits' dtype."""
+    keep = target != ignore_index
+    probs = torch.exp(logits.float() - torch.where(keep, lse, 0.0)[:, None])
+    onehot = torch.zeros_like(probs).scatter_(1, torch.where(keep, target, 0)[:, None], 1.0)
+    row_scale = torch.where(keep, scale.float().expand(target.shape), 0.0)
+    return ((probs - onehot) * row_scale[:, None]).to(logits.dtype).contiguous()
+
+
+def _rows(logits: Tensor, target: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
+    if not _on_triton(logits):
+        return reference_rows(logits, target, ignore_index)
+    from .cross_entropy_kernels import cross_entropy_rows
+    return cross_entropy_rows(logits, target, ignore_index)
+
+
+@torch.library.custom_op("fxopt::cross_entropy", mutates_args=())
+def cross_entropy_op(logits: Tensor, target: Tensor, ignore_index: int, reduction: str) -> tuple[Tensor, Tensor]:
+    _check_reduction(reduction)
+    rows, lse = _rows(logits, target, ignore_index)
+    return _reduce(rows, target, ignore_index, reduction), lse
+
+
+@cross_entropy_op.register_fake
+def _(logits, target, ignore_index, reduction):
+    _check_reduction(reduction)
+    n = logits.shape[0]
+    loss = logits.new_empty((n,) if reduction == "none" else (), dtype=torch.float32)
+    return loss, logits.new_empty((n,), dtype=torch.float32)
+
+
+@torch.library.custom_op("fxopt::cross_entropy_backward", mutates_args=())
+def cross_entropy_backward_op(grad_loss: Tensor, logits: Tensor, target: Tensor, lse: Tensor,
+                              ignore_index: int, reduction: str) -> Tensor:
+    scale = _row_scale(grad_loss, target, ignore_index, reduction)
+    if not _on_triton(logits):
+        return reference_grad(logits, target, lse, scale, ignore_index)
+    from .cross_entropy_kernels import cross_entropy_grad
+    return cross_entropy_grad(logits, target, lse, scale, ignore_index)
+
+
+@cross_entropy_backward_op.register_fake
+def _(grad_loss, logits, target, lse, ignore_index, reduction):
+    return logits.new_empty(logits.shape)  # contiguous, as the kernel writes it
+
+
+def _setup_context(ctx, inputs, output):
+    logits, target, ignore_index, reduction = inputs
+    _, lse = output
+    ctx.save_for_backward(logits, target, lse)
+    ctx.ignore_index, ctx.reduction = ignore_index, reduction
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad_loss, _grad_lse):
+    logits, target, lse = ctx.saved_tensors
+    grad = cross_entropy_backward_op(grad_loss, logits, target, lse, ctx.ignore_index, ctx.reduction)
+    return grad, None, None, None
+
+
+cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100, reduction: str = "mean") -> Tensor:
+    """F.cross_entropy(logits [N, V], target [N]) through the fused op, in the logits' dtype as torch
+    returns it (the loss is computed in float32)."""
+    return cross_entropy_op(logits, target, ignore_index, reduction)[0].to(logits.dtype)

@@ -1,0 +1,292 @@
+"""Mixed precision: matmuls and attention in bf16/fp16, numerically sensitive ops in fp32, by policy.
+
+Runs on the torch-level graph (after attention matching), before autograd: the pass only inserts
+`.to(dtype)` nodes, and aot_autograd derives the backward casts from them, so the gradients reaching
+the fp32 parameters are fp32. Parameters, graph inputs and graph outputs keep their dtypes. Which op
+computes where is the table in analysis/precision_policy.py; ops outside it follow their inputs.
+
+    before (fp32 model)                          after precision="bf16"
+    ln = layer_norm(x, (64,), w1, b1)            ln = layer_norm(x, (64,), w1, b1)        # fp32: norm
+    h = linear(ln, w2, b2)                       to = ln.to(bf16); to_1 = w2.to(bf16); to_2 = b2.to(bf16)
+                                                 h = linear(to, to_1, to_2)               # bf16: linear
+    g = gelu(h)                                  g = gelu(h)                              # bf16: follows
+    y = add(x, g)                                y = add(x, g)                            # fp32: promotion
+    p = softmax(y, -1)                           p = softmax(y, -1)                       # fp32 already
+    return (h,)                                  to_3 = h.to(float32); return (to_3,)    # interface dtype
+
+A cast costs no pass of its own where a kernel is next to it: each one is shared by all its
+consumers, an exact round trip (a model's `.float()` of a bf16 value cast back to bf16) is cancelled,
+and after autograd the post-grad fusion folds `convert_element_type` into the neighbouring kernel.
+Left alone are casts between a parameter or matmul and a matmul or output: a parameter's cast in
+training (every call, as torch.autocast), the fp32 output of a last matmul, bf16 weight gradients
+into fp32. In inference `lift_parameter_casts` turns parameter casts into cached inputs.
+A node that cannot take the new dtypes (an op that insists on equal dtypes) gets its inputs cast back
+and is noted. Every inserted cast is recorded in `rep.casts` with its reason.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor
+
+from ..analysis.precision_policy import FP32, LOW, category_of, feeds_reduction, policy_with
+from ..analysis.torch_ops import dtype, op_of
+from ..pass_manager import PassContext, PassResult
+from ..report import CastRecord
+from .attention import FUSED_OP
+
+LOW_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+LABELS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+ATTENTION_OPERANDS = 3  # the fused attention op casts q, k, v; its additive mask keeps its precision
+
+
+def _value_dtypes(value):
+    """A tensor's dtype, a tuple of them for tuple values (split, the attention op), else None."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype
+    if isinstance(value, (tuple, list)):
+        return tuple(_value_dtypes(v) for v in value)
+    return None
+
+
+def _node_dtypes(node: fx.Node):
+    return _value_dtypes(node.meta.get("example_value"))
+
+
+def _fake_mode(gm: fx.GraphModule):
+    """The fake mode dynamo traced in: new values are computed in it, never on real data."""
+    for node in gm.graph.nodes:
+        value = node.meta.get("example_value")
+        if isinstance(value, FakeTensor):
+            return value.fake_mode
+    return None
+
+
+def _run_on_fakes(node: fx.Node, mode):
+    """The node's value computed from its inputs' example values (what dynamo recorded, re-done)."""
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["example_value"])
+    with mode:
+        if node.op == "call_method":
+            return getattr(args[0], node.target)(*args[1:], **kwargs)
+        return node.target(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _meta_errors_unlogged():
+    """Fake tensors log every meta kernel that raises; here a rejected dtype is an expected answer."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    disabled, log.disabled = log.disabled, True
+    try:
+        yield
+    finally:
+        log.disabled = disabled
+
+
+def _operands(node: fx.Node) -> list[fx.Node]:
+    """The inputs a policy casts: every input, except the fused attention op's additive mask (the
+    kernel adds it in fp32; SDPA, by contrast, wants its float mask in the query's dtype)."""
+    inputs = node.args[:ATTENTION_OPERANDS] if node.target is FUSED_OP else node.all_input_nodes
+    return [n for n in inputs if isinstance(n, fx.Node)]
+
+
+def _exact_source(value: fx.Node, to: torch.dtype) -> fx.Node | None:
+    """x when `value` is x.float() of a bf16/fp16 x and `to` is x's dtype: the round trip is exact."""
+    if op_of(value) != "cast" or dtype(value) != torch.float32 or to not in LOW_DTYPES.values():
+        return None
+    source = value.args[0]
+    return source if isinstance(source, fx.Node) and dtype(source) == to else None
+
+
+class _Casts:
+    """Inserts `.to(dtype)` nodes: one per (value, dtype), exact round trips cancelled, each recorded."""
+
+    def __init__(self, graph: fx.Graph, mode, records: list):
+        self.graph, self.mode, self.records = graph, mode, records
+        self.made: dict[tuple[fx.Node, torch.dtype], fx.Node] = {}
+        self.bypassed: set[fx.Node] = set()  # the model's casts that a cancelled round trip skipped
+
+    def to(self, value: fx.Node, to: torch.dtype, before: fx.Node, reason: str) -> fx.Node:
+        source = _exact_source(value, to)
+        if source is not None:
+            self.bypassed.add(value)
+            return source
+        if (value, to) not in self.made:
+            with self.graph.inserting_before(before):
+                cast = self.graph.call_method("to", (value, to))
+            cast.meta["example_value"] = _run_on_fakes(cast, self.mode)
+            self.records.append(CastRecord(cast.name, LABELS[dtype(value)], LABELS[to], reason))
+            self.made[(value, to)] = cast
+        return self.made[(value, to)]
+
+    def erase_bypassed(self) -> None:
+        for node in self.bypassed:
+            if not node.users:
+                self.graph.erase_node(node)
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Pre-autograd pass: casts by policy so matmuls/attention run in `low`, sensitive ops in fp32."""
+
+    low: torch.dtype
+    policy: dict
+    name: str = "precision"
+
+    @classmethod
+    def from_options(cls, options) -> "MixedPrecision":
+        return cls(LOW_DTYPES[options.precision], policy_with(options.precision_policy))
+
+    def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        mode = _fake_mode(gm)
+        if mode is None:
+            return PassResult(gm, False, {})
+        graph = gm.graph
+        _fill_missing_values(graph, mode)
+        original = {n: _node_dtypes(n) for n in graph.nodes}
+        casts = _Casts(graph, mode, ctx.casts)
+        stats = Counter()
+        for node in list(graph.nodes):
+            if node.op == "output":
+                self._restore_outputs(node, original, casts)
+            elif node.op in ("call_function", "call_method"):
+                stats[self._place(node, casts)] += 1
+                if any(n not in original or _node_dtypes(n) != original[n] for n in node.all_input_nodes):
+                    stats["kept"] += self._refresh(node, original, casts, ctx)
+        casts.erase_bypassed()
+        stats = {"casts": len(casts.made), "low": stats[LOW], "fp32": stats[FP32], "kept": stats["kept"],
+                 "round_trips_cancelled": len(casts.bypassed)}
+        return PassResult(gm, bool(casts.made or casts.bypassed), stats)
+
+    def _where(self, node: fx.Node) -> str | None:
+        """LOW, FP32, or None (follow the inputs), by the policy table."""
+        category = category_of(node)
+        if category is None or (category == "exp_log_pow" and not feeds_reduction(node)):
+            return None
+        return self.policy[category] if self.policy[category] in (LOW, FP32) else None
+
+    def _place(self, node: fx.Node, casts: _Casts) -> str | None:
+        """Cast the node's float inputs to the dtype the policy wants it to compute in."""
+        where = self._where(node)
+        if where is None:
+            return None
+        to = self.low if where == LOW else torch.float32
+        castable = (torch.float32, torch.float16, torch.bfloat16) if where == LOW else tuple(LOW_DTYPES.values())
+        reason = f"{node.name} ({category_of(node)}) computes in {LABELS[to]}"
+        for value in _operands(node):
+            if dtype(value) in castable and dtype(value) != to:
+                node.replace_input_with(value, casts.to(value, to, node, reason))
+        return where
+
+    def _refresh(self, node: fx.Node, original: dict, casts: _Casts, ctx: PassContext) -> int:
+        """Recompute the node's value from its new inputs. An op that rejects them (one that insists
+        on equal dtypes) gets its inputs cast back to what they were, and is noted; returns 1 then."""
+        try:
+            with _meta_errors_unlogged():
+                node.meta["example_value"] = _run_on_fakes(node, casts.mode)
+            return 0
+        except Exception as exc:  # the op's own dtype check, raised on fake tensors
+            why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        reason = f"{node.name} ({node.target}) does not take the new dtypes: kept in its own"
+        for value in node.all_input_nodes:
+            if value in original and _node_dtypes(value) != original[value]:
+                node.replace_input_with(value, casts.to(value, original[value], node, reason))
+        node.meta["example_value"] = _run_on_fakes(node, casts.mode)
+        ctx.note(node.name, f"precision: kept in its original dtypes ({why})")
+        return 1
+
+    @staticmethod
+    def _restore_outputs(output: fx.Node, original: dict, casts: _Casts) -> None:
+        """Graph outputs keep the model's dtypes (a bf16 logits tensor is returned as fp32)."""
+        def restore(value: fx.Node) -> fx.Node:
+            was = original.get(value)
+            if isinstance(was, torch.dtype) and was in LABELS and _node_dtypes(value) != was:
+                return casts.to(value, was, output, "graph output keeps the model's dtype")
+            return value
+        output.args = (fx.node.map_arg(output.args[0], restore),)
+
+
+def _fill_missing_values(graph: fx.Graph, mode) -> None:
+    """Nodes an earlier pass inserted (the fused attention op) get their example values."""
+    for node in graph.nodes:
+        if node.op in ("call_function", "call_method") and "example_value" not in node.meta:
+            node.meta["example_value"] = _run_on_fakes(node, mode)
+
+
+@dataclass
+class CachedCast:
+    """A parameter's low-precision copy, kept across calls of one compiled inference graph and made
+    again when the parameter changes in place (its version counter moves) or is swapped (its pointer)."""
+
+    index: int  # the parameter's position among the graph's inputs
+    dtype: torch.dtype
+    value: torch.Tensor | None = None
+    version: int = -1
+    pointer: int = 0
+
+    def get(self, param: torch.Tensor) -> torch.Tensor:
+        if self.value is None or param._version != self.version or param.data_ptr() != self.pointer:
+            with torch.no_grad():
+                self.value = param.detach().to(self.dtype)
+            self.version, self.pointer = param._version, param.data_ptr()
+        return self.value
+
+
+def lift_parameter_casts(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, list[CachedCast]]:
+    """Inference only: each parameter's inserted cast becomes a new graph input that `with_cached_casts`
+    fills from a cache, so a call reads the bf16/fp16 copy instead of casting the fp32 weight again.
+    Works on a copy (dynamo reads its own graph's inputs after the backend returns) and runs after the
+    pre-autograd passes (the verifier compares graphs with the same inputs)."""
+    if not ctx.casts or not _is_inference(ctx.example_inputs):
+        return gm, []
+    gm = _copy_of(gm)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    records = {c.node: c for c in ctx.casts}
+    last, lifted = placeholders[-1], []
+    for node in list(gm.graph.nodes):
+        record = records.get(node.name)
+        source = node.args[0] if record is not None and node.op == "call_method" else None
+        if source is None or source.op != "placeholder":
+            continue
+        index = placeholders.index(source)
+        if not isinstance(ctx.example_inputs[index], torch.nn.Parameter):
+            continue
+        with gm.graph.inserting_after(last):
+            last = gm.graph.placeholder(f"{source.name}_{record.to_dtype}")
+        last.meta["example_value"] = node.meta["example_value"]
+        node.replace_all_uses_with(last)
+        gm.graph.erase_node(node)
+        record.reason += "; inference: cast once and cached until the parameter changes"
+        lifted.append(CachedCast(index, dtype(last)))
+    gm.recompile()
+    return gm, lifted
+
+
+def _copy_of(gm: fx.GraphModule) -> fx.GraphModule:
+    """A plain GraphModule with the same nodes: no dynamo metadata, so aot_autograd asks nothing of
+    its (new) inputs beyond their example values."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return fx.GraphModule(gm, graph)
+
+
+def _is_inference(example_inputs) -> bool:
+    """What aot_autograd compiles as an inference graph: grad disabled, or nothing requires it."""
+    return not torch.is_grad_enabled() or not any(isinstance(t, torch.Tensor) and t.requires_grad
+                                                  for t in example_inputs)
+
+
+def with_cached_casts(compiled, cached: list[CachedCast]):
+    """The compiled graph, called with the cached parameter casts appended to its inputs."""
+    @functools.wraps(compiled)
+    def call(*args):
+        boxed = len(args) == 1 and isinstance(args[0], list)
+        flat = list(args[0] if boxed else args)
+        flat += [c.get(flat[c.index]) for c in cached]
+        return compiled(flat) if boxed else compiled(*flat)
+    return call

@@ -1,0 +1,175 @@
+"""The precision pass on small graphs: which node computes in which dtype, per policy entry; the
+override knob; cast sharing and round-trip cancelling; interface dtypes; casts in the report.
+
+Structure is read off the torch-level graph after the pass (node.meta["example_value"], which the pass
+keeps true); numerics of whole models against torch.autocast are in tests/models/test_precision_models.py.
+"""
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+import fxopt
+from fxopt import pipeline
+from fxopt.analysis.precision_policy import POLICY, category_of
+from fxopt.capture import capture
+from fxopt.options import Environment, Options
+from fxopt.pass_manager import PassContext
+from tests.helpers import compile_fxopt
+
+BF16, FP32 = torch.bfloat16, torch.float32
+
+
+def precision_graph(fn, *inputs, **options) -> tuple[fx.GraphModule, PassContext]:
+    """fn's torch-level graph after the pre-autograd passes (attention, precision)."""
+    opts = Options.from_kwargs(**{"precision": "bf16", **options})
+    gm, example_inputs = capture(fn, inputs)[0]
+    ctx = PassContext(options=opts, env=Environment.read(), graph_name="torch", example_inputs=example_inputs)
+    for p in pipeline.pre_autograd_passes(opts):
+        gm = p(gm, ctx).gm
+    gm.graph.lint()
+    gm.recompile()
+    return gm, ctx
+
+
+def value_dtype(node):
+    return node.meta["example_value"].dtype
+
+
+def computes_in(node: fx.Node) -> set:
+    """The dtypes of a node's floating-point tensor inputs: what it computes in."""
+    return {value_dtype(n) for n in node.all_input_nodes
+            if isinstance(n.meta.get("example_value"), torch.Tensor) and value_dtype(n).is_floating_point}
+
+
+def only(gm, match) -> fx.Node:
+    nodes = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method") and match(n)]
+    assert len(nodes) == 1, [n.format_node() for n in gm.graph.nodes]
+    return nodes[0]
+
+
+def node_matcher(which):
+    """A policy category's name, or a predicate on nodes."""
+    return (lambda n: category_of(n) == which) if isinstance(which, str) else which
+
+
+gen = torch.Generator().manual_seed(0)
+x, w, b = torch.randn(4, 16, generator=gen), torch.randn(16, 16, generator=gen), torch.randn(16, generator=gen)
+img, kernel = torch.randn(1, 3, 8, 8, generator=gen), torch.randn(4, 3, 3, 3, generator=gen)
+
+# case: (function, inputs, which node (a policy category or a predicate), the dtype it computes in)
+CASES = {
+    "matmul": (lambda x, w: x @ w, (x, w), "matmul", BF16),
+    "bmm": (lambda x, w: torch.bmm(x[None], w[None]), (x, w), "matmul", BF16),
+    "linear": (lambda x, w, b: F.linear(x, w, b), (x, w, b), "linear", BF16),
+    "conv": (lambda i, k: F.conv2d(i, k), (img, kernel), "conv", BF16),
+    "softmax": (lambda x, w: torch.softmax(x @ w, -1), (x, w), "softmax", FP32),
+    "log_softmax": (lambda x, w: F.log_softmax(x @ w, -1), (x, w), "log_softmax", FP32),
+    "layer_norm": (lambda x, w: F.layer_norm(x @ w, (16,)), (x, w), "norm", FP32),
+    "rms_norm": (lambda x, w: F.rms_norm(x @ w, (16,)), (x, w), "norm", FP32),
+    "group_norm": (lambda x, w: F.group_norm((x @ w).view(4, 4, 4), 2), (x, w), "norm", FP32),
+    "sum": (lambda x, w: (x @ w).sum(-1), (x, w), "reduction", FP32),
+    "mean": (lambda x, w: torch.mean(x @ w, -1), (x, w), "reduction", FP32),
+    "var": (lambda x, w: torch.var(x @ w, -1), (x, w), "reduction", FP32),
+    "exp_into_sum": (lambda x, w: torch.exp(x @ w).sum(-1), (x, w), "exp_log_pow", FP32),
+    "pow_into_mean": (lambda x, w: (x @ w).pow(2).mean(-1), (x, w), "exp_log_pow", FP32),
+    "pow_elsewhere_follows": (lambda x, w: (x @ w).pow(2) * 3, (x, w), "exp_log_pow", BF16),
+    "mse_loss": (lambda x, w: F.mse_loss(x @ w, x), (x, w), "loss", FP32),
+    "gelu_follows": (lambda x, w: F.gelu(x @ w), (x, w), lambda n: n.target is F.gelu, BF16),
+    "residual_promotes": (lambda x, w: x + x @ w, (x, w), lambda n: n.target is operator.add, FP32),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_policy_places_each_op(case):
+    fn, inputs, which, expected = CASES[case]
+    gm, ctx = precision_graph(fn, *inputs)
+    node = only(gm, node_matcher(which))
+    assert value_dtype(node) == expected, node.format_node()
+    if case.endswith("promotes"):  # bf16 product + fp32 residual: fp32 by type promotion, no cast
+        assert computes_in(node) == {BF16, FP32} and not any(node.name in c.reason for c in ctx.casts)
+    else:
+        assert computes_in(node) == {expected}, node.format_node()
+    output = gm.graph.output_node().args[0]
+    assert all(value_dtype(v) == FP32 for v in output if value_dtype(v).is_floating_point)  # interface kept
+
+
+def test_every_policy_category_has_a_case():
+    covered = {which for _, _, which, _ in CASES.values() if isinstance(which, str)}
+    assert covered | {"attention"} == set(POLICY)  # attention: tests/models/test_precision_models.py
+
+
+def test_override_moves_softmax_to_low_and_linear_to_fp32():
+    fn = lambda x, w, b: torch.softmax(F.linear(x, w, b), -1)  # noqa: E731
+    gm, _ = precision_graph(fn, x, w, b, precision_policy={"softmax": "low", "linear": "fp32"})
+    assert computes_in(only(gm, node_matcher("linear"))) == {FP32}
+    gm, ctx = precision_graph(fn, x, w, b, precision_policy={"softmax": "low"})
+    assert computes_in(only(gm, node_matcher("softmax"))) == {BF16}
+    assert [c.to_dtype for c in ctx.casts] == ["bf16", "bf16", "bf16", "fp32"]  # linear's inputs, the output
+
+
+def test_follow_override_leaves_an_op_alone():
+    gm, ctx = precision_graph(lambda x, w: x @ w, x, w, precision_policy={"matmul": "follow"})
+    assert computes_in(only(gm, node_matcher("matmul"))) == {FP32} and ctx.casts == []
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"precision": "bf16", "precision_policy": {"softmaxx": "low"}}, "unknown category 'softmaxx'; categories are"),
+    ({"precision": "bf16", "precision_policy": {"softmax": "bf16"}}, "choose one of ('low', 'fp32', 'follow')"),
+    ({"precision_policy": {"softmax": "low"}}, "precision_policy needs precision='bf16' or 'fp16'"),
+    ({"precision": "fp16", "precision_policy": ["softmax"]}, "must be a dict"),
+])
+def test_override_is_validated_with_a_clear_error(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        fxopt.backend(**kwargs)
+
+
+def test_one_cast_per_value_shared_by_its_consumers():
+    fn = lambda x, w: (x @ w) @ w + x @ w.t()  # noqa: E731  x and w feed two matmuls each
+    gm, ctx = precision_graph(fn, x, w)
+    cast_nodes = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "to"]
+    sources = [n.args[0].name for n in cast_nodes if n.args[1] is BF16]
+    assert sorted(sources) == ["l_w_", "l_x_", "t"], sources  # each value once, whatever its uses
+    assert len(ctx.casts) == len(cast_nodes) == 4  # and the sum back to fp32 at the output
+
+
+def test_exact_round_trip_is_cancelled():
+    """(x @ w).float() @ w: the .float() of a bf16 value cast back to bf16 is exact, so it goes."""
+    gm, ctx = precision_graph(lambda x, w: (x @ w).float() @ w, x, w)
+    first, second = [n for n in gm.graph.nodes if category_of(n) == "matmul"]
+    assert second.args[0] is first  # reads the bf16 product directly
+    assert not any(n.op == "call_method" and n.target == "float" for n in gm.graph.nodes)
+    assert len(ctx.casts) == 3  # x, w to bf16; the result back to fp32
+
+
+def test_op_that_rejects_new_dtypes_keeps_its_own():
+    """lerp insists on equal dtypes: its bf16 input is cast back and the node is noted."""
+    gm, ctx = precision_graph(lambda x, w: torch.lerp(x, x @ w, 0.5), x, w)
+    assert computes_in(only(gm, lambda n: n.target is torch.lerp)) == {FP32}
+    assert any("kept in its original dtypes" in why for _, why in ctx.notes)
+    out = compile_fxopt(lambda x, w: torch.lerp(x, x @ w, 0.5), precision="bf16")(x, w)
+    torch.testing.assert_close(out, torch.lerp(x, x @ w, 0.5), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("precision", [None, "fp32"])
+def test_no_casts_without_a_low_precision(precision):
+    rep = fxopt.explain(lambda x, w: torch.softmax(x @ w, -1), x, w, precision=precision)
+    assert rep.casts == [] and "precision" not in [p.name for p in rep.pre_autograd]
+
+
+def test_interface_dtypes_and_casts_in_the_report():
+    lin = torch.nn.Linear(16, 16)
+    x_in = torch.randn(4, 16, requires_grad=True)
+    rep = fxopt.explain(lambda t: torch.softmax(lin(t), -1), x_in, precision="bf16")
+    text = str(rep)
+    assert f"casts ({len(rep.casts)}), inserted by the precision pass:" in text
+    assert [c.reason for c in rep.casts][-1] == "softmax (softmax) computes in fp32"
+    assert "linear (linear) computes in bf16" in text
+    out = compile_fxopt(lambda t: torch.softmax(lin(t), -1), precision="bf16")(x_in)
+    out.sum().backward()
+    assert out.dtype == FP32 and x_in.grad.dtype == FP32
+    assert lin.weight.dtype == lin.weight.grad.dtype == FP32 and lin.bias.grad.dtype == FP32
