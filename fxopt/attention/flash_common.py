@@ -17,9 +17,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from triton.runtime.interpreter import InterpretedFunction
 
-from ..codegen.interpreter_guard import GuardedKernel
+from ..codegen.interpreter_guard import launcher as launch_guarded
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # scores are kept in base 2: exp(x) = exp2(x * LOG2E)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)  # log(x) = log2(x) * LN2, for the stored lse
@@ -176,16 +175,8 @@ def mask_arguments(mask: Tensor | None, placeholder: Tensor) -> tuple:
 
 
 def launcher(kernel, grid: tuple, device: torch.device):
-    """`kernel[grid]` once the tensors' device matches how triton runs: CPU tensors in the interpreter
-    (guarded, so triton.language is restored afterwards), CUDA tensors compiled."""
-    interpreted = isinstance(kernel, InterpretedFunction)
-    if device.type == "cpu" and not interpreted:
-        raise ValueError("fxopt flash attention: cpu tensors run in the Triton interpreter, which needs "
-                         "TRITON_INTERPRET=1 set before triton is imported")
-    if device.type == "cuda" and interpreted:
-        raise ValueError("fxopt flash attention: cuda tensors need the Triton compiler, but triton was imported "
-                         "with TRITON_INTERPRET=1 (the interpreter); unset it for GPU runs")
-    return GuardedKernel(kernel)[grid] if interpreted else kernel[grid]
+    """`kernel[grid]`, interpreted for CPU tensors and compiled for CUDA ones (see interpreter_guard)."""
+    return launch_guarded(kernel, grid, device, "fxopt flash attention")
 
 
 @triton.jit

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 
 def _patched_namespaces() -> list:
@@ -49,3 +50,17 @@ class GuardedKernel:
 
     def __getattr__(self, name):
         return getattr(self.fn, name)
+
+
+def launcher(kernel, grid: tuple, device, who: str):
+    """`kernel[grid]` for how triton runs in this process, which is fixed when triton is imported:
+    CPU tensors need the interpreter (launches guarded, as above), CUDA tensors the compiler. A
+    mismatch is a clear error naming `who` instead of a failure deep inside triton."""
+    interpreted = isinstance(kernel, InterpretedFunction)
+    if device.type == "cpu" and not interpreted:
+        raise ValueError(f"{who}: cpu tensors run in the Triton interpreter, which needs TRITON_INTERPRET=1 "
+                         "set before triton is imported")
+    if device.type == "cuda" and interpreted:
+        raise ValueError(f"{who}: cuda tensors need the Triton compiler, but triton was imported with "
+                         "TRITON_INTERPRET=1 (the interpreter); unset it for GPU runs")
+    return GuardedKernel(kernel)[grid] if interpreted else kernel[grid]

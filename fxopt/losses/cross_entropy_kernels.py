@@ -25,9 +25,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from triton.runtime.interpreter import InterpretedFunction
 
-from ..codegen.interpreter_guard import GuardedKernel
+from ..codegen.interpreter_guard import launcher
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 GPU_BLOCK_V = 4096  # logits per step on the GPU (see row_config)
@@ -55,7 +54,7 @@ def cross_entropy_rows(logits: Tensor, target: Tensor, ignore_index: int,
     if n_rows == 0:
         return loss, lse
     cfg = row_config(n_cols, logits.device.type, block_v)
-    _launcher(_forward_kernel, (n_rows,), logits.device)(
+    launcher(_forward_kernel, (n_rows,), logits.device, "fxopt cross_entropy")(
         logits, target, loss, lse, logits.stride(0), n_cols, ignore_index,
         BLOCK_V=cfg["BLOCK_V"], num_warps=cfg["num_warps"])
     return loss, lse
@@ -74,7 +73,7 @@ def cross_entropy_grad(logits: Tensor, target: Tensor, lse: Tensor, scale: Tenso
     scale = scale.to(torch.float32)
     scale_stride = 0 if scale.dim() == 0 else scale.stride(0)
     cfg = row_config(n_cols, logits.device.type, block_v)
-    _launcher(_backward_kernel, (n_rows,), logits.device)(
+    launcher(_backward_kernel, (n_rows,), logits.device, "fxopt cross_entropy")(
         logits, target, lse, scale, grad, logits.stride(0), grad.stride(0), scale_stride, n_cols, ignore_index,
         BLOCK_V=cfg["BLOCK_V"], EVEN_V=n_cols % cfg["BLOCK_V"] == 0, num_warps=cfg["num_warps"])
     return grad
@@ -99,19 +98,6 @@ def _check(logits: Tensor, target: Tensor) -> None:
     if target.device != logits.device or logits.device.type not in ("cpu", "cuda"):
         raise ValueError(f"fxopt cross_entropy: logits ({logits.device}) and target ({target.device}) must be "
                          "on one cuda device or the cpu (Triton interpreter)")
-
-
-def _launcher(kernel, grid: tuple, device: torch.device):
-    """`kernel[grid]` for the way triton runs in this process: CPU tensors in the interpreter
-    (guarded, so triton.language is restored afterwards), CUDA tensors compiled."""
-    interpreted = isinstance(kernel, InterpretedFunction)
-    if device.type == "cpu" and not interpreted:
-        raise ValueError("fxopt cross_entropy: cpu tensors run in the Triton interpreter, which needs "
-                         "TRITON_INTERPRET=1 set before triton is imported")
-    if device.type == "cuda" and interpreted:
-        raise ValueError("fxopt cross_entropy: cuda tensors need the Triton compiler, but triton was imported "
-                         "with TRITON_INTERPRET=1 (the interpreter); unset it for GPU runs")
-    return GuardedKernel(kernel)[grid] if interpreted else kernel[grid]
 
 
 @triton.jit
