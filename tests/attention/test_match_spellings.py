@@ -257,3 +257,26 @@ def test_dynamic_shapes_leave_attention_unfused_and_exact(device):
         torch.testing.assert_close(compiled(q, k, v), gpt2_masked_fill(q, k, v), rtol=1e-4, atol=1e-5)
     assert rep.attention and not any(s.fused for s in rep.attention)
     assert "symbolic (dynamic) shapes" in rep.attention[0].reason
+
+
+def test_kv_cache_decode_step_runs_the_split_kv_kernel(device, monkeypatch):
+    """A few new tokens over a long cache: matched as causal (bottom-right), run by flash_decode."""
+    import fxopt.attention.flash_decode as flash_decode
+
+    calls = []
+    real = flash_decode.flash_decode
+    monkeypatch.setattr(flash_decode, "flash_decode", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, _, _ = qkv(device, t=3)
+    _, k, v = qkv(device, t=300, seed=2)
+
+    def decode_step(q, k, v):
+        tq, tk = q.shape[-2], k.shape[-2]
+        bias = torch.tril(torch.ones(512, 512, dtype=torch.bool, device=q.device))
+        s = (q @ k.transpose(-1, -2)) * 0.25
+        s = s.masked_fill(~bias[tk - tq:tk, :tk], float("-inf"))
+        return torch.softmax(s, -1) @ v
+
+    fused, _, _ = fused_sites(decode_step, q, k, v)
+    assert len(fused) == 1 and fused[0].causal
+    check(decode_step, q, k, v)
+    assert calls, "the decode kernel did not run"
