@@ -99,7 +99,7 @@ def compile_aten_graph(gm: fx.GraphModule, example_inputs, *, options: Options, 
     gm, records, snapshots = PassManager(pipeline.post_grad_passes(options), verifier).run(gm, ctx)
     record.passes, record.snapshots = records, snapshots
     if options.memory_plan:
-        record.memory_plan = memory_plan(gm)
+        record.memory_plan = memory_plan(gm, applied=options.memory_plan == "apply")
 
     kernel_target = "cuda" if target == "cuda" else "interpret"
     kernels: dict[str, Kernel] = {}
@@ -118,7 +118,9 @@ def compile_aten_graph(gm: fx.GraphModule, example_inputs, *, options: Options, 
         record.graph_svg = graph_svg(gm, kernel_names)
     mode = "eager" if target == "eager" else "triton"
     filename = "wrapper.py" if graph_name in ("forward", "inference") else f"wrapper_{graph_name}.py"
-    record.wrapper_source = generate_wrapper(gm, kernels, graph_name, mode, filename, options.profile)
+    applied = record.memory_plan if options.memory_plan == "apply" else None
+    record.wrapper_source = generate_wrapper(gm, kernels, graph_name, mode, filename, options.profile,
+                                             plan=applied, poison=applied is not None and env.poison_freed)
     call = _load(gm, kernels, record, env, mode)
     if options.profile:
         from .profile import attach_timer  # here, not at the top: profile.py compiles through backend.py

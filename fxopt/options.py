@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, fields
 
 PRECISIONS = (None, "fp32", "bf16", "fp16")
+MEMORY_PLANS = (False, True, "apply")
 
 
 @dataclass(frozen=True)
@@ -16,7 +17,7 @@ class Options:
     precision_policy: dict | None = None  # overrides of the policy table, e.g. {"softmax": "low"} (see POLICY)
     fuse: bool = True  # fuse pointwise chains into Triton kernels
     attention: bool = True  # match hand-written attention (not built yet: recorded as a note)
-    memory_plan: bool = True  # plan an arena from liveness and report it (the wrapper does not use it yet)
+    memory_plan: bool | str = True  # True: plan an arena and report it; "apply": the wrapper allocates from it
     cudagraphs: bool = False  # replay as CUDA graphs (not built yet: recorded as a note)
     dump_dir: str | None = None  # write passes, kernels, wrapper and report.html here
     verify: bool = False  # check every pass numerically against the captured graph
@@ -27,6 +28,8 @@ class Options:
     def __post_init__(self):
         if self.precision not in PRECISIONS:
             raise ValueError(f"fxopt: precision={self.precision!r} is not one of {PRECISIONS}")
+        if not any(self.memory_plan is v or (isinstance(v, str) and self.memory_plan == v) for v in MEMORY_PLANS):
+            raise ValueError(f"fxopt: memory_plan={self.memory_plan!r} is not one of {MEMORY_PLANS}")
         if self.precision_policy is not None:
             from .analysis.precision_policy import check_overrides  # lazily: it loads the attention op
             check_overrides(self.precision_policy, self.precision)
@@ -54,6 +57,7 @@ class Environment:
     cache_dir: str = ""  # FXOPT_CACHE_DIR, else a per-user directory
     log_level: str | None = None  # FXOPT_LOG
     dump_all_passes: bool = False  # FXOPT_DUMP_ALL=1: dumps print passes that changed nothing too
+    poison_freed: bool = False  # FXOPT_POISON_FREED=1: memory_plan="apply" wrappers NaN-fill dead arena regions
 
     @classmethod
     def read(cls) -> "Environment":
@@ -64,6 +68,7 @@ class Environment:
             cache_dir=cache,
             log_level=os.environ.get("FXOPT_LOG") or None,
             dump_all_passes=os.environ.get("FXOPT_DUMP_ALL", "0") == "1",
+            poison_freed=os.environ.get("FXOPT_POISON_FREED", "0") == "1",
         )
 
 

@@ -3,7 +3,9 @@
 A buffer is born at the node that writes it (a fused kernel's output, or an ATen call that is not a
 view) and dies at the last node that reads it or any view of it. Graph inputs are not buffers the
 wrapper allocates; graph outputs (and views of them) live to the end, and are marked so the planner
-never lets later buffers reuse their memory.
+never lets later buffers reuse their memory. An ATen op whose schema says its output may alias an
+input (views, and the rarer `alias`-annotated ops) extends its input's buffer rather than owning one,
+so a buffer returned through such an op is an output too.
 """
 from __future__ import annotations
 
@@ -23,9 +25,10 @@ class Interval:
     first_use: int  # position of the node that writes it
     last_use: int  # position of the last node that reads it (or a view of it)
     is_output: bool = False
+    kernel: bool = False  # written by a fused kernel launch (the wrapper allocates it; ATen allocates the rest)
 
 
-def _tensor_bytes(val) -> int:
+def tensor_bytes(val) -> int:
     if not isinstance(val, torch.Tensor):
         return 0
     # the storage the tensor spans: a strided tensor needs the furthest element + 1
@@ -33,10 +36,19 @@ def _tensor_bytes(val) -> int:
     return span * val.element_size()
 
 
+def _aliases_input(node: fx.Node) -> bool:
+    """The op's output may share memory with an input: a view, or a schema return marked as an alias."""
+    if is_view(node):
+        return True
+    t = node.target
+    return (node.op == "call_function" and isinstance(t, torch._ops.OpOverload)
+            and any(r.alias_info is not None for r in t._schema.returns))
+
+
 def _owner(node: fx.Node, owners: dict) -> fx.Node | None:
     """The buffer-owning node a value lives in: itself, or what its view chain starts from."""
     while node is not None and node not in owners:
-        if is_view(node) or (node.op == "call_function" and node.target is operator.getitem
+        if _aliases_input(node) or (node.op == "call_function" and node.target is operator.getitem
                              and node.args[0].op != "call_module"):
             node = node.args[0] if isinstance(node.args[0], fx.Node) else None
         else:
@@ -51,12 +63,13 @@ def buffer_intervals(gm: fx.GraphModule) -> list[Interval]:
     for n in nodes:
         if n.op == "call_module" and isinstance(n.meta.get("val"), tuple):
             for u in n.users:  # a multi-output kernel writes one buffer per getitem
-                owners[u] = Interval(u.name, _tensor_bytes(u.meta.get("val")), position[n], position[n])
-        elif n.op == "call_module" or (n.op == "call_function" and not is_view(n)
+                owners[u] = Interval(u.name, tensor_bytes(u.meta.get("val")), position[n], position[n],
+                                     kernel=True)
+        elif n.op == "call_module" or (n.op == "call_function" and not _aliases_input(n)
                                       and n.target is not operator.getitem):
-            size = _tensor_bytes(n.meta.get("val"))
+            size = tensor_bytes(n.meta.get("val"))
             if size:
-                owners[n] = Interval(n.name, size, position[n], position[n])
+                owners[n] = Interval(n.name, size, position[n], position[n], kernel=n.op == "call_module")
     end = len(nodes) - 1
     for n in nodes:
         for a in n.all_input_nodes:
@@ -69,3 +82,68 @@ def buffer_intervals(gm: fx.GraphModule) -> list[Interval]:
             else:
                 iv.last_use = max(iv.last_use, position[n])
     return sorted(owners.values(), key=lambda iv: (iv.first_use, iv.name))
+
+
+def _same_layout(a, b) -> bool:
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and tuple(a.shape) == tuple(b.shape)
+            and tuple(a.stride()) == tuple(b.stride()) and a.element_size() == b.element_size())
+
+
+def _elementwise_from(sub: fx.GraphModule, index: int) -> bool:
+    """Inside a fused group, the index-th input reaches the output only through pointwise ops, so the
+    kernel reads input element i only while computing output element i (no view re-indexes it)."""
+    from .op_classes import classify
+
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    if index >= len(placeholders):
+        return False
+    todo, seen = [placeholders[index]], set()
+    while todo:
+        node = todo.pop()
+        for u in node.users:
+            if u in seen or u.op == "output":
+                continue
+            if u.op != "call_function" or classify(u) != "pointwise":
+                return False
+            seen.add(u)
+            todo.append(u)
+    return True
+
+
+def _base(node):
+    """The value a view (or alias, or non-kernel getitem) chain starts from."""
+    while isinstance(node, fx.Node) and (_aliases_input(node) or (
+            node.op == "call_function" and node.target is operator.getitem and node.args[0].op != "call_module")):
+        node = node.args[0]
+    return node
+
+
+def inplace_pairs(gm: fx.GraphModule, intervals: list[Interval]) -> list[tuple[str, str]]:
+    """(dying, born) buffers a pointwise kernel may write in place: the born buffer is the only output of
+    a fused pointwise kernel; the dying one is an input of that kernel, read by nothing after it (its
+    last use is this kernel), passed directly (not through a view), with the output's shape, strides and
+    element size, and it reaches the output only through pointwise ops. Both must be in `intervals`
+    (the buffers being planned); each dying buffer is taken by at most one born buffer."""
+    from ..passes.fuse import FUSED_PREFIX
+    from ..passes.fuse_reductions import REDUCTION_PREFIX
+
+    by_name = {iv.name: iv for iv in intervals}
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    pairs, taken = [], set()
+    for n in gm.graph.nodes:
+        target = str(n.target)
+        if (n.op != "call_module" or not target.startswith(FUSED_PREFIX) or target.startswith(REDUCTION_PREFIX)
+                or not isinstance(n.meta.get("val"), torch.Tensor) or n.name not in by_name):
+            continue
+        sub = gm.get_submodule(n.target)
+        for i, a in enumerate(n.args):
+            iv = by_name.get(a.name) if isinstance(a, fx.Node) else None
+            if (iv is None or a.name in taken or iv.last_use != position[n] or not iv.kernel
+                    or iv.nbytes != by_name[n.name].nbytes or not _same_layout(a.meta.get("val"), n.meta["val"])
+                    or not _elementwise_from(sub, i)
+                    or any(_base(b) is a for j, b in enumerate(n.args) if j != i and b is not a)):
+                continue  # (last: the kernel reads the dying buffer through a view too, re-indexed)
+            pairs.append((a.name, n.name))
+            taken.add(a.name)
+            break
+    return pairs

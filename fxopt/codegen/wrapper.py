@@ -1,8 +1,12 @@
 """The whole graph as a readable Python module: allocate outputs, launch kernels, call ATen for the rest.
 
 The module defines `call(args)` (boxed: it clears `args` so inputs can be freed early) and frees every
-intermediate after its last use. It runs on its own: `python wrapper.py` calls it on random inputs of
-the compiled shapes. Values keep their fx node names, so a wrapper line can be found in the graph dumps.
+intermediate after its last use. With a memory plan to apply (Options(memory_plan="apply")), the fused
+kernels' intermediate outputs are views of one uint8 arena allocated per call, at the plan's byte
+offsets; with poison on (FXOPT_POISON_FREED=1) each such region is filled with 0xFF bytes (NaN in every
+float dtype) right after its last use, so a read after that shows up as NaN. It runs on its own:
+`python wrapper.py` calls it on random inputs of the compiled shapes. Values keep their fx node names,
+so a wrapper line can be found in the graph dumps.
 """
 from __future__ import annotations
 
@@ -12,6 +16,8 @@ import operator
 import torch
 import torch.fx as fx
 
+from ..analysis.liveness import tensor_bytes
+from ..report import BufferRecord, MemoryPlan
 from .kernel import Kernel
 
 HEADER = '''\
@@ -108,11 +114,57 @@ def _last_uses(gm: fx.GraphModule) -> dict[fx.Node, list[fx.Node]]:
     return frees
 
 
+def _arena_slots(gm: fx.GraphModule, kernels: dict[str, Kernel], plan: MemoryPlan | None,
+                 mode: str) -> tuple[dict[str, tuple[BufferRecord, object]], torch.device | None]:
+    """The planned buffers the wrapper places in the arena: kernel outputs named in the plan whose
+    compiled layout spans exactly the planned bytes, on one device (the first such output's)."""
+    if plan is None or mode != "triton" or not plan.buffers:
+        return {}, None
+    records = {b.name: b for b in plan.buffers}
+    slots, device = {}, None
+    for n in gm.graph.nodes:
+        if n.op != "call_module":
+            continue
+        val, k = n.meta["val"], kernels[n.target]
+        if isinstance(val, tuple) and len(val) > 1:
+            outs = {u.args[1]: u.name for u in n.users}
+            named = [(outs[i], o) for i, o in enumerate(k.outputs) if i in outs]
+        else:
+            named = [(n.name, k.outputs[0])]
+        for name, o in named:
+            rec = records.get(name)
+            if rec is None or rec.nbytes != tensor_bytes(o) or rec.nbytes == 0:
+                continue
+            device = device or o.device
+            if o.device == device:
+                slots[name] = (rec, o)
+    for dying, born in getattr(plan, "inplace", ()):  # in place only where the compiled layouts agree
+        if dying in slots and born in slots:
+            a, b = slots[dying][1], slots[born][1]
+            if (tuple(a.shape), tuple(a.stride()), a.element_size()) != (tuple(b.shape), tuple(b.stride()),
+                                                                          b.element_size()):
+                del slots[born]
+    return slots, device
+
+
 def generate_wrapper(gm: fx.GraphModule, kernels: dict[str, Kernel], graph: str,
-                     mode: str, filename: str = "wrapper.py", profile: bool = False) -> str:
+                     mode: str, filename: str = "wrapper.py", profile: bool = False,
+                     plan: MemoryPlan | None = None, poison: bool = False) -> str:
     """Python source of the wrapper module. mode: "triton" launches kernels, "eager" runs subgraphs.
-    profile: bracket every launch and ATen call with a named timing region (for fxopt.profile)."""
+    profile: bracket every launch and ATen call with a named timing region (for fxopt.profile).
+    plan: a memory plan to apply (kernel outputs become arena views); poison: fill each arena region
+    with 0xFF bytes after its last use (debugging: a later read sees NaN)."""
     names: dict[fx.Node, str] = {n: n.name for n in gm.graph.nodes}
+    slots, arena_device = _arena_slots(gm, kernels, plan, mode)
+    arena = "arena" if "arena" not in names.values() else "arena_"
+    replaced = {dying: born for dying, born in getattr(plan, "inplace", ()) if born in slots}
+    dies: dict[int, list[BufferRecord]] = {}
+    for rec, _ in slots.values():
+        if rec.name not in replaced:  # a region written in place lives on in its successor: no poison
+            dies.setdefault(rec.last_use, []).append(rec)
+    # the arena's name is needed until the last view is made (and, with poison, the last region filled)
+    arena_end = max((max(rec.first_use, rec.last_use if poison else 0) for rec, _ in slots.values()),
+                    default=-1)
     body, specs = [], []
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     unpack = ", ".join(n.name for n in placeholders)
@@ -127,9 +179,13 @@ def generate_wrapper(gm: fx.GraphModule, kernels: dict[str, Kernel], graph: str,
                 body.append(f"check_layout({n.name}, {tuple(val.shape)}, {tuple(val.stride())}, {n.name!r})")
         else:
             specs.append("None")
-    for n in gm.graph.nodes:
+    if slots:
+        body.append(f"{arena} = torch.empty({plan.planned_bytes}, dtype=torch.uint8, device={_dev(arena_device)})"
+                    f"  # the memory plan's arena ({plan.strategy}): {len(slots)} kernel outputs are views of it")
+    for position, n in enumerate(gm.graph.nodes):
         if n.op == "call_module":
-            body += _timed(_launch(n, kernels[n.target], names, mode), kernels[n.target].name, profile)
+            launch = _launch(n, kernels[n.target], names, mode, slots, arena, replaced)
+            body += _timed(launch, kernels[n.target].name, profile)
         elif n.op == "call_function" and n.target is operator.getitem:
             if n.args[0].op != "call_module":
                 body.append(f"{n.name} = {names[n.args[0]]}[{n.args[1]}]")
@@ -146,6 +202,12 @@ def generate_wrapper(gm: fx.GraphModule, kernels: dict[str, Kernel], graph: str,
         dead = [names[v] for v in frees.get(n, []) if _holds_value(v)]
         if dead:
             body.append(f"del {', '.join(dead)}")
+        if poison:
+            for rec in dies.get(position, []):
+                body.append(f"{arena}[{rec.offset}:{rec.offset + rec.nbytes}].fill_(0xFF)  # poison {rec.name}: "
+                            f"dead after node {position}, a later read sees NaN")
+        if position == arena_end:
+            body.append(f"del {arena}  # every planned buffer is placed; its memory goes when the last view dies")
     uses_libdevice = any("libdevice." in k.full_source() for k in kernels.values())
     libdevice = "from triton.language.extra import libdevice" if uses_libdevice else ""
     src = HEADER.format(graph=graph, filename=filename, libdevice=libdevice)
@@ -171,8 +233,15 @@ def _holds_value(node: fx.Node) -> bool:
     return not (node.op == "call_module" and isinstance(node.meta.get("val"), tuple))
 
 
-def _launch(n: fx.Node, k: Kernel, names, mode: str) -> list[str]:
-    """Allocate the group's outputs and launch its kernel (or call its subgraph in eager mode)."""
+def _in_place_of(name: str, replaced) -> str:
+    dying = [d for d, b in (replaced or {}).items() if b == name]
+    return f", in place of {dying[0]}" if dying else ""
+
+
+def _launch(n: fx.Node, k: Kernel, names, mode: str, slots=None, arena: str = "arena",
+            replaced=None) -> list[str]:
+    """Allocate the group's outputs (planned ones as arena views) and launch its kernel (or call its
+    subgraph in eager mode)."""
     val = n.meta["val"]
     multi = isinstance(val, tuple) and len(val) > 1
     if multi:
@@ -187,6 +256,12 @@ def _launch(n: fx.Node, k: Kernel, names, mode: str) -> list[str]:
         return [f"{lhs} = {call}" if multi else f"{outs[0]} = {call}"]
     lines = []
     for name, o in zip(outs, k.outputs):
+        if slots and name in slots:
+            rec = slots[name][0]
+            lines.append(f"{name} = {arena}[{rec.offset}:{rec.offset + rec.nbytes}].view({o.dtype}).as_strided("
+                         f"{tuple(o.shape)}, {tuple(o.stride())})  # planned: {rec.nbytes} bytes, alive nodes "
+                         f"{rec.first_use}-{rec.last_use}{_in_place_of(name, replaced)}")
+            continue
         lines.append(f"{name} = empty_strided({tuple(o.shape)}, {tuple(o.stride())}, dtype={o.dtype}, "
                      f"device={_dev(o.device)})")
     device = _dev(k.outputs[0].device)

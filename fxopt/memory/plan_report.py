@@ -2,22 +2,52 @@
 from __future__ import annotations
 
 import html
+from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from ..analysis.liveness import buffer_intervals
+from ..analysis.liveness import Interval, buffer_intervals, inplace_pairs
 from ..report import BufferRecord, MemoryPlan
 from .planner import align, arena_bytes, lower_bound, plan
 
 
-def memory_plan(gm: fx.GraphModule) -> MemoryPlan:
-    """Plan the intermediates of the final graph (graph outputs are allocated on their own)."""
-    inner = [iv for iv in buffer_intervals(gm) if not iv.is_output]
-    placed, strategy = plan(inner)
-    buffers = [BufferRecord(p.interval.name, p.interval.nbytes, p.interval.first_use, p.interval.last_use,
-                            p.offset) for p in placed]
-    return MemoryPlan(naive_bytes=sum(align(iv.nbytes) for iv in inner), lower_bound_bytes=lower_bound(inner),
-                      planned_bytes=arena_bytes(placed), buffers=buffers, strategy=strategy)
+@dataclass
+class AppliedPlan(MemoryPlan):
+    """The plan the wrapper follows (Options(memory_plan="apply")): kernel outputs only, plus the
+    in-place pairs, (dying, born) buffers at the same offset, the born one written by the kernel where
+    the dying one is last read. lower_bound_bytes counts each pair once."""
+    inplace: list[tuple[str, str]] = field(default_factory=list)
+
+
+def memory_plan(gm: fx.GraphModule, applied: bool = False) -> MemoryPlan:
+    """Plan the intermediates of the final graph (graph outputs are allocated on their own).
+    applied: plan only the buffers the wrapper allocates (fused kernels' outputs), with in-place reuse,
+    for Options(memory_plan="apply"); ATen calls allocate their own results (out= is not used yet)."""
+    inner = [iv for iv in buffer_intervals(gm) if not iv.is_output and (iv.kernel or not applied)]
+    if not applied:
+        placed, strategy = plan(inner)
+        buffers = [BufferRecord(p.interval.name, p.interval.nbytes, p.interval.first_use, p.interval.last_use,
+                                p.offset) for p in placed]
+        return MemoryPlan(naive_bytes=sum(align(iv.nbytes) for iv in inner), lower_bound_bytes=lower_bound(inner),
+                          planned_bytes=arena_bytes(placed), buffers=buffers, strategy=strategy)
+    pairs = inplace_pairs(gm, inner)
+    root = {iv.name: iv.name for iv in inner}
+    for dying, born in pairs:  # chains a -> b -> c share a's slot
+        root[born] = root[dying]
+    for name in root:
+        while root[root[name]] != root[name]:
+            root[name] = root[root[name]]
+    slots: dict[str, Interval] = {}
+    for iv in inner:  # one interval per slot: the chain's first birth to its last use
+        r = root[iv.name]
+        s = slots.setdefault(r, Interval(r, iv.nbytes, iv.first_use, iv.last_use, kernel=True))
+        s.first_use, s.last_use = min(s.first_use, iv.first_use), max(s.last_use, iv.last_use)
+    placed, strategy = plan(list(slots.values()))
+    offset = {p.interval.name: p.offset for p in placed}
+    buffers = [BufferRecord(iv.name, iv.nbytes, iv.first_use, iv.last_use, offset[root[iv.name]]) for iv in inner]
+    return AppliedPlan(naive_bytes=sum(align(iv.nbytes) for iv in inner),
+                       lower_bound_bytes=lower_bound(list(slots.values())), planned_bytes=arena_bytes(placed),
+                       buffers=buffers, strategy=strategy, inplace=pairs)
 
 
 def memory_svg(mp: MemoryPlan, width: int = 800, height: int = 400) -> str:

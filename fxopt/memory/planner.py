@@ -28,7 +28,8 @@ class Placement:
 
 def overlaps(a: Interval, b: Interval) -> bool:
     """Lifetimes share a node. A buffer dying at node t and one born at t overlap (the kernel at t
-    reads one while writing the other), except that in-place reuse is not planned yet."""
+    reads one while writing the other). In-place pairs are merged into one interval before placement
+    (plan_report.memory_plan with applied=True), so the planner never sees them as two."""
     return a.first_use <= b.last_use and b.first_use <= a.last_use
 
 
