@@ -95,7 +95,7 @@ def compile_aten_graph(gm: fx.GraphModule, example_inputs, *, options: Options, 
                          captured_text=graph_to_text(gm, "captured") if inspect else "")
     if has_symbolic_shapes(gm):
         return _run_as_aten(gm, record, report, on_done, start)
-    verifier = GraphVerifier(gm, example_inputs, options.verify_rtol, graph_name) if options.verify else None
+    verifier = GraphVerifier(gm, example_inputs, options.verify_tolerance, graph_name) if options.verify else None
     gm, records, snapshots = PassManager(pipeline.post_grad_passes(options), verifier).run(gm, ctx)
     record.passes, record.snapshots = records, snapshots
     if options.memory_plan:

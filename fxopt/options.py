@@ -21,7 +21,8 @@ class Options:
     cudagraphs: bool = False  # replay as CUDA graphs (not built yet: recorded as a note)
     dump_dir: str | None = None  # write passes, kernels, wrapper and report.html here
     verify: bool = False  # check every pass numerically against the captured graph
-    verify_rtol: float = 1e-3  # relative error (norm-wise) above which verify names the pass
+    verify_rtol: float | None = None  # relative error (norm-wise) above which verify names the pass;
+    # None: 1e-3, or the low dtype's rounding when precision is bf16 (3e-2) / fp16 (5e-3)
     keep_graphs: bool = False  # keep a copy of the graph after every pass (explain sets this)
     profile: bool = False  # wrappers time each kernel and ATen call in a named region (fxopt.profile sets this)
 
@@ -34,6 +35,13 @@ class Options:
             from .analysis.precision_policy import check_overrides  # lazily: it loads the attention op
             check_overrides(self.precision_policy, self.precision)
             object.__setattr__(self, "precision_policy", dict(self.precision_policy))  # the caller's dict may change
+
+    @property
+    def verify_tolerance(self) -> float:
+        """verify_rtol, or a default that a correct bf16/fp16 precision pass stays within."""
+        if self.verify_rtol is not None:
+            return self.verify_rtol
+        return {"bf16": 3e-2, "fp16": 5e-3}.get(self.precision, 1e-3)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "Options":

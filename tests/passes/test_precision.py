@@ -173,3 +173,19 @@ def test_interface_dtypes_and_casts_in_the_report():
     out.sum().backward()
     assert out.dtype == FP32 and x_in.grad.dtype == FP32
     assert lin.weight.dtype == lin.weight.grad.dtype == FP32 and lin.bias.grad.dtype == FP32
+
+
+def test_verify_defaults_to_the_low_dtypes_tolerance(monkeypatch):
+    """verify=True with precision="bf16" passes on a correct pass (its default rtol is bf16's), and an
+    explicit tight verify_rtol still names the precision pass."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # bf16 accuracy is checked off the interpreter (see README)
+    lin = torch.nn.Linear(32, 32)
+    x = torch.randn(8, 32)
+
+    def f(x):
+        return torch.relu(lin(x)) * 2
+
+    assert Options(precision="bf16").verify_tolerance == 3e-2 and Options().verify_tolerance == 1e-3
+    fxopt.explain(f, x, precision="bf16", verify=True)
+    with pytest.raises(fxopt.errors.VerifyError, match="precision"):
+        fxopt.explain(f, x, precision="bf16", verify=True, verify_rtol=1e-6)
