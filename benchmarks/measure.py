@@ -52,16 +52,7 @@ def header(device: str) -> dict:
 
 
 # ---------------------------------------------------------------- backends
-def fxopt_backend_name() -> str:
-    """ "fxopt" resolvable by torch.compile: via the entry point if installed, else registered here
-    (PYTHONPATH=. runs have no installed entry point)."""
-    from torch._dynamo.backends.registry import lookup_backend, register_backend
-    try:
-        lookup_backend("fxopt")
-    except Exception:
-        from fxopt.backend import fxopt_backend
-        register_backend(fxopt_backend, name="fxopt")
-    return "fxopt"
+FXOPT_REPORTS: list = []  # the Report of the latest fxopt compile (every graph it compiled), for plan/LB
 
 
 def compile_for(backend: str, fn):
@@ -71,8 +62,24 @@ def compile_for(backend: str, fn):
     if backend == "inductor":
         return torch.compile(fn)
     if backend == "fxopt":
-        return torch.compile(fn, backend=fxopt_backend_name())
+        return torch.compile(fn, backend=_recording_fxopt())
     raise SystemExit(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
+
+
+def _recording_fxopt():
+    """The fxopt backend with default options, keeping its Report so the runner can read the memory
+    plan (planned bytes / lower bound) of what it compiled."""
+    from fxopt.backend import compile_dynamo_graph
+    from fxopt.options import Options
+    from fxopt.report import Report
+    FXOPT_REPORTS[:] = [Report()]
+    return lambda gm, example_inputs: compile_dynamo_graph(gm, example_inputs, Options(), FXOPT_REPORTS[0])
+
+
+def plan_ratio() -> float | None:
+    """Worst planned_bytes / lower_bound_bytes over the graphs of the latest fxopt compile."""
+    plans = [g.memory_plan for rep in FXOPT_REPORTS for g in rep.graphs if g.memory_plan is not None]
+    return max((p.ratio for p in plans), default=None)
 
 
 def backends_for(w, requested) -> list[str]:

@@ -21,7 +21,7 @@ from . import measure, workloads
 COLUMNS = [  # (key, title, format)
     ("workload", "workload", "{}"), ("backend", "backend", "{}"), ("ok", "ok", "{}"),
     ("max_abs_diff", "max|diff|", "{:.3g}"), ("median_ms", "median_ms", "{:.4f}"), ("vs", "vs", "{}"),
-    ("first_call_s", "first_call_s", "{:.2f}"), ("peak_mib", "peak_MiB", "{:.1f}"),
+    ("first_call_s", "first_call_s", "{:.2f}"), ("peak_mib", "peak_MiB", "{:.1f}"), ("plan_ratio", "plan/LB", "{:.3f}"),
     ("gbs", "GB/s", "{:.0f}"), ("pct_copy", "%copy", "{:.1f}"), ("tflops", "TFLOP/s", "{:.1f}"),
     ("note", "note", "{}"),
 ]
@@ -80,6 +80,8 @@ def run_backend(w, backend, fn, inputs, expected, ref64, args, copy_gbs, min_byt
             row.update(ok=ok, max_abs_diff=diff)
             if why:
                 row["note"] = why
+            if backend == "fxopt":
+                row["plan_ratio"] = measure.plan_ratio()
             stage = "time"
             ms = measure.bench_ms(call, args.device, args.warmup, args.rep)
             stage = "memory"
@@ -172,7 +174,7 @@ def cell(row, key, fmt):
 def format_table(rows) -> str:
     cells = [[title for _, title, _ in COLUMNS]] + [[cell(r, k, f) for k, _, f in COLUMNS] for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
-    numeric = {"max_abs_diff", "median_ms", "vs", "first_call_s", "peak_mib", "gbs", "pct_copy", "tflops"}
+    numeric = {"max_abs_diff", "median_ms", "vs", "first_call_s", "peak_mib", "plan_ratio", "gbs", "pct_copy", "tflops"}
     lines = []
     for c in cells:
         parts = [v.rjust(wd) if k in numeric else v.ljust(wd) for (k, _, _), v, wd in zip(COLUMNS, c, widths)]
