@@ -14,6 +14,50 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from .torch_ops import is_random
 
+# Ops whose result may share memory with their input: a write into the result writes into the input.
+_VIEW_NAMES = frozenset({
+    "getitem", "view", "view_as", "reshape", "expand", "expand_as", "transpose", "permute", "t", "unsqueeze",
+    "squeeze", "narrow", "select", "slice", "as_strided", "diagonal", "unflatten", "flatten", "split", "chunk",
+    "unbind", "movedim", "swapaxes", "contiguous", "to", "type_as", "detach", "alias", "real", "imag", "mT", "T",
+})
+# In-place writes dynamo records as functions (methods ending in "_" are in-place by convention).
+_INPLACE_FUNCTIONS = frozenset({"setitem", "iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow",
+                                "iand", "ior", "ixor", "ilshift", "irshift"})
+
+
+def _name(node: fx.Node) -> str:
+    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+
+
+def _writes_in_place(node: fx.Node) -> bool:
+    name = _name(node)
+    if node.op == "call_method":
+        return name.endswith("_") and not name.endswith("__")
+    if node.op == "call_function":
+        schema = getattr(node.target, "_schema", None)
+        if schema is not None and schema.is_mutable:
+            return True
+        return name in _INPLACE_FUNCTIONS or (name.endswith("_") and not name.endswith("__"))
+    return False
+
+
+def written_in_place(node: fx.Node) -> bool:
+    """Does the graph write into this value, directly or through a view of it? Then its value at
+    compile time is not the value the graph reads later (HF Llama writes the padding into a clone of
+    its constant causal mask with `mask[..., :n] = ...`)."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for user in n.users:
+            if _writes_in_place(user) and user.args and user.args[0] is n:
+                return True
+            if _name(user) in _VIEW_NAMES and user.args and user.args[0] is n:
+                stack.append(user)
+    return False
+
 
 def is_module_buffer(node: fx.Node, example) -> bool:
     """A placeholder dynamo lifted from a module's registered buffers (not a user input, not a parameter)."""
@@ -43,6 +87,8 @@ class ConstantValues:
         return self._constant[value]
 
     def _decide(self, node: fx.Node) -> bool:
+        if written_in_place(node):
+            return False
         if node.op == "placeholder":
             return node in self.buffers
         if node.op == "get_attr":

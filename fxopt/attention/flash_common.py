@@ -21,7 +21,8 @@ from torch import Tensor
 from ..codegen.interpreter_guard import launcher as launch_guarded
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # scores are kept in base 2: exp(x) = exp2(x * LOG2E)
-LN2: tl.constexpr = tl.constexpr(0.6931471805599453)  # log(x) = log2(x) * LN2, for the stored lse
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+MASK_FLOOR: tl.constexpr = tl.constexpr(-1e30)  # finite additive masks are clamped here (see mask_in_base2)  # log(x) = log2(x) * LN2, for the stored lse
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 HEAD_DIMS = (16, 256)
 MAX_GRID_AXIS_1 = 65535  # CUDA's limit on the grid's y axis, which carries batch * heads
@@ -177,6 +178,17 @@ def mask_arguments(mask: Tensor | None, placeholder: Tensor) -> tuple:
 def launcher(kernel, grid: tuple, device: torch.device):
     """`kernel[grid]`, interpreted for CPU tensors and compiled for CUDA ones (see interpreter_guard)."""
     return launch_guarded(kernel, grid, device, "fxopt flash attention")
+
+
+@triton.jit
+def mask_in_base2(bias):
+    """An additive mask tile in the kernels' base-2 score units. finfo(float32).min * log2(e) would
+    overflow to -inf, and a row masked everywhere with finfo.min would then differ from eager (where
+    s + finfo.min is finite and such a row is uniform): finite masks are clamped at -1e30 first (still
+    exp2 -> 0 beside any unmasked score). True -inf stays -inf, as in eager."""
+    b = bias.to(tl.float32)
+    b = tl.where(b < MASK_FLOOR, tl.where(b == float("-inf"), b, MASK_FLOOR), b)
+    return b * LOG2E
 
 
 @triton.jit

@@ -38,7 +38,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .flash_common import check_attention_inputs, dot_precision, is_power_of_two, launcher, mask_arguments
+from .flash_common import (
+    check_attention_inputs, dot_precision, is_power_of_two, launcher, mask_arguments, mask_in_base2,
+)
 
 MAX_QUERY_ROWS = 16  # decode packs queries into a tile's rows; longer queries go to the main forward kernel
 MIN_DECODE_KEYS = 256  # below this one program per head has little to walk: splitting buys nothing
@@ -208,7 +210,7 @@ def _split_partials_kernel(
         s = tl.dot(q_tile, k_tile, input_precision=DOT_PRECISION) * qk_scale
         if HAS_MASK:
             bias = tl.load(m_ptrs, mask=row_ok[:, None] & key_ok[None, :], other=0.0)
-            s += bias.to(tl.float32) * LOG2E
+            s += mask_in_base2(bias)
         visible = key_ok[None, :]
         if CAUSAL:
             visible = visible & (key[None, :] <= last_key[:, None])

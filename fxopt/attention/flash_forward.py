@@ -31,7 +31,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .flash_common import (
-    LN2, LOG2E, check_attention_inputs, dot_precision, forward_config, key_ranges, launcher, load_tile,
+    LN2, LOG2E, check_attention_inputs, dot_precision, forward_config, key_ranges, launcher, load_tile, mask_in_base2,
     mask_arguments, resolve_config, store_rows, store_tile, tile_ptrs, visible,
 )
 
@@ -143,7 +143,7 @@ def _attend_key_blocks(
         if HAS_MASK:
             bias = load_tile(tile_ptrs(mask_head, m0, rows, stride_mm, n0, cols, stride_mn), m0 + rows, seq_q,
                              n0 + cols, seq_k, EVEN_M, EVEN_KEYS)
-            s += bias.to(tl.float32) * LOG2E
+            s += mask_in_base2(bias)
         if MASK_CAUSAL or not EVEN_KEYS:
             s = tl.where(visible(m0 + rows[:, None], n0 + cols[None, :], seq_q, seq_k, causal_shift, MASK_CAUSAL),
                          s, float("-inf"))

@@ -440,6 +440,22 @@ def _is_candidate(node: fx.Node) -> bool:
     return _leads_to_matmul(arg(node, 0, "input")) or below
 
 
+def _sites_in_subgraphs(gm: fx.GraphModule) -> list[AttentionSite]:
+    """Attention inside higher-order-op bodies (torch.utils.checkpoint regions, torch.cond branches):
+    listed as not fused, with the reason, so no site goes unreported."""
+    sites = []
+    for name, sub in gm.named_modules():
+        if not name or not isinstance(sub, fx.GraphModule):
+            continue
+        for node in sub.graph.nodes:
+            if node.op in ("call_function", "call_method") and _is_candidate(node):
+                sites.append(AttentionSite(
+                    node=f"{name}.{node.name}", source=_source_line(node), fused=False,
+                    reason=f"inside the subgraph '{name}' of a higher-order op (a torch.utils.checkpoint region?): "
+                           "attention is not matched inside those yet; it runs as written"))
+    return sites
+
+
 class FuseAttention:
     """Pre-autograd pass: hand-written attention and SDPA calls -> torch.ops.fxopt.flash_attention."""
 
@@ -468,6 +484,7 @@ class FuseAttention:
             rewrite(gm, m)
             ctx.attention.append(site)
             fused += 1
+        ctx.attention.extend(_sites_in_subgraphs(gm))
         return PassResult(gm, fused > 0, {"fused": fused, "unfused": sum(not s.fused for s in ctx.attention)})
 
     @staticmethod
