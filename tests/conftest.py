@@ -11,6 +11,13 @@ os.environ.setdefault("FXOPT_CACHE_DIR", tempfile.mkdtemp(prefix="fxopt-test-cac
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+# Property tests draw the same examples on every run, so CI cannot turn red by luck;
+# HYPOTHESIS_PROFILE=explore draws fresh ones when hunting bugs.
+settings.register_profile("ci", derandomize=True, deadline=None)
+settings.register_profile("explore", deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
