@@ -41,22 +41,23 @@ def _writes_in_place(node: fx.Node) -> bool:
     return False
 
 
+def _reachable(start: fx.Node, step):
+    """start and every node reachable from it by `step(node) -> nodes`, each once."""
+    seen, stack = set(), [start]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            yield n
+            stack.extend(step(n))
+
+
 def written_in_place(node: fx.Node) -> bool:
     """Does the graph write into this value, directly or through a view of it? Then its value at
     compile time is not the value the graph reads later (HF Llama writes the padding into a clone of
     its constant causal mask with `mask[..., :n] = ...`)."""
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        for user in n.users:
-            if _writes_in_place(user) and user.args and user.args[0] is n:
-                return True
-            if _name(user) in _VIEW_NAMES and user.args and user.args[0] is n:
-                stack.append(user)
-    return False
+    views = _reachable(node, lambda n: [u for u in n.users if _name(u) in _VIEW_NAMES and u.args and u.args[0] is n])
+    return any(_writes_in_place(user) and user.args and user.args[0] is n for n in views for user in n.users)
 
 
 def is_module_buffer(node: fx.Node, example) -> bool:
@@ -121,13 +122,4 @@ class ConstantValues:
 
     def buffers_used(self, node: fx.Node) -> list[fx.Node]:
         """The buffer placeholders a constant node's value comes from (what a guard must watch)."""
-        seen, stack, found = set(), [node], []
-        while stack:
-            n = stack.pop()
-            if n in seen:
-                continue
-            seen.add(n)
-            if n in self.buffers:
-                found.append(n)
-            stack.extend(n.all_input_nodes)
-        return found
+        return [n for n in _reachable(node, lambda n: n.all_input_nodes) if n in self.buffers]
