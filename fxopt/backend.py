@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import warnings
 
 import torch
 import torch.fx as fx
@@ -40,6 +41,10 @@ def compile_dynamo_graph(gm: fx.GraphModule, example_inputs, options: Options, r
             report = Report()
     elif dump_dir:
         on_done = lambda rep: rep.save(dump_dir)  # noqa: E731
+    if options.cudagraphs:
+        reason = "cudagraphs=True: CUDA graphs are not built yet; the graph runs without them"
+        warnings.warn(f"fxopt: {reason}", stacklevel=2)
+        report.pre_autograd_notes.append(("cudagraphs", reason))
     ctx = PassContext(options=options, env=env, graph_name="torch", example_inputs=list(example_inputs),
                       inspect=options.keep_graphs or bool(dump_dir))
     pre = pipeline.pre_autograd_passes(options)

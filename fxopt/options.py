@@ -16,9 +16,9 @@ class Options:
     precision: str | None = None  # None keeps the model's dtypes; "bf16"/"fp16": mixed precision (passes/precision.py)
     precision_policy: dict | None = None  # overrides of the policy table, e.g. {"softmax": "low"} (see POLICY)
     fuse: bool = True  # fuse pointwise chains into Triton kernels
-    attention: bool = True  # match hand-written attention (not built yet: recorded as a note)
+    attention: bool = True  # match hand-written attention and run fxopt's flash kernels
     memory_plan: bool | str = True  # True: plan an arena and report it; "apply": the wrapper allocates from it
-    cudagraphs: bool = False  # replay as CUDA graphs (not built yet: recorded as a note)
+    cudagraphs: bool = False  # replay as CUDA graphs (not built yet: a warning and a note in rep.fallbacks)
     dump_dir: str | None = None  # write passes, kernels, wrapper and report.html here
     verify: bool = False  # check every pass numerically against the captured graph
     verify_rtol: float | None = None  # relative error (norm-wise) above which verify names the pass;

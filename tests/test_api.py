@@ -201,3 +201,10 @@ def test_report_html_draws_the_graph_with_kernels_linked(tmp_path):
     kernel = rep.kernels[0].name
     assert f'<a href="#{kernel}">' in html and f"id='{kernel}'" in html
     assert html.count("<rect") >= len(list(rep.graph(after="cleanup_after_fuse").graph.nodes))
+
+
+def test_cudagraphs_option_says_it_is_not_built():
+    x = torch.randn(4, 8)
+    with pytest.warns(UserWarning, match="CUDA graphs are not built yet"):
+        rep = fxopt.explain(lambda x: x * 2, x, cudagraphs=True)
+    assert ("cudagraphs", "cudagraphs=True: CUDA graphs are not built yet; the graph runs without them") in rep.fallbacks
