@@ -32,6 +32,7 @@ _METHODS = {
     "view": "reshape", "reshape": "reshape", "expand": "expand", "repeat_interleave": "repeat_interleave",
     "contiguous": "contiguous", "unsqueeze": "unsqueeze",
 }
+LOW_FLOATS = (torch.float16, torch.bfloat16)
 _RANDOM_WORDS = ("rand", "dropout", "bernoulli", "normal", "multinomial")
 
 
@@ -77,6 +78,17 @@ def dtype(value) -> torch.dtype | None:
 def cast_target(node: fx.Node) -> torch.dtype | None:
     """The dtype a cast node produces (only for nodes whose op_of is "cast")."""
     return dtype(node)
+
+
+def upcast_source(node) -> fx.Node | None:
+    """The bf16/fp16 tensor under a float32 up-cast (`.float()`, `.to(torch.float32)`, `.type_as(f32)`),
+    else None. Fused ops that accumulate in fp32 anyway (attention's dot, cross-entropy) read the source."""
+    if op_of(node) != "cast" or dtype(node) != torch.float32:
+        return None
+    src = node.args[0]
+    if isinstance(src, fx.Node) and dtype(src) in LOW_FLOATS and meta(src).device == meta(node).device:
+        return src
+    return None
 
 
 def is_identity_dropout(node: fx.Node) -> bool:

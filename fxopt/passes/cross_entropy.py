@@ -28,14 +28,13 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..analysis.torch_ops import arg, dtype, meta, shape
+from ..analysis.torch_ops import LOW_FLOATS, arg, dtype, meta, shape, upcast_source
 from ..losses.cross_entropy_op import REDUCTIONS, cross_entropy_op
 from ..pass_manager import PassContext, PassResult
+from .graph_edit import erase_unused
 
 FUSED_OP = cross_entropy_op._opoverload  # torch.ops.fxopt.cross_entropy.default
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-UPCASTS = (torch.bfloat16, torch.float16)
-CAST_METHODS = ("float", "to", "type", "type_as")
 VIEW_METHODS = ("view", "reshape")
 
 
@@ -96,19 +95,9 @@ def _loss_arguments(node: fx.Node, smoothing: bool) -> tuple[int, str]:
     return ignore_index, reduction
 
 
-def _upcast_source(node) -> fx.Node | None:
-    """The bf16/fp16 tensor under a float32 up-cast (`.float()`, `.to(torch.float32)`, ...), else None."""
-    if isinstance(node, fx.Node) and node.op == "call_method" and node.target in CAST_METHODS \
-            and dtype(node) == torch.float32:
-        src = node.args[0]
-        if isinstance(src, fx.Node) and dtype(src) in UPCASTS and meta(src).device == meta(node).device:
-            return src
-    return None
-
-
 def _peel_upcast(node: fx.Node, site: LossSite) -> fx.Node:
     """node, or the tensor under its up-cast (the cast joins the nodes the fused op makes dead)."""
-    src = _upcast_source(node)
+    src = upcast_source(node)
     if src is None:
         return node
     site.chain.append(node)
@@ -119,7 +108,7 @@ def _through_upcast(loss_input: fx.Node, site: LossSite) -> tuple[fx.Node, int]:
     """cross_entropy's logits and their class dim: `x.float()` folds to x; so does
     `x.float().view(-1, V)` (the cast under a flattening view), which becomes x with its classes last."""
     if _is_view(loss_input) and len(loss_input.users) == 1:
-        src = _upcast_source(loss_input.args[0])
+        src = upcast_source(loss_input.args[0])
         flat, x = shape(loss_input), shape(src) if src is not None else ()
         if src is not None and len(flat) == 2 and len(x) >= 2 and flat[1] == x[-1]:
             site.chain += [loss_input, loss_input.args[0]]
@@ -159,7 +148,7 @@ def _through_log_softmax(nll_input: fx.Node, site: LossSite) -> tuple[fx.Node, i
     elif dim != min(1, rank - 1):
         raise NotFusable(f"log_softmax over dim {dim}, but nll_loss reads the classes from dim 1")
     if out_dtype is not None and out_dtype != dtype(x):
-        if out_dtype != torch.float32 or dtype(x) not in UPCASTS:
+        if out_dtype != torch.float32 or dtype(x) not in LOW_FLOATS:
             raise NotFusable(f"log_softmax(dtype={out_dtype}) of {dtype(x)} logits")
         return x, dim  # log_softmax(x, dtype=float32): the up-cast is folded like x.float()
     return _peel_upcast(x, site), dim
@@ -236,15 +225,8 @@ def rewrite(gm: fx.GraphModule, site: LossSite) -> fx.Node:
         if dtype(site.out) != torch.float32:
             loss = graph.call_method("to", (loss, dtype(site.out)))  # F.cross_entropy returns the logits' dtype
     site.out.replace_all_uses_with(loss)
-    _erase_dead(graph, site.chain)
+    erase_unused(graph, site.chain)
     return fused
-
-
-def _erase_dead(graph: fx.Graph, chain: list[fx.Node]) -> None:
-    """Erase the replaced nodes, from the loss up, as they lose their last user."""
-    for node in chain:
-        if not node.users:
-            graph.erase_node(node)
 
 
 class FuseCrossEntropy:
