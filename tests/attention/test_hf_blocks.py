@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import fxopt
 from tests.helpers import TOL, assert_close_to_reference, compile_fxopt
+from tests.models.hf_llama import repeat_kv, rotate_half
 
 
 class GPT2Attention(nn.Module):
@@ -46,19 +46,6 @@ class GPT2Attention(nn.Module):
         attn_output = torch.matmul(attn_weights, value)
         attn_output = attn_output.transpose(1, 2).reshape(b, t, c)
         return self.c_proj(attn_output)
-
-
-def rotate_half(x):
-    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def repeat_kv(hidden_states, n_rep):
-    batch, kv_heads, slen, head_dim = hidden_states.shape
-    if n_rep == 1:
-        return hidden_states
-    hidden_states = hidden_states[:, :, None, :, :].expand(batch, kv_heads, n_rep, slen, head_dim)
-    return hidden_states.reshape(batch, kv_heads * n_rep, slen, head_dim)
 
 
 class LlamaAttention(nn.Module):

@@ -1,6 +1,6 @@
 """End-to-end training through torch.compile(model, backend="fxopt") (issue 7: training coverage).
 
-The models are in `hf_style.py`: small GPT-2 and Llama copies written the way Hugging Face transformers
+The models are in `hf_gpt2.py` and `hf_llama.py`: small GPT-2 and Llama copies written the way Hugging Face transformers
 writes them (no downloads), whose forward returns the loss, so embeddings, blocks, the (tied) head and
 the cross-entropy are one compiled graph and its backward. fp32 throughout: on CPU the generated Triton
 kernels run in the interpreter (conftest sets TRITON_INTERPRET=1), whose bf16 tl.dot is wrong. Sizes
@@ -34,12 +34,12 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import fxopt
 
 sys.path.insert(0, os.path.dirname(__file__))
-from hf_style import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from hf_gpt2 import GPT2Config, GPT2LMHeadModel  # noqa: E402
+from hf_llama import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 BATCH, SEQ, STEPS = 2, 16, 5
 
