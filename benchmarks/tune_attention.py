@@ -13,7 +13,7 @@ FLOPs count as in benchmarks/workloads_attention.py: forward 4*B*H*Tq*Tk*D (halv
 backward 2.5x that (the backward is timed alone, given out and lse). Decode is memory-bound: GB/s of
 q + K + V + out, and % of a device-to-device copy measured here.
 
-Candidates (grids below): forward BLOCK_M {64,128} x BLOCK_N {32,64,128} x num_warps {4,8} x
+Candidates (grids in benchmarks/attention_configs.py): forward BLOCK_M {64,128} x BLOCK_N {32,64,128} x num_warps {4,8} x
 num_stages {2,3,4}. Backward: flash_backward has two tiled kernels, dK/dV (keeps a block of keys,
 streams queries) and dQ (the mirror image), sized by DKDV_BLOCK_M/N and DQ_BLOCK_M/N with shared
 num_warps and num_stages; a candidate is a (resident, streamed) pair, resident {64,128} x streamed
@@ -30,9 +30,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
-import itertools
 import math
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -40,15 +38,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-SMEM_LIMIT = 232448  # bytes of shared memory one block may use on an H100/H200 (227 KiB)
+from .attention_configs import backward_candidates, decode_candidates, forward_candidates, label
+from .measure import DTYPES, bench_ms, copy_ceiling_gbs
+
 CASE_W, CONFIG_W = 35, 36  # column widths of the printed tables
 MAX_ERROR = 2e-2  # relative RMS error vs SDPA above which a config counts as wrong (bf16 rounding: ~3e-3)
 BACKWARD_FLOPS_PER_FORWARD = 2.5  # as benchmarks/workloads_attention.py and FlashAttention count it
-FORWARD_GRID = dict(BLOCK_M=(64, 128), BLOCK_N=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3, 4))
-DECODE_GRID = dict(BLOCK_N=(32, 64, 128, 256), num_splits=(None, 16, 32, 64, 128), num_warps=(4, 8),
-                   num_stages=(2, 3))
-BACKWARD_GRID = dict(resident=(64, 128), streamed=(16, 32, 64), num_warps=(4, 8), num_stages=(1, 2, 3))
 QUICK_FORWARD = [dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2),
                  dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)]
 QUICK_BACKWARD = [dict(DKDV_BLOCK_M=16, DKDV_BLOCK_N=32, DQ_BLOCK_M=32, DQ_BLOCK_N=16, num_warps=4, num_stages=1),
@@ -85,92 +80,6 @@ def cases(quick: bool) -> list[Case]:
     forward = [Case("fwd", 8, 16, 2048, 2048, d, causal) for causal in (True, False) for d in (64, 128, 256)]
     return forward + [Case("fwd", 4, 16, 4096, 4096, 128, False), Case("bwd", 8, 16, 2048, 2048, 128, True),
                       Case("decode", 8, 32, 1, 8192, 128, False)]
-
-
-# ---------------------------------------------------------------- candidate configs
-
-def grid(axes: dict) -> list[dict]:
-    """Every combination of the values in `axes`, as dicts."""
-    return [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
-
-
-def forward_smem(cfg: dict, head_dim: int, elem: int = 2) -> int:
-    """Rough shared memory of one forward block: Q [M, D] once, K and V [N, D] num_stages deep."""
-    return elem * head_dim * (cfg["BLOCK_M"] + 2 * cfg["num_stages"] * cfg["BLOCK_N"])
-
-
-def forward_slow(cfg: dict, head_dim: int) -> str | None:
-    """Why a forward config that fits is still not worth timing, or None. Off with --full."""
-    m, n, threads = cfg["BLOCK_M"], cfg["BLOCK_N"], 32 * cfg["num_warps"]
-    if m * n < 16 * threads:
-        return "warps idle: fewer than 16 score elements per thread"
-    if (m * head_dim + m * n) / threads > 192:
-        return "spills: fp32 accumulator plus scores over 192 registers per thread"
-    if head_dim <= 64 and n == 32:
-        return "key tiles too thin for the tensor cores at this head dim"
-    if head_dim <= 128 and cfg["num_stages"] == 2:
-        return "two stages cannot hide the K/V loads at this head dim"
-    return None
-
-
-def forward_candidates(head_dim: int, full: bool) -> list[dict]:
-    """FORWARD_GRID minus what cannot fit shared memory and (unless full) what forward_slow drops."""
-    return [c for c in grid(FORWARD_GRID) if forward_smem(c, head_dim) <= SMEM_LIMIT
-            and (full or not forward_slow(c, head_dim))]
-
-
-def mirrored_backward_config(tiles: dict) -> dict:
-    """flash_backward's keys from a (resident, streamed) pair: the dK/dV kernel keeps `resident` keys
-    and streams `streamed` queries, the dQ kernel the mirror image (as FlashAttention-2's Triton
-    backward does), so one pair sizes both kernels."""
-    r, s = tiles["resident"], tiles["streamed"]
-    return dict(DKDV_BLOCK_M=s, DKDV_BLOCK_N=r, DQ_BLOCK_M=r, DQ_BLOCK_N=s,
-                num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
-
-
-def backward_smem(tiles: dict, head_dim: int, elem: int = 2) -> int:
-    """Rough shared memory of the dK/dV block: K and V [resident, D], Q and dO [streamed, D] staged."""
-    return elem * head_dim * (2 * tiles["resident"] + 2 * tiles["num_stages"] * tiles["streamed"])
-
-
-def backward_slow(tiles: dict, head_dim: int) -> str | None:
-    """Why a backward config that fits is still not worth timing, or None. Off with --full."""
-    r, s, threads = tiles["resident"], tiles["streamed"], 32 * tiles["num_warps"]
-    if r * s < 16 * threads:
-        return "warps idle: fewer than 16 score elements per thread"
-    if (2 * r * head_dim + r * s) / threads > 192:
-        return "spills: fp32 dK and dV plus scores over 192 registers per thread"
-    return None
-
-
-def backward_candidates(head_dim: int, full: bool) -> list[dict]:
-    return [mirrored_backward_config(t) for t in grid(BACKWARD_GRID) if backward_smem(t, head_dim) <= SMEM_LIMIT
-            and (full or not backward_slow(t, head_dim))]
-
-
-def decode_candidates(seq_k: int, full: bool) -> list[dict]:
-    """DECODE_GRID minus (unless full) split counts so high that splits of BLOCK_N keys would be empty."""
-    return [c for c in grid(DECODE_GRID) if full or c["num_splits"] is None or c["num_splits"] * c["BLOCK_N"] <= seq_k]
-
-
-def label(cfg: dict | None) -> str:
-    """Short name of a config: M128 N64 w8 s3; dkdv32x128 dq128x32 w8 s2; N64 splits=auto w4 s2."""
-    if cfg is None:
-        return "default"
-    parts = []
-    if "BLOCK_M" in cfg:
-        parts.append(f"M{cfg['BLOCK_M']}")
-    if "BLOCK_N" in cfg:
-        parts.append(f"N{cfg['BLOCK_N']}")
-    for tile in ("DKDV", "DQ"):
-        if f"{tile}_BLOCK_M" in cfg:
-            parts.append(f"{tile.lower()}{cfg[f'{tile}_BLOCK_M']}x{cfg[f'{tile}_BLOCK_N']}")
-    if "num_splits" in cfg:
-        parts.append(f"splits={cfg['num_splits'] or 'auto'}")
-    parts += [f"w{cfg['num_warps']}", f"s{cfg['num_stages']}"]
-    named = {"BLOCK_M", "BLOCK_N", "num_splits", "num_warps", "num_stages", "DKDV_BLOCK_M", "DKDV_BLOCK_N",
-             "DQ_BLOCK_M", "DQ_BLOCK_N"}
-    return " ".join(parts + [f"{k}={v}" for k, v in cfg.items() if k not in named])
 
 
 # ---------------------------------------------------------------- the kernels under test (imported late)
@@ -213,19 +122,6 @@ def with_defaults(candidates: list[dict], default: dict | None) -> list[dict]:
 
 # ---------------------------------------------------------------- timing, checking, printing
 
-def time_ms(call, device: str, warmup: int, rep: int) -> float:
-    """Median ms per call: do_bench on cuda; on cpu (the interpreter: slow) the median of 3 calls."""
-    if device == "cuda":
-        import triton.testing
-        return float(triton.testing.do_bench(call, warmup=warmup, rep=rep, return_mode="median"))
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        call()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def relative_error(got, want) -> float:
     """Largest relative RMS error over matching tensors: ||got - want|| / ||want||."""
     errs = [float((g.double() - w.double()).norm() / w.double().norm().clamp_min(1e-30)) for g, w in zip(got, want)]
@@ -260,7 +156,7 @@ def try_config(case: Case, name: str, run, reference, rate_of, unit, device, arg
         if not err <= MAX_ERROR:
             print_row(case, name, err=err, unit=unit, note=f"WRONG: relative error {err:.2g} > {MAX_ERROR}")
             return
-        ms = time_ms(run, device, args.warmup, args.rep)
+        ms = bench_ms(run, device, args.warmup, args.rep)
     except Exception as e:  # does not compile, out of shared memory, rejected config: one line, next
         print_row(case, name, unit=unit, note=f"failed: {one_line(e)}")
         if device == "cuda" and any(marker in str(e) for marker in BROKEN_CONTEXT):
@@ -273,7 +169,7 @@ def try_config(case: Case, name: str, run, reference, rate_of, unit, device, arg
 def time_sdpa(case: Case, call, rate_of, unit, device, args, note_of=lambda ms: ""):
     """SDPA's time for the case (case.sdpa_ms), printed as the row everything else is compared with."""
     try:
-        case.sdpa_ms = time_ms(call, device, args.warmup, args.rep)
+        case.sdpa_ms = bench_ms(call, device, args.warmup, args.rep)
     except Exception as e:
         print_row(case, "sdpa", unit=unit, note=f"failed: {one_line(e)}")
         return
@@ -342,18 +238,6 @@ def sweep_backward(case: Case, device: str, dtype, args):
         try_config(case, name, run, reference, rate, "TFLOP/s", device, args)
 
 
-def copy_gbs(device: str, args) -> float | None:
-    """Device-to-device copy bandwidth (bytes read + written), the ceiling decode is measured against."""
-    if device != "cuda":
-        return None
-    src = torch.empty(2**30, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    gbs = 2 * src.numel() / time_ms(lambda: dst.copy_(src), device, args.warmup, args.rep) / 1e6
-    del src, dst
-    torch.cuda.empty_cache()
-    return gbs
-
-
 def sweep_decode(case: Case, device: str, dtype, args):
     flash_decode = kernel(args.package, "flash_decode", "flash_decode")
     q, k, v = inputs(case, device, dtype)
@@ -361,7 +245,7 @@ def sweep_decode(case: Case, device: str, dtype, args):
     sdpa = lambda: F.scaled_dot_product_attention(q, k, v, scale=scale)  # noqa: E731
     reference = [sdpa()]
     nbytes = sum(t.numel() * t.element_size() for t in (q, k, v, reference[0]))
-    ceiling = copy_gbs(device, args)
+    ceiling = copy_ceiling_gbs(device, 2**30, args.warmup, args.rep) if device == "cuda" else None
     if ceiling:
         print(f"# copy ceiling {ceiling:.0f} GB/s (1 GiB read + written); %copy in the notes", flush=True)
     rate = lambda ms: nbytes / ms / 1e6  # noqa: E731
