@@ -55,25 +55,44 @@ def header(device: str) -> dict:
 FXOPT_REPORTS: list = []  # the Report of the latest fxopt compile (every graph it compiled), for plan/LB
 
 
-def compile_for(backend: str, fn):
+def compile_for(backend: str, fn, w=None):
+    """`fn` as `backend` runs it for workload `w`: a mixed-precision workload (w.precision) runs eager and
+    Inductor under torch.autocast and fxopt with precision=...; w.cudagraphs asks both compilers for
+    CUDA graphs (Inductor mode="reduce-overhead", fxopt cudagraphs=True)."""
     torch._dynamo.reset()
+    precision = getattr(w, "precision", None)
+    graphs = bool(getattr(w, "cudagraphs", False))
     if backend == "eager":
-        return fn
+        return autocast(fn, precision)
     if backend == "inductor":
-        return torch.compile(fn)
+        return torch.compile(autocast(fn, precision), mode="reduce-overhead" if graphs else None)
     if backend == "fxopt":
-        return torch.compile(fn, backend=_recording_fxopt())
+        return torch.compile(fn, backend=_recording_fxopt(precision=precision, cudagraphs=graphs))
     raise SystemExit(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
 
 
-def _recording_fxopt():
-    """The fxopt backend with default options, keeping its Report so the runner can read the memory
-    plan (planned bytes / lower bound) of what it compiled."""
+def autocast(fn, precision: str | None):
+    """`fn` under torch.autocast(precision) on the device of its first tensor argument (no-op for None)."""
+    if precision is None:
+        return fn
+    dtype = DTYPES[precision]
+
+    def autocast_fn(*args):
+        device = next((a.device.type for a in tensors(list(args))), "cuda")
+        with torch.autocast(device, dtype=dtype):
+            return fn(*args)
+    return autocast_fn
+
+
+def _recording_fxopt(**options):
+    """The fxopt backend with the workload's options, keeping its Report so the runner can read the
+    memory plan (planned bytes / lower bound) of what it compiled."""
     from fxopt.backend import compile_dynamo_graph
     from fxopt.options import Options
     from fxopt.report import Report
     FXOPT_REPORTS[:] = [Report()]
-    return lambda gm, example_inputs: compile_dynamo_graph(gm, example_inputs, Options(), FXOPT_REPORTS[0])
+    opts = Options(**{k: v for k, v in options.items() if v})
+    return lambda gm, example_inputs: compile_dynamo_graph(gm, example_inputs, opts, FXOPT_REPORTS[0])
 
 
 def plan_ratio() -> float | None:
@@ -92,8 +111,8 @@ def runnable(w, backend: str, fn):
     workload's anchor (the same computation through F.scaled_dot_product_attention), uncompiled."""
     if backend == "sdpa":
         torch._dynamo.reset()
-        return w.anchor
-    return compile_for(backend, fn)
+        return autocast(w.anchor, w.precision)
+    return compile_for(backend, fn, w)
 
 
 def as_float64(inputs) -> list:

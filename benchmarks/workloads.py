@@ -70,6 +70,8 @@ class Workload:
     rtol: float | None = None
     atol: float | None = None
     anchor: Callable | None = None
+    precision: str | None = None
+    cudagraphs: bool = False
 
 
 WORKLOADS: dict[str, Workload] = {}
@@ -159,3 +161,4 @@ def make_add(device, dtype, quick):
 from . import workloads_reduction  # noqa: E402,F401  (registers the reduction workloads)
 from . import workloads_attention  # noqa: E402,F401  (registers the attention workloads)
 from . import workloads_losses  # noqa: E402,F401  (registers the loss workloads)
+from . import workloads_models  # noqa: E402,F401  (registers the mixed-precision, training and CUDA-graph blocks)

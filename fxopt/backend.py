@@ -56,7 +56,9 @@ def compile_dynamo_graph(gm: fx.GraphModule, example_inputs, options: Options, r
         report.casts.extend(ctx.casts)
         report.pre_autograd_notes.extend(ctx.notes)
     gm, cached_casts = lift_parameter_casts(gm, ctx)  # inference in bf16/fp16: parameters are cast once, not per call
-    example_inputs = [*example_inputs, *(c.get(example_inputs[c.index]) for c in cached_casts)]
+    # the casts' fake values, not real tensors: aot_autograd would give a real tensor it has not seen
+    # symbolic sizes, and a symbolic graph is not fused
+    example_inputs = [*example_inputs, *(c.example for c in cached_casts)]
     compiler = functools.partial(compile_aten_graph, options=options, report=report, on_done=on_done)
     # explain() wants the backward graph now; torch.compile compiles it at the first backward call
     eager_backward = options.keep_graphs

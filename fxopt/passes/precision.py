@@ -228,6 +228,7 @@ class CachedCast:
     value: torch.Tensor | None = None
     version: int = -1
     pointer: int = 0
+    example: torch.Tensor | None = None  # dynamo's fake value of the cast (static shape), what aot_autograd traces with
 
     def get(self, param: torch.Tensor) -> torch.Tensor:
         if self.value is None or param._version != self.version or param.data_ptr() != self.pointer:
@@ -262,7 +263,7 @@ def lift_parameter_casts(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.Graph
         node.replace_all_uses_with(last)
         gm.graph.erase_node(node)
         record.reason += "; inference: cast once and cached until the parameter changes"
-        lifted.append(CachedCast(index, dtype(last)))
+        lifted.append(CachedCast(index, dtype(last), example=node.meta["example_value"]))
     gm.recompile()
     return gm, lifted
 

@@ -246,3 +246,20 @@ def test_cached_cast_is_made_again_only_when_the_parameter_changes():
     torch.testing.assert_close(cache.get(param), param.detach().to(torch.bfloat16), rtol=0, atol=0)
     param.data = torch.zeros(4, 4)  # swapped storage: the pointer moves even where the version would not
     assert torch.equal(cache.get(param), torch.zeros(4, 4, dtype=torch.bfloat16))
+
+
+def test_cached_casts_keep_the_inference_graph_static_under_default_dynamic():
+    """torch.compile's default (dynamic=None) gives inputs dynamo has not seen symbolic sizes: the lifted
+    parameter casts must enter aot_autograd with their static fake values, or the whole inference graph
+    is symbolic and runs unfused."""
+    from fxopt.backend import compile_dynamo_graph
+    model, (idx,) = make(GPTConfig(vocab_size=128, block_size=16, n_layer=1, n_head=2, n_embd=32), batch=2, seq=8)
+    rep, opts = fxopt.Report(), fxopt.Options(precision="fp16")  # fp16: the interpreter's bf16 tl.dot is wrong
+    compiled = torch.compile(model.eval(), backend=lambda gm, inputs: compile_dynamo_graph(gm, inputs, opts, rep))
+    with torch.no_grad():
+        out = compiled(idx)
+        ref = _autocast(model, torch.float16)(idx).float()
+    torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2)
+    assert [g.name for g in rep.graphs] == ["inference"]
+    assert not rep.graphs[0].notes, rep.graphs[0].notes  # no "symbolic (dynamic) shapes" fallback
+    assert rep.kernels and any("cached until the parameter changes" in c.reason for c in rep.casts)
