@@ -52,6 +52,7 @@ def header(device: str) -> dict:
 
 
 # ---------------------------------------------------------------- backends
+FXOPT_OPTIONS: dict = {}  # --fxopt-option KEY=VALUE: extra fxopt.backend options for every fxopt row
 FXOPT_REPORTS: list = []  # the Report of the latest fxopt compile (every graph it compiled), for plan/LB
 
 
@@ -91,7 +92,7 @@ def _recording_fxopt(**options):
     from fxopt.options import Options
     from fxopt.report import Report
     FXOPT_REPORTS[:] = [Report()]
-    opts = Options(**{k: v for k, v in options.items() if v})
+    opts = Options(**{**{k: v for k, v in options.items() if v}, **FXOPT_OPTIONS})
     return lambda gm, example_inputs: compile_dynamo_graph(gm, example_inputs, opts, FXOPT_REPORTS[0])
 
 
@@ -134,6 +135,18 @@ def grad_mode(w):
 def sync(device: str):
     if device == "cuda":
         torch.cuda.synchronize()
+
+
+def parse_fxopt_option(text: str) -> tuple[str, object]:
+    """KEY=VALUE with VALUE as Python reads it where it can (True, 3, "apply" stays a string)."""
+    import ast
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise ValueError(f"--fxopt-option wants KEY=VALUE, got {text!r}")
+    try:
+        return key.strip(), ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key.strip(), value
 
 
 # ---------------------------------------------------------------- measurements
@@ -254,6 +267,7 @@ def first_call(w, backend: str, device: str, dtype_name: str, quick: bool, timeo
                PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
     cmd = [sys.executable, "-m", "benchmarks.run", "--first-call", w.name, backend,
            "--device", device, "--dtype", dtype_name] + (["--quick"] if quick else [])
+    cmd += [a for k, v in FXOPT_OPTIONS.items() for a in ("--fxopt-option", f"{k}={v}")]
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:

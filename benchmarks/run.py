@@ -42,11 +42,17 @@ def parse_args(argv=None):
     p.add_argument("--copy-bytes", type=int, default=None, help="copy-ceiling buffer size (default 2**30; quick 2**24)")
     p.add_argument("--no-first-call", action="store_true", help="skip the cold first-call subprocesses")
     p.add_argument("--first-call-timeout", type=float, default=1200, help="seconds per first-call child")
+    p.add_argument("--fxopt-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an fxopt.backend option for the fxopt rows, e.g. memory_plan=apply (repeatable)")
     p.add_argument("--first-call", nargs=2, metavar=("WORKLOAD", "BACKEND"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but torch.cuda.is_available() is False")
+    try:
+        measure.FXOPT_OPTIONS.update(measure.parse_fxopt_option(o) for o in args.fxopt_option)
+    except ValueError as e:
+        p.error(str(e))
     args.backend_list = [b.strip() for b in args.backends.split(",") if b.strip()]
     for b in args.backend_list:
         if b not in measure.BACKENDS:
