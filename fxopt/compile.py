@@ -20,9 +20,12 @@ from .codegen.triton_pointwise import generate_pointwise_kernel
 from .codegen.triton_reduction import generate_reduction_kernel
 from .codegen.wrapper import generate_wrapper
 from .analysis.roofline import roofline
+from .analysis.symbolic import (graph_symbols, guard_texts, has_symbolic_shapes, hint, shape_env_of,
+                                symbolic_unsupported_reason)
 from .errors import FxoptError, node_error
 from .graph_svg import graph_svg
 from .memory.plan_report import memory_plan
+from .memory.size_plans import size_plans
 from .options import Environment, Options
 from .pass_manager import PassContext, PassManager, PassRecord, count_nodes
 from .passes.fuse import FUSED_PREFIX
@@ -93,12 +96,24 @@ def compile_aten_graph(gm: fx.GraphModule, example_inputs, *, options: Options, 
     ctx = PassContext(options=options, env=env, graph_name=graph_name, target=target, inspect=inspect)
     record = GraphReport(name=graph_name, target=target,
                          captured_text=graph_to_text(gm, "captured") if inspect else "")
-    if has_symbolic_shapes(gm):
-        return _run_as_aten(gm, record, report, on_done, start)
-    verifier = GraphVerifier(gm, example_inputs, options.verify_tolerance, graph_name) if options.verify else None
+    symbols, shape_env, plans = [], None, None
+    if has_symbolic_shapes(gm):  # dynamic shapes: sizes are sympy expressions of dynamo's symbols
+        reason = symbolic_unsupported_reason(gm)
+        if reason is not None:
+            return _run_as_aten(gm, record, report, on_done, start, reason)
+        symbols, shape_env = graph_symbols(gm), shape_env_of(gm)
+        record.symbols = {s.name: hint(s, shape_env) for s in symbols}
+        guards_before = len(shape_env.guards)
+    verify = options.verify and not symbols
+    if options.verify and symbols:
+        record.notes.append("verify=True is skipped for symbolic shapes (it runs the graph on example tensors)")
+    verifier = GraphVerifier(gm, example_inputs, options.verify_tolerance, graph_name) if verify else None
     gm, records, snapshots = PassManager(pipeline.post_grad_passes(options), verifier).run(gm, ctx)
     record.passes, record.snapshots = records, snapshots
-    if options.memory_plan:
+    if options.memory_plan and symbols:  # one concrete plan per distinct size, made at its first call
+        plans = record.size_plans = size_plans(gm, options.memory_plan == "apply", symbols)
+        record.memory_plan = plans.plan(tuple(record.symbols.values()))
+    elif options.memory_plan:
         record.memory_plan = memory_plan(gm, applied=options.memory_plan == "apply")
 
     kernel_target = "cuda" if target == "cuda" else "interpret"
@@ -119,13 +134,22 @@ def compile_aten_graph(gm: fx.GraphModule, example_inputs, *, options: Options, 
     mode = "eager" if target == "eager" else "triton"
     filename = "wrapper.py" if graph_name in ("forward", "inference") else f"wrapper_{graph_name}.py"
     applied = record.memory_plan if options.memory_plan == "apply" else None
+    if applied is not None and plans is not None:
+        applied = plans.template()  # symbolic byte counts; offsets come from PLANS per call
     record.wrapper_source = generate_wrapper(gm, kernels, graph_name, mode, filename, options.profile,
                                              plan=applied, poison=applied is not None and env.poison_freed)
-    call = _load(gm, kernels, record, env, mode)
+    call = _load(gm, kernels, record, env, mode, plans)
     if options.profile:
         from .profile import attach_timer  # here, not at the top: profile.py compiles through backend.py
         attach_timer(call, record)
     record.fallbacks = list(ctx.notes)
+    if symbols:
+        record.guards = guard_texts(shape_env, symbols)
+        if len(shape_env.guards) > guards_before:  # fxopt asked a size question: the graph was narrowed
+            record.notes.append("compiling added size guards: " + "; ".join(
+                str(g.expr) for g in shape_env.guards[guards_before:]))
+        record.notes.append("symbolic sizes " + ", ".join(f"{k} (example {v})" for k, v in record.symbols.items())
+                            + "; guards: " + ("; ".join(record.guards) or "none"))
     record.compile_seconds = time.perf_counter() - start
     if verifier is not None:
         err = verifier.check_callable(call)
@@ -142,21 +166,11 @@ def compile_aten_graph(gm: fx.GraphModule, example_inputs, *, options: Options, 
     return call
 
 
-def has_symbolic_shapes(gm: fx.GraphModule) -> bool:
-    """Sizes dynamo left symbolic (dynamic=True, or automatic dynamic after a second shape)."""
-    for n in gm.graph.nodes:
-        v = n.meta.get("val")
-        if isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and any(
-                isinstance(s, torch.SymInt) for s in (*v.shape, *v.stride()))):
-            return True
-    return False
-
-
-def _run_as_aten(gm: fx.GraphModule, record: GraphReport, report: Report, on_done, start: float):
-    """Symbolic shapes are not compiled yet (dynamic shapes issue): run the ATen graph as is."""
+def _run_as_aten(gm: fx.GraphModule, record: GraphReport, report: Report, on_done, start: float, why: str):
+    """A symbolic graph fxopt cannot serve (analysis/symbolic.symbolic_unsupported_reason): run it as is."""
     from torch._functorch.aot_autograd import make_boxed_func
 
-    reason = "symbolic (dynamic) shapes: the graph runs as ATen ops, unfused (dynamic shapes are not built yet)"
+    reason = f"symbolic (dynamic) shapes: the graph runs as ATen ops, unfused: {why}"
     record.notes.append(reason)
     record.fallbacks = [(n.name, reason) for n in gm.graph.nodes if n.op == "call_function"]
     record.wrapper_source = "# not generated: " + reason + "\n" + gm.code
@@ -168,7 +182,8 @@ def _run_as_aten(gm: fx.GraphModule, record: GraphReport, report: Report, on_don
     return make_boxed_func(gm.forward)
 
 
-def _load(gm: fx.GraphModule, kernels: dict[str, Kernel], record: GraphReport, env: Environment, mode):
+def _load(gm: fx.GraphModule, kernels: dict[str, Kernel], record: GraphReport, env: Environment, mode,
+          plans=None):
     cache = module_cache(env.cache_dir)
     hits = cache.hits
     with _triton_interpreter(record.target == "interpret"):
@@ -186,6 +201,7 @@ def _load(gm: fx.GraphModule, kernels: dict[str, Kernel], record: GraphReport, e
             setattr(module, node.name, getattr(gm, node.target))
         if node.op == "call_module" and mode == "eager":
             setattr(module, f"subgraph_{node.target}", gm.get_submodule(node.target))
+    module.PLANS = plans  # symbolic graphs with an applied plan: the per-size plans
     if mode == "triton" and record.target == "cuda":
         _precompile(module, kernels)
     call = module.call
@@ -208,7 +224,7 @@ def _precompile(module, kernels: dict[str, Kernel]) -> None:
         except Exception as exc:
             raise FxoptError(f"fxopt: Triton could not compile kernel {k.name}: {exc}\n{k.source}") from exc
 
-    todo = _launched(kernels)
+    todo = [k for k in _launched(kernels) if not k.symbolic]  # symbolic ones compile at their first call
     with _triton_interpreter(False):  # a process-wide TRITON_INTERPRET=1 (CPU tests) must not reach nvcc-side compiles
         if len(todo) <= 1:
             for k in todo:

@@ -66,6 +66,7 @@ class MemoryPlan:
     planned_bytes: int  # the arena the plan uses
     buffers: list[BufferRecord]
     strategy: str = ""  # which placement order won
+    sizes: dict[str, int] = field(default_factory=dict)  # symbolic graphs: the size values it was made for
 
     @property
     def ratio(self) -> float:
@@ -90,6 +91,11 @@ class GraphReport:
     memory_plan: MemoryPlan | None = None
     roofline: list = field(default_factory=list)  # [RooflineRow] for every kernel and ATen call
     graph_svg: str = ""  # the final graph as a picture (explain and dumps only)
+    # dynamic shapes: size symbol -> example value, dynamo's guards on them (text), and the per-size
+    # memory plans (memory/size_plans.SizePlans; .plans fills as calls bring new sizes)
+    symbols: dict[str, int] = field(default_factory=dict)
+    guards: list[str] = field(default_factory=list)
+    size_plans: object = None
 
 
 @dataclass

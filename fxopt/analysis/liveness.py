@@ -6,6 +6,9 @@ wrapper allocates; graph outputs (and views of them) live to the end, and are ma
 never lets later buffers reuse their memory. An ATen op whose schema says its output may alias an
 input (views, and the rarer `alias`-annotated ops) extends its input's buffer rather than owning one,
 so a buffer returned through such an op is an output too.
+
+With symbolic sizes (dynamic shapes) a buffer's bytes are a sympy expression of the size symbols;
+memory/size_plans.py evaluates them per distinct size.
 """
 from __future__ import annotations
 
@@ -16,23 +19,26 @@ import torch
 import torch.fx as fx
 
 from .op_classes import is_view
+from .symbolic import sizes, strides
 
 
 @dataclass
 class Interval:
     name: str
-    nbytes: int
+    nbytes: object  # int, or a sympy expression of the size symbols
     first_use: int  # position of the node that writes it
     last_use: int  # position of the last node that reads it (or a view of it)
     is_output: bool = False
     kernel: bool = False  # written by a fused kernel launch (the wrapper allocates it; ATen allocates the rest)
 
 
-def tensor_bytes(val) -> int:
+def tensor_bytes(val):
+    """Bytes of the storage the tensor spans (a strided tensor needs the furthest element + 1): an int,
+    or a sympy expression when its sizes are symbolic."""
     if not isinstance(val, torch.Tensor):
         return 0
-    # the storage the tensor spans: a strided tensor needs the furthest element + 1
-    span = 1 + sum((s - 1) * abs(st) for s, st in zip(val.shape, val.stride())) if val.numel() else 0
+    shape, stride = sizes(val), strides(val)
+    span = 1 + sum((s - 1) * abs(st) for s, st in zip(shape, stride)) if all(s != 0 for s in shape) else 0
     return span * val.element_size()
 
 
@@ -85,8 +91,8 @@ def buffer_intervals(gm: fx.GraphModule) -> list[Interval]:
 
 
 def _same_layout(a, b) -> bool:
-    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and tuple(a.shape) == tuple(b.shape)
-            and tuple(a.stride()) == tuple(b.stride()) and a.element_size() == b.element_size())
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and sizes(a) == sizes(b)
+            and strides(a) == strides(b) and a.element_size() == b.element_size())
 
 
 def _elementwise_from(sub: fx.GraphModule, index: int) -> bool:

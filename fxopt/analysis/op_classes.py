@@ -9,6 +9,8 @@ import torch
 import torch.fx as fx
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
+from .symbolic import sizes
+
 aten = torch.ops.aten
 prims = torch.ops.prims
 
@@ -142,7 +144,7 @@ def pointwise_unsupported_reason(node: fx.Node, target: str) -> str | None:
         return "no tensor metadata (meta['val']) on this node"
     if out.dtype not in SUPPORTED_DTYPES:
         return f"dtype {out.dtype} has no Triton lowering"
-    if out.numel() == 0:
+    if any(s == 0 for s in sizes(out)):
         return "empty tensor: nothing to compute"
     for inp, v in _tensor_vals(node):
         if v.dtype not in SUPPORTED_DTYPES:

@@ -7,6 +7,7 @@ import torch
 import torch.fx as fx
 
 from .op_classes import SUPPORTED_DTYPES
+from .symbolic import sizes
 
 aten = torch.ops.aten
 
@@ -21,7 +22,7 @@ class ReductionInfo:
     kind: str  # sum | mean | amax | amin
     dims: tuple[int, ...]  # reduced dims of the input, sorted, non-negative
     keepdim: bool
-    in_shape: tuple[int, ...]
+    in_shape: tuple  # ints, or sympy expressions of dynamo's size symbols (analysis/symbolic.py)
     device: str
 
     @property
@@ -58,7 +59,7 @@ def reduction_info(node: fx.Node) -> ReductionInfo | None:
     if node.target in (aten.sum.default, aten.mean.default):
         keepdim = False
     norm = tuple(sorted({d % x.dim() for d in dims})) if x.dim() else ()
-    return ReductionInfo(REDUCTION_KINDS[node.target], norm, keepdim, tuple(x.shape), str(x.device))
+    return ReductionInfo(REDUCTION_KINDS[node.target], norm, keepdim, sizes(x), str(x.device))
 
 
 def reduction_unsupported_reason(node: fx.Node, target: str) -> str | None:
@@ -69,7 +70,7 @@ def reduction_unsupported_reason(node: fx.Node, target: str) -> str | None:
     out = node.meta.get("val")
     if not isinstance(out, torch.Tensor) or out.dtype not in SUPPORTED_DTYPES or x.dtype not in SUPPORTED_DTYPES:
         return f"reduction over dtype {x.dtype} has no Triton lowering"
-    if x.numel() == 0 or info.rnumel == 0:
+    if any(s == 0 for s in info.in_shape):
         return "empty reduction: left to ATen, which defines (or rejects) it"
     if x.dim() == 0:
         return "reduction of a 0-d tensor is a copy"

@@ -21,6 +21,7 @@ import torch.fx as fx
 
 from .op_classes import is_view
 from .reductions import reduction_info
+from .symbolic import hint
 
 aten = torch.ops.aten
 
@@ -50,7 +51,7 @@ class RooflineRow:
 
 def _bytes(val) -> int:
     if isinstance(val, torch.Tensor):
-        return val.numel() * val.element_size()
+        return hint(val.numel()) * val.element_size()
     if isinstance(val, (tuple, list)):
         return sum(_bytes(v) for v in val)
     return 0
@@ -58,12 +59,12 @@ def _bytes(val) -> int:
 
 def _numel(node: fx.Node) -> int:
     v = node.meta.get("val")
-    return v.numel() if isinstance(v, torch.Tensor) else 0
+    return hint(v.numel()) if isinstance(v, torch.Tensor) else 0
 
 
 def matmul_flops(node: fx.Node) -> int:
     t, args = node.target, node.args
-    shape = lambda a: tuple(a.meta["val"].shape)  # noqa: E731
+    shape = lambda a: tuple(hint(s) for s in a.meta["val"].shape)  # noqa: E731  (example sizes)
     if t is aten.mm.default:
         (m, k), (_, n) = shape(args[0]), shape(args[1])
         return 2 * m * n * k
@@ -101,7 +102,7 @@ def cross_entropy_flops(node: fx.Node) -> int:
     sum), 3 backward (exp, subtract, scale)."""
     name = node.target.name()
     logits = node.args[1 if "backward" in name else 0].meta["val"]
-    return (3 if "backward" in name else 4) * logits.numel()
+    return (3 if "backward" in name else 4) * hint(logits.numel())
 
 
 def attention_flops(node: fx.Node) -> int:
@@ -110,8 +111,8 @@ def attention_flops(node: fx.Node) -> int:
     name = node.target.name()
     first = 1 if "backward" in name else 0  # backward(dout, q, k, v, ...)
     q, k = node.args[first].meta["val"], node.args[first + 1].meta["val"]
-    b, h, sq, d = q.shape
-    forward = 4 * b * h * sq * k.shape[2] * d
+    b, h, sq, d = (hint(s) for s in q.shape)
+    forward = 4 * b * h * sq * hint(k.shape[2]) * d
     causal = bool(node.args[-1])
     work = forward * (2.5 if "backward" in name else 1)
     return int(work / 2 if causal else work)
@@ -123,7 +124,7 @@ def kernel_flops(sub: fx.GraphModule) -> int:
         if n.op != "call_function" or is_view(n):
             continue
         info = reduction_info(n)
-        flops += math.prod(info.in_shape) if info else _numel(n)
+        flops += _numel(n.args[0]) if info else _numel(n)
     return flops
 
 

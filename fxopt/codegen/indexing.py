@@ -11,21 +11,29 @@ transposed input next to a contiguous output), one flat index cannot coalesce bo
 splits the domain into 2-D tiles, `yindex` over the outer dims (with the transposed operand's
 contiguous dim innermost among them) and `xindex` over the innermost dim, so each operand is read
 along whichever of the two axes it is contiguous in.
+
+Sizes and strides may be sympy expressions of dynamo's size symbols (dynamic shapes): every decision
+here is structural (`same`: equal for all values of the symbols) or uses the symbols' ranges
+(`known_ge`), never the example values, so the index arithmetic holds for every size the graph serves.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import re
+
 import sympy
+
+from ..analysis.symbolic import is_symbolic, known_ge, pexpr, same
 
 
 @dataclass(frozen=True)
 class Layout:
     """An operand as the kernel sees it: sizes and strides in elements, offset from its pointer."""
 
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int = 0
+    size: tuple  # ints or sympy expressions of the size symbols
+    stride: tuple
+    offset: object = 0
 
 
 def broadcast_strides(layout: Layout, domain: tuple[int, ...]) -> tuple[int, ...]:
@@ -38,7 +46,7 @@ def broadcast_strides(layout: Layout, domain: tuple[int, ...]) -> tuple[int, ...
         k = d - pad
         if k < 0 or layout.size[k] == 1:
             out.append(0)
-        elif layout.size[k] == dom:
+        elif same(layout.size[k], dom):
             out.append(layout.stride[k])
         else:
             raise ValueError(f"operand of shape {layout.size} does not broadcast to {domain}")
@@ -73,7 +81,7 @@ class IterationSpace:
         An operand that walks the domain in its own order (strides equal to the domain's pitches)
         is addressed by xindex itself: sum(pitch_k * x_k) == xindex by construction of the x_k."""
         strides = self.operand_strides[i]
-        if self.coords and list(strides) == self.pitches:
+        if self.coords and all(same(s, p) for s, p in zip(strides, self.pitches)):
             return self.xindex + self.offsets[i]
         return sympy.Add(*(s * x for s, x in zip(strides, self.coords)), self.offsets[i])
 
@@ -117,7 +125,7 @@ class TiledSpace:
         """The element offset of operand i in the tile, in yindex (or y0..yk) and xindex."""
         ys = self.y_strides[i]
         c = ys[-1]
-        if all(s == c * p for s, p in zip(ys, self.ypitches)):
+        if all(same(s, c * p) for s, p in zip(ys, self.ypitches)):
             ypart = c * self.yindex
         else:
             ypart = sympy.Add(*(s * y for s, y in zip(ys, self.ycoords)))
@@ -144,8 +152,8 @@ def tile_dim(space: IterationSpace) -> int | None:
     if 1 not in inner:
         return None
     for s in space.operand_strides:
-        if abs(s[-1]) > 1 and 1 in s[:-1]:
-            return s.index(1)
+        if known_ge(abs(s[-1]), 2) and 1 in s[:-1]:
+            return list(s).index(1)
     return None
 
 
@@ -155,11 +163,17 @@ def _coord_lines(index, coords, sizes, pitches, used) -> list[str]:
     for k, (x, size, pitch) in enumerate(zip(coords, sizes, pitches)):
         if x not in used:
             continue
-        expr = f"{index}" if pitch == 1 else f"({index} // {pitch})"
+        expr = f"{index}" if pitch == 1 else f"({index} // {_paren(pitch)})"
         if k > 0:  # the outermost coordinate never wraps
-            expr = f"{expr} % {size}"
+            expr = f"{expr} % {_paren(size)}"
         lines.append(f"{x} = {expr}")
     return lines
+
+
+def _paren(e) -> str:
+    if not is_symbolic(e):
+        return str(e)
+    return pexpr(e) if isinstance(e, sympy.Symbol) else f"({pexpr(e)})"
 
 
 def _prod(xs) -> int:
@@ -175,7 +189,7 @@ def _merge_dims(sizes: list[int], per_op: list[list[int]]):
     sizes = list(sizes)
     per_op = [list(s) for s in per_op]
     while k + 1 < len(sizes):
-        if all(s[k] == s[k + 1] * sizes[k + 1] for s in per_op):
+        if all(same(s[k], s[k + 1] * sizes[k + 1]) for s in per_op):
             sizes[k + 1] *= sizes[k]
             del sizes[k]
             for s in per_op:
@@ -187,4 +201,32 @@ def _merge_dims(sizes: list[int], per_op: list[list[int]]):
 
 def print_index(expr: sympy.Expr) -> str:
     """Python/Triton source for an address expression (sympy's str printer writes valid Python)."""
-    return str(expr)
+    return pexpr(expr) if size_symbols(expr) else str(expr)  # static kernels keep their text
+
+
+INDEX_NAME = re.compile(r"^[xyr](index|\d+)$")  # the kernel's own index symbols, not sizes
+
+
+def size_symbols(*exprs) -> list[sympy.Symbol]:
+    """The size symbols (dynamo's s0, s1, ...) the expressions use, sorted by name: kernel arguments."""
+    found = set()
+    for e in exprs:
+        if isinstance(e, sympy.Basic):
+            found |= {s for s in e.free_symbols if not INDEX_NAME.match(s.name)}
+    return sorted(found, key=lambda s: (len(s.name), s.name))
+
+
+def index_symbols(e) -> set:
+    """The kernel's own index symbols an address uses (size symbols are arguments, not lanes)."""
+    if not isinstance(e, sympy.Basic):
+        return set()
+    return {s for s in e.free_symbols if INDEX_NAME.match(s.name)}
+
+
+def needs_int64(numel, max_addresses) -> bool:
+    """Index arithmetic in int64: some offset may pass 2**31 - 1. Symbolic sizes have no upper bound
+    (a later call may be larger), so a kernel over symbolic sizes always indexes in int64."""
+    exprs = [numel, *max_addresses]
+    if any(is_symbolic(e) for e in exprs):
+        return True
+    return any(int(e) > 2**31 - 1 for e in exprs)

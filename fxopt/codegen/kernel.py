@@ -1,9 +1,15 @@
-"""What codegen hands the wrapper for every generated kernel: its source and how to launch it."""
+"""What codegen hands the wrapper for every generated kernel: its source and how to launch it.
+
+For a graph with symbolic sizes, int_args may be sympy expressions of the size symbols, and grid,
+constexpr and num_warps entries may be Python source over them (`triton.cdiv(s0*768, 1024)`): the
+wrapper binds the symbols from the call's inputs, so all of these are evaluated at call time."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
+
+from ..analysis.symbolic import is_symbolic, pexpr
 
 
 @dataclass
@@ -12,10 +18,11 @@ class Kernel:
     kind: str  # "pointwise" | "reduction"
     source: str  # the @triton.jit function (and any helpers it calls), no imports
     ops: list[str]  # the ATen ops fused into it, in order
-    grid: int | tuple[int, int]  # programs launched: a count (1-D grid) or (axis 0, axis 1) for tiled kernels
-    int_args: list[int]  # integer arguments after the pointers (xnumel, rnumel, ...)
-    constexprs: dict[str, int]  # XBLOCK, RBLOCK, ...
-    num_warps: int
+    grid: int | str | tuple  # programs launched: a count (1-D grid) or (axis 0, axis 1) for tiled kernels;
+    # str entries are Python source over the size symbols (symbolic graphs)
+    int_args: list  # integer arguments after the pointers (xnumel, rnumel, ..., size symbols): int or sympy
+    constexprs: dict  # XBLOCK, RBLOCK, ...: int, or Python source chosen per call (symbolic row lengths)
+    num_warps: int | str
     outputs: list[torch.Tensor] = field(default_factory=list)  # meta values of the outputs, in order
     input_dtypes: list[torch.dtype] = field(default_factory=list)  # dtypes of the pointer inputs
     inputs: list[torch.Tensor] = field(default_factory=list)  # meta values of the pointer inputs
@@ -24,6 +31,12 @@ class Kernel:
     # take (inputs..., workspaces..., outputs...)
     workspaces: list[tuple[tuple[int, ...], torch.dtype]] = field(default_factory=list)
     prologue: "Kernel | None" = None
+    symbols: dict[str, int] = field(default_factory=dict)  # size symbols it takes -> example values
+    setup: list[str] = field(default_factory=list)  # wrapper lines run before the launch (per-call configs)
+
+    @property
+    def symbolic(self) -> bool:
+        return bool(self.symbols)
 
     def full_source(self) -> str:
         """Every Triton function this kernel launches (a split reduction's partial kernel first)."""
@@ -41,10 +54,10 @@ class Kernel:
     def grid_source(self) -> str:
         """The launch grid as source: `(n,)` for 1-D kernels, `(n0, n1)` for tiled ones."""
         g = self.grid_tuple()
-        return f"({g[0]},)" if len(g) == 1 else f"({', '.join(str(n) for n in g)})"
+        return f"({g[0]},)" if len(g) == 1 else f"({', '.join(str(n) for n in g)})"  # str or int entries
 
     def launch_suffix(self) -> str:
         """The integer and constexpr arguments of a launch, as source."""
-        ints = "".join(f", {v}" for v in self.int_args)
+        ints = "".join(f", {pexpr(v) if is_symbolic(v) else v}" for v in self.int_args)
         consts = "".join(f", {k}={v}" for k, v in self.constexprs.items())
         return f"{ints}{consts}, num_warps={self.num_warps}"

@@ -26,6 +26,11 @@ along the axis its address is contiguous in:
     xindex = xoffset + tl.arange(0, XBLOCK)[None, :]
     arg0 = tl.load(in_ptr0 + (xindex + 8192*yindex), ymask & xmask)  # contiguous along x
     arg1 = tl.load(in_ptr1 + (8192*xindex + yindex), ymask & xmask)  # contiguous along y
+
+With symbolic sizes (dynamic shapes) the size symbols are kernel arguments after the numels
+(`xnumel, s0, s1`), addresses are sympy over them, indexing is int64, and the wrapper computes the
+grid per call (`triton.cdiv(xnumel, XBLOCK)`); a 2-D tiling needs a static innermost dim (grid axis
+1 has a limit that a symbolic one could pass).
 """
 from __future__ import annotations
 
@@ -36,9 +41,11 @@ import torch.fx as fx
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
 from ..analysis.op_classes import is_view
+from ..analysis.symbolic import expr, hint, is_symbolic, pexpr, shape_env_of, sizes, storage_offset, strides
 from ..printing import describe_value, target_name
 from .dtypes import LOW_PRECISION, TL_DTYPE, compute_dtype, literal
-from .indexing import IterationSpace, Layout, TiledSpace, print_index, tile_dim
+from .indexing import (IterationSpace, Layout, TiledSpace, index_symbols, needs_int64, print_index, size_symbols,
+                       tile_dim)
 from .kernel import Kernel
 from .pointwise_ops import (BOOL_OPERANDS, LOWERINGS, PROMOTED_OPERANDS, UNCAST_OPERANDS, LowerCtx)
 
@@ -47,8 +54,11 @@ INT32_MAX = 2**31 - 1
 
 
 def launch_config(numel: int) -> tuple[int, int]:
-    """XBLOCK and num_warps: 1024 elements over 4 warps (8 per thread) for large tensors."""
+    """XBLOCK and num_warps: 1024 elements over 4 warps (8 per thread) for large tensors (and for
+    symbolic sizes, whose tail block is masked like any other)."""
     xblock = 1024
+    if is_symbolic(numel):
+        return xblock, 4
     while xblock > 64 and xblock >= 2 * numel:
         xblock //= 2
     return xblock, max(1, min(4, xblock // 256))
@@ -60,14 +70,23 @@ class TilePlan:
     yblock: int
     xblock: int
     num_warps: int
-    grid: tuple[int, int]  # (y tiles, x tiles): program axes 0 and 1
+    grid: tuple  # (y tiles, x tiles): program axes 0 and 1 (source over the size symbols when symbolic)
 
 
 GRID_MAX = (2**31 - 1, 65535)  # CUDA's limits on grid axes 0 and 1
 
 
-def _pow2(n: int) -> int:
+def _pow2(n) -> int:
+    if is_symbolic(n):
+        return 1 << 30  # unknown: as large as any block; the config clamps it
     return 1 << max(0, (n - 1).bit_length())
+
+
+def cdiv_source(numel, block: int):
+    """The programs that cover numel in blocks: an int, or source the wrapper evaluates per call."""
+    if is_symbolic(numel):
+        return f"triton.cdiv({pexpr(numel)}, {block})"
+    return -(-numel // block)
 
 
 def tile_config(ynumel: int, xnumel: int) -> tuple[int, int, int]:
@@ -87,16 +106,18 @@ def plan_tiles(space: IterationSpace) -> TilePlan | None:
     if ydim is None:
         return None
     tiles = TiledSpace(space, ydim)
+    if is_symbolic(tiles.xnumel):
+        return None  # grid axis 1 (x tiles) has a limit of 65535 that a symbolic dim could pass
     yblock, xblock, warps = tile_config(tiles.ynumel, tiles.xnumel)
-    grid = (-(-tiles.ynumel // yblock), -(-tiles.xnumel // xblock))
-    if any(g > limit for g, limit in zip(grid, GRID_MAX)):
+    grid = (cdiv_source(tiles.ynumel, yblock), cdiv_source(tiles.xnumel, xblock))
+    if any(isinstance(g, int) and g > limit for g, limit in zip(grid, GRID_MAX)):
         return None
     return TilePlan(tiles, yblock, xblock, warps, grid)
 
 
 def layout_of(val: torch.Tensor, base: torch.Tensor | None = None) -> Layout:
-    offset = val.storage_offset() - (base.storage_offset() if base is not None else 0)
-    return Layout(tuple(val.shape), tuple(val.stride()), offset)
+    offset = storage_offset(val) - (storage_offset(base) if base is not None else 0)
+    return Layout(sizes(val), strides(val), offset)
 
 
 def view_root(node: fx.Node) -> fx.Node:
@@ -125,7 +146,10 @@ class PointwiseEmitter:
         self.nodes = list(gm.graph.nodes)
         self.placeholders = [n for n in self.nodes if n.op == "placeholder"]
         self.output_nodes = list(self._outputs())
-        self.domain = tuple(self.output_nodes[0].meta["val"].shape)
+        self.domain = sizes(self.output_nodes[0].meta["val"])
+        self.shape_env = shape_env_of(gm)  # None unless sizes are symbolic
+        # SymInt inputs (a size used as a number, `x / s1`): computed in the kernel from the size symbols
+        self.size_inputs = [p for p in self.placeholders if isinstance(p.meta.get("val"), torch.SymInt)]
         self.vdtype: dict[fx.Node, torch.dtype] = {}  # compute dtype of each value in registers
 
     def _outputs(self):
@@ -136,7 +160,8 @@ class PointwiseEmitter:
         """Values read from memory: placeholders and view chains of placeholders used by compute."""
         leaves = []
         for n in self.nodes:
-            if n.op == "placeholder" or (is_view(n) and view_root(n).op == "placeholder"):
+            if (n.op == "placeholder" and n not in self.size_inputs) or (
+                    is_view(n) and view_root(n).op == "placeholder"):
                 if any(u.op == "call_function" and not is_view(u) for u in n.users) or n in self.output_nodes:
                     leaves.append(n)
         return leaves
@@ -148,10 +173,10 @@ class PointwiseEmitter:
             root = view_root(leaf)
             leaf_layouts.append(layout_of(leaf.meta["val"], root.meta["val"]))
         out_layouts = [layout_of(o.meta["val"]) for o in self.output_nodes]
-        ref_stride = tuple(self.output_nodes[0].meta["val"].stride())
+        ref_stride = self._order_strides(strides(self.output_nodes[0].meta["val"]))
         space = IterationSpace(self.domain, ref_stride, leaf_layouts + out_layouts)
         n_operands = len(leaf_layouts) + len(out_layouts)
-        wide = space.numel > INT32_MAX or any(space.max_address(i) > INT32_MAX for i in range(n_operands))
+        wide = needs_int64(space.numel, [space.max_address(i) for i in range(n_operands)])
         plan = plan_tiles(space)
         if plan is not None:
             return self._generate_tiled(leaves, space, plan, wide)
@@ -163,17 +188,19 @@ class PointwiseEmitter:
         body += space.coord_lines(used)
         body += self._pointwise_body(leaves, space, addresses, lambda syms: "xmask",
                                      lambda syms: "" if syms else " + 0 * xindex", "xmask")
+        syms = size_symbols(space.numel, *addresses, *space.sizes, *space.pitches, *self._size_input_exprs())
         args = [f"in_ptr{i}" for i in range(len(self.placeholders))] + \
-               [f"out_ptr{j}" for j in range(len(self.output_nodes))] + ["xnumel", "XBLOCK: tl.constexpr"]
+               [f"out_ptr{j}" for j in range(len(self.output_nodes))] + ["xnumel"] + \
+               [s.name for s in syms] + ["XBLOCK: tl.constexpr"]
         xblock, warps = launch_config(space.numel)
         header = [f"# {len(self.ops)} ops over {describe_value(self.output_nodes[0].meta['val'])}: "
                   f"{', '.join(self.ops)}", "@triton.jit", f"def {self.name}({', '.join(args)}):"]
         source = "\n".join(header + ["    " + line for line in body]) + "\n"
-        return Kernel(self.name, "pointwise", source, self.ops, grid=(space.numel + xblock - 1) // xblock,
-                      int_args=[space.numel], constexprs={"XBLOCK": xblock}, num_warps=warps,
+        return Kernel(self.name, "pointwise", source, self.ops, grid=cdiv_source(space.numel, xblock),
+                      int_args=[space.numel, *syms], constexprs={"XBLOCK": xblock}, num_warps=warps,
                       outputs=[o.meta["val"] for o in self.output_nodes],
-                      input_dtypes=[p.meta["val"].dtype for p in self.placeholders],
-                      inputs=[p.meta["val"] for p in self.placeholders])
+                      input_dtypes=self._input_dtypes(),
+                      inputs=[p.meta["val"] for p in self.placeholders], symbols=self._examples(syms))
 
     def _generate_tiled(self, leaves: list[fx.Node], space: IterationSpace, plan: TilePlan,
                         wide: bool) -> Kernel:
@@ -198,9 +225,11 @@ class PointwiseEmitter:
                 ("" if tiles.xindex in syms else " + 0 * xindex")
 
         body += self._pointwise_body(leaves, space, addresses, load_mask, store_pad, "ymask & xmask")
+        syms = size_symbols(tiles.ynumel, tiles.xnumel, *addresses, *tiles.ysizes, *tiles.ypitches,
+                            *self._size_input_exprs())
         args = [f"in_ptr{i}" for i in range(len(self.placeholders))] + \
                [f"out_ptr{j}" for j in range(len(self.output_nodes))] + \
-               ["ynumel", "xnumel", "YBLOCK: tl.constexpr", "XBLOCK: tl.constexpr"]
+               ["ynumel", "xnumel"] + [s.name for s in syms] + ["YBLOCK: tl.constexpr", "XBLOCK: tl.constexpr"]
         header = [f"# {len(self.ops)} ops over {describe_value(self.output_nodes[0].meta['val'])}: "
                   f"{', '.join(self.ops)}",
                   f"# 2-D tiles: yindex over the outer dims {tiles.ysizes}, xindex over the innermost dim "
@@ -209,28 +238,48 @@ class PointwiseEmitter:
                   "@triton.jit", f"def {self.name}({', '.join(args)}):"]
         source = "\n".join(header + ["    " + line for line in body]) + "\n"
         return Kernel(self.name, "pointwise", source, self.ops, grid=plan.grid,
-                      int_args=[tiles.ynumel, tiles.xnumel],
+                      int_args=[tiles.ynumel, tiles.xnumel, *syms], symbols=self._examples(syms),
                       constexprs={"YBLOCK": plan.yblock, "XBLOCK": plan.xblock}, num_warps=plan.num_warps,
                       outputs=[o.meta["val"] for o in self.output_nodes],
-                      input_dtypes=[p.meta["val"].dtype for p in self.placeholders],
+                      input_dtypes=self._input_dtypes(),
                       inputs=[p.meta["val"] for p in self.placeholders], notes={"tiling": "2d"})
+
+    def _size_input_lines(self) -> list[str]:
+        """Each SymInt input as its expression over the size symbols (kernel arguments)."""
+        for p in self.size_inputs:
+            self.vdtype[p] = torch.int64
+        return [f"{p.name} = {pexpr(expr(p.meta['val']))}  # size input" for p in self.size_inputs]
+
+    def _size_input_exprs(self) -> list:
+        return [expr(p.meta["val"]) for p in self.size_inputs]
+
+    def _input_dtypes(self) -> list[torch.dtype]:
+        return [getattr(p.meta["val"], "dtype", torch.int64) for p in self.placeholders]
+
+    def _examples(self, syms) -> dict[str, int]:
+        """Each size symbol the kernel takes -> its example value (the harness and report use them)."""
+        return {s.name: hint(s, self.shape_env) for s in syms}
+
+    def _order_strides(self, st: tuple) -> tuple:
+        """Strides to sort dims by (outer -> inner): example values, a heuristic (any order is correct)."""
+        return tuple(hint(s, self.shape_env) for s in st)
 
     def _pointwise_body(self, leaves: list[fx.Node], space: IterationSpace, addresses: list, load_mask,
                         store_pad, store_mask: str) -> list[str]:
         """Loads, compute and stores. load_mask(symbols) is the mask of a load whose address uses those
         index symbols; store_pad(symbols) is what to add to a store address so it spans the whole block."""
         ptr_of = {p: f"in_ptr{i}" for i, p in enumerate(self.placeholders)}
-        body = ["# -- load inputs ----"]
+        body = self._size_input_lines() + ["# -- load inputs ----"]
         for i, leaf in enumerate(leaves):
             val = leaf.meta["val"]
             ptr = ptr_of[view_root(leaf)]
             addr = print_index(addresses[i])
             broadcast = any(s == 0 for s in space.operand_strides[i]) or not space.operand_strides[i]
-            if not addresses[i].free_symbols:  # one element, read by every lane
+            if not index_symbols(addresses[i]):  # one element, read by every lane
                 load = f"tl.load({ptr} + {addr})"
             else:
                 policy = ', eviction_policy="evict_last"' if broadcast else ""
-                load = f"tl.load({ptr} + ({addr}), {load_mask(addresses[i].free_symbols)}{policy})"
+                load = f"tl.load({ptr} + ({addr}), {load_mask(index_symbols(addresses[i]))}{policy})"
             cdt = compute_dtype(val.dtype)
             if cdt != val.dtype:
                 load += f".to({TL_DTYPE[cdt]})"
@@ -246,7 +295,7 @@ class PointwiseEmitter:
         body.append("# -- store outputs ----")
         for j, o in enumerate(self.output_nodes):
             address = addresses[len(leaves) + j]
-            addr = print_index(address) + store_pad(address.free_symbols)
+            addr = print_index(address) + store_pad(index_symbols(address))
             val = o.meta["val"]
             body.append(f"tl.store(out_ptr{j} + ({addr}), {o.name}.to({TL_DTYPE[val.dtype]}), {store_mask})")
         return body

@@ -9,6 +9,12 @@ row values ([XBLOCK, RBLOCK], shape S of the group) or row scalars ([XBLOCK, 1],
   result, like softmax's sum needing its max, waits one pass), accumulating in fp32 blocks; row
   values are recomputed from the inputs in each pass, and row outputs are stored in the earliest pass
   that has what they need.
+
+Symbolic row length (dynamic shapes): the kernel is always the looped variant, and the wrapper picks
+its block sizes per call from the actual length (RBLOCK = next power of two up to 4096, XBLOCK rows
+sharing ~2048 lanes), so a short row runs the loop once and a long one walks it: any length is
+served, masked at the tail. A static row length with symbolic rows stays persistent when it fits.
+Symbolic sizes are never split (the chunk count would depend on the call's sizes).
 """
 from __future__ import annotations
 
@@ -19,13 +25,15 @@ import torch.fx as fx
 
 from ..analysis.op_classes import is_view
 from ..analysis.reductions import dropped_shape, kept_shape, reduction_info
+from ..analysis.symbolic import expr, is_symbolic, pexpr, sizes, storage_offset, strides
 from ..printing import describe_value, target_name
 from .dtypes import TL_DTYPE, compute_dtype, literal
-from .indexing import IterationSpace, Layout, broadcast_strides, print_index
+from .indexing import (IterationSpace, Layout, broadcast_strides, index_symbols, needs_int64, print_index,
+                       size_symbols)
 from .kernel import Kernel
 from .reduction_schedules import LoopedSchedule, inner_view, lane_reduce
 from .pointwise_ops import LOWERINGS, LowerCtx
-from .triton_pointwise import INT32_MAX, PointwiseEmitter, view_root
+from .triton_pointwise import PointwiseEmitter, cdiv_source, view_root
 
 PERSISTENT_MAX = 8192  # widest row (elements) kept whole in registers
 LOOP_RBLOCK = 4096
@@ -44,7 +52,9 @@ def _fx_min(a, b):
 '''
 
 
-def _pow2(n: int) -> int:
+def _pow2(n) -> int:
+    if is_symbolic(n):
+        return 1 << 30  # unknown: as large as any block; configs clamp it
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
 
@@ -64,26 +74,26 @@ class ReductionEmitter(PointwiseEmitter):
 
     # -- spaces and layouts ----
     def _mapping(self, consumer_shape) -> str:
-        return "drop" if tuple(consumer_shape) == self.drop and len(self.drop) != len(self.S) else "full"
+        return "drop" if tuple(expr(s) for s in consumer_shape) == self.drop and len(self.drop) != len(self.S) else "full"
 
     def _s_strides(self, val: torch.Tensor, base: torch.Tensor, mapping: str) -> tuple[tuple[int, ...], int]:
         """The value's strides over the group's full shape S, and its offset from its base pointer.
 
         "full": broadcast against S as torch does (right-aligned); "drop": the consumer has the reduced
         shape without the reduced dims, so broadcast against that and put stride 0 at the reduced dims."""
-        offset = val.storage_offset() - base.storage_offset()
-        layout = Layout(tuple(val.shape), tuple(val.stride()))
+        offset = storage_offset(val) - storage_offset(base)
+        layout = Layout(sizes(val), strides(val))
         if mapping == "drop":
             it = iter(broadcast_strides(layout, self.drop))
             return tuple(0 if d in self.D else next(it) for d in range(len(self.S))), offset
         return broadcast_strides(layout, self.S), offset
 
     def _out_strides(self, val: torch.Tensor) -> tuple[int, ...]:
-        if tuple(val.shape) == self.S:
-            return tuple(val.stride())
-        if tuple(val.shape) == self.keep and len(self.keep) == len(self.S):
-            return tuple(0 if d in self.D else s for d, s in enumerate(val.stride()))
-        it = iter(val.stride())
+        if sizes(val) == self.S:
+            return strides(val)
+        if sizes(val) == self.keep and len(self.keep) == len(self.S):
+            return tuple(0 if d in self.D else s for d, s in enumerate(strides(val)))
+        it = iter(strides(val))
         return tuple(0 if d in self.D else next(it) for d in range(len(self.S)))
 
     # -- classification ----
@@ -94,7 +104,7 @@ class ReductionEmitter(PointwiseEmitter):
             if reduction_info(n) is not None or inner_view(n):  # inner views only reshape row scalars
                 self.is_row[n] = False
             else:
-                self.is_row[n] = tuple(n.meta["val"].shape) == self.S and any(
+                self.is_row[n] = sizes(n.meta["val"]) == self.S and any(
                     self.is_row.get(a, a in self.row_leaves) for a in n.all_input_nodes)
 
     def _var(self, node: fx.Node) -> str:
@@ -124,40 +134,59 @@ class ReductionEmitter(PointwiseEmitter):
         outs = [(o, self._out_strides(o.meta["val"])) for o in self.output_nodes]
         all_layouts = [(st, off) for (_, _, _, st, off) in loads] + [(st, 0) for (_, st) in outs]
         ref = next((st for st in [s for (_, _, _, s, _) in loads if any(s[d] for d in self.D)]), all_layouts[0][0])
-        xs = IterationSpace(tuple(self.S[d] for d in self.xdims), tuple(outs[0][1][d] for d in self.xdims),
+        order = self._order_strides  # dims sorted by example strides: a heuristic, any order is correct
+        xs = IterationSpace(tuple(self.S[d] for d in self.xdims), order(tuple(outs[0][1][d] for d in self.xdims)),
                             [Layout(tuple(self.S[d] for d in self.xdims), tuple(st[d] for d in self.xdims), off)
                              for st, off in all_layouts], prefix="x")
-        rs = IterationSpace(tuple(self.S[d] for d in self.D), tuple(ref[d] for d in self.D),
+        rs = IterationSpace(tuple(self.S[d] for d in self.D), order(tuple(ref[d] for d in self.D)),
                             [Layout(tuple(self.S[d] for d in self.D), tuple(st[d] for d in self.D), 0)
                              for st, _ in all_layouts], prefix="r")
         self.xaddr = [xs.address(i) for i in range(len(all_layouts))]
         self.raddr = [rs.address(i) for i in range(len(all_layouts))]
-        wide = max(xs.max_address(i) + rs.max_address(i) for i in range(len(all_layouts))) > INT32_MAX \
-            or self.xnumel * self.rnumel > INT32_MAX
+        wide = needs_int64(self.xnumel * self.rnumel,
+                           [xs.max_address(i) + rs.max_address(i) for i in range(len(all_layouts))])
         column = ref[self.D[-1]] != 1 and any(ref[d] == 1 for d in self.xdims)
-        persistent = _pow2(self.rnumel) <= (64 if column else PERSISTENT_MAX)
+        persistent = _pow2(self.rnumel) <= (64 if column else PERSISTENT_MAX)  # never for a symbolic row
         xblock, rblock, warps = self._config(persistent, column)
         self.loads, self.outs = loads, outs
+        self.syms = size_symbols(self.xnumel, self.rnumel, *self.xaddr, *self.raddr, *xs.sizes, *xs.pitches,
+                                 *rs.sizes, *rs.pitches, *self._size_input_exprs())
 
-        used_x = set().union(*(a.free_symbols for a in self.xaddr))
-        used_r = set().union(*(a.free_symbols for a in self.raddr))
+        used_x = set().union(*(index_symbols(a) for a in self.xaddr))
+        used_r = set().union(*(index_symbols(a) for a in self.raddr))
         prelude = [f"xoffset = tl.program_id(0){'.to(tl.int64)' if wide else ''} * XBLOCK",
                    "xindex = xoffset + tl.arange(0, XBLOCK)[:, None]", "xmask = xindex < xnumel"]
-        prelude += xs.coord_lines(used_x)
+        prelude += xs.coord_lines(used_x) + self._size_input_lines()
         self.ops: list[str] = []
         self.rcoords = rs.coord_lines(used_r)
         schedule = None if persistent else LoopedSchedule(self)
-        nchunk = self._chunks(xblock, rblock) if schedule is not None and schedule.splittable else 1
+        splittable = schedule is not None and schedule.splittable and not self.syms
+        nchunk = self._chunks(xblock, rblock) if splittable else 1
         if nchunk > 1:
             return self._split(schedule, prelude, xblock, rblock, warps, nchunk)
         body = prelude + (self._persistent() if persistent else schedule.lines())
         kind = "persistent" if persistent else "looped"
-        source = self._function(self.name, kind, body, ["in", "out"], ["xnumel", "rnumel"], ["XBLOCK", "RBLOCK"])
-        return Kernel(self.name, "reduction", source, self.ops, grid=(self.xnumel + xblock - 1) // xblock,
-                      int_args=[self.xnumel, self.rnumel], constexprs={"XBLOCK": xblock, "RBLOCK": rblock},
+        ints = ["xnumel", "rnumel"] + [s.name for s in self.syms]
+        source = self._function(self.name, kind, body, ["in", "out"], ints, ["XBLOCK", "RBLOCK"])
+        grid, consts, setup = cdiv_source(self.xnumel, xblock), {"XBLOCK": xblock, "RBLOCK": rblock}, []
+        if is_symbolic(self.rnumel) and not column:
+            grid, consts, warps, setup = self._per_call_config()
+            kind = "looped (block sizes per call)"
+        return Kernel(self.name, "reduction", source, self.ops, grid=grid,
+                      int_args=[self.xnumel, self.rnumel, *self.syms], constexprs=consts,
                       num_warps=warps, outputs=[o.meta["val"] for o in self.output_nodes],
-                      input_dtypes=[p.meta["val"].dtype for p in self.placeholders],
-                      inputs=[p.meta["val"] for p in self.placeholders], notes={"reduction": kind})
+                      input_dtypes=self._input_dtypes(),
+                      inputs=[p.meta["val"] for p in self.placeholders], notes={"reduction": kind},
+                      symbols=self._examples(self.syms), setup=setup)
+
+    def _per_call_config(self):
+        """(grid, constexprs, num_warps, wrapper lines) of a row whose length is known only per call:
+        RBLOCK = the row's next power of two up to LOOP_RBLOCK, XBLOCK rows filling ~2048 lanes."""
+        r, x = f"{self.name}_RBLOCK", f"{self.name}_XBLOCK"
+        setup = [f"{r} = min({LOOP_RBLOCK}, triton.next_power_of_2({pexpr(self.rnumel)}))",
+                 f"{x} = max(1, min(triton.next_power_of_2({pexpr(self.xnumel)}), 2048 // {r}))"]
+        warps = f"max(1, min(16, {x} * {r} // 256))"
+        return f"triton.cdiv({pexpr(self.xnumel)}, {x})", {"XBLOCK": x, "RBLOCK": r}, warps, setup
 
     def _function(self, name: str, kind: str, body: list[str], pointers: list[str], ints: list[str],
                   consts: list[str], n_ws: int = 0) -> str:
@@ -193,14 +222,14 @@ class ReductionEmitter(PointwiseEmitter):
                                     ["in", "ws", "out"], ["xnumel", "rnumel", "RCHUNK"], ["XBLOCK", "RBLOCK"], n_ws),
                      self.ops, grid, [self.xnumel, self.rnumel, rchunk], consts, warps,
                      outputs=[o.meta["val"] for o in self.output_nodes],
-                     input_dtypes=[p.meta["val"].dtype for p in self.placeholders],
+                     input_dtypes=self._input_dtypes(),
                       inputs=[p.meta["val"] for p in self.placeholders], workspaces=workspaces)
         source = self._function(self.name, "split (combine)", prelude + final, ["in", "ws", "out"],
                                 ["xnumel", "rnumel", "RCHUNK", "NCHUNK"], ["XBLOCK", "RBLOCK", "CBLOCK"], n_ws)
         return Kernel(self.name, "reduction", source, self.ops, grid, [self.xnumel, self.rnumel, rchunk, nchunk],
                       {**consts, "CBLOCK": _pow2(nchunk)}, warps,
                       outputs=[o.meta["val"] for o in self.output_nodes],
-                      input_dtypes=[p.meta["val"].dtype for p in self.placeholders],
+                      input_dtypes=self._input_dtypes(),
                       inputs=[p.meta["val"] for p in self.placeholders],
                       notes={"reduction": f"split into {nchunk} chunks"},
                       workspaces=workspaces, prologue=pre)
@@ -225,7 +254,7 @@ class ReductionEmitter(PointwiseEmitter):
         val = leaf.meta["val"]
         ptr = f"in_ptr{self.placeholders.index(view_root(leaf))}"
         addr = self.xaddr[i] + self.raddr[i]
-        has_x, has_r = bool(self.xaddr[i].free_symbols), bool(self.raddr[i].free_symbols)
+        has_x, has_r = bool(index_symbols(self.xaddr[i])), bool(index_symbols(self.raddr[i]))
         mask = {(True, True): ", xmask & rmask", (True, False): ", xmask", (False, True): ", rmask",
                 (False, False): ""}[(has_x, has_r)]
         other = ", other=0" if has_r else ""
@@ -265,7 +294,7 @@ class ReductionEmitter(PointwiseEmitter):
             self.counted.add(n)
         self.vdtype[n] = compute_dtype(n.meta["val"].dtype)
         if kind == "mean":
-            reduced = f"{reduced} / {self.rnumel}.0"
+            reduced = f"{reduced} / rnumel" if is_symbolic(self.rnumel) else f"{reduced} / {self.rnumel}.0"
         return f"{n.name} = {reduced}  # {target_name(n.target)}"
 
     def _store(self, j: int, guard: str = "") -> str:
@@ -274,9 +303,9 @@ class ReductionEmitter(PointwiseEmitter):
         i = len(self.loads) + j
         row = self.is_row.get(o, False)
         addr = print_index(self.xaddr[i] + self.raddr[i]) if row else print_index(self.xaddr[i])
-        if not self.xaddr[i].free_symbols:
+        if not index_symbols(self.xaddr[i]):
             addr += " + 0 * xindex"
-        if row and not self.raddr[i].free_symbols:
+        if row and not index_symbols(self.raddr[i]):
             addr += " + 0 * rindex"
         val = o.meta["val"]
         self.current_mapping = self._mapping(val.shape)

@@ -7,6 +7,11 @@ offsets; with poison on (FXOPT_POISON_FREED=1) each such region is filled with 0
 float dtype) right after its last use, so a read after that shows up as NaN. It runs on its own:
 `python wrapper.py` calls it on random inputs of the compiled shapes. Values keep their fx node names,
 so a wrapper line can be found in the graph dumps.
+
+With symbolic sizes (dynamic shapes) the first lines bind each size symbol from the inputs
+(`s0 = primals_1.shape[0]`); shapes, strides, numels and grids are expressions over them, so one
+wrapper serves every size. An applied memory plan is then looked up per call (`PLANS.offsets(s0, s1)`:
+one concrete plan per distinct size, memory/size_plans.py).
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import torch
 import torch.fx as fx
 
 from ..analysis.liveness import tensor_bytes
+from ..analysis.symbolic import expr, hint, pexpr, ptuple, shape_env_of, sizes, strides, symbol_bindings
 from ..report import BufferRecord, MemoryPlan
 from .kernel import Kernel
 
@@ -25,7 +31,7 @@ HEADER = '''\
 import torch
 import triton
 import triton.language as tl
-{libdevice}
+{libdevice}{extra}
 aten = torch.ops.aten
 prims = torch.ops.prims
 empty_strided = torch.empty_strided
@@ -73,6 +79,8 @@ def format_value(a, names) -> str:
     """Python source for an argument of an ATen call."""
     if isinstance(a, fx.Node):
         return names[a]
+    if isinstance(a, torch.SymInt):
+        return pexpr(expr(a))
     if isinstance(a, (list, tuple)):
         inner = ", ".join(format_value(x, names) for x in a)
         return f"[{inner}]" if isinstance(a, list) else f"({inner}{',' if len(a) == 1 else ''})"
@@ -96,6 +104,10 @@ def _callee(target) -> str:
         ns = target.namespace
         prefix = ns if ns in ("aten", "prims") else f"torch.ops.{ns}"
         return f"{prefix}.{target._schema.name.split('::')[-1]}.{target._overloadname}"
+    if getattr(target, "__module__", None) == "_operator":  # SymInt arithmetic (operator.mul, ...)
+        return f"operator.{target.__name__}"
+    if getattr(target, "__module__", "").startswith("torch") and target.__name__.startswith("sym_"):
+        return f"torch.{target.__name__}"
     raise NotImplementedError(f"cannot call {target!r} from the wrapper")
 
 
@@ -141,8 +153,7 @@ def _arena_slots(gm: fx.GraphModule, kernels: dict[str, Kernel], plan: MemoryPla
     for dying, born in getattr(plan, "inplace", ()):  # in place only where the compiled layouts agree
         if dying in slots and born in slots:
             a, b = slots[dying][1], slots[born][1]
-            if (tuple(a.shape), tuple(a.stride()), a.element_size()) != (tuple(b.shape), tuple(b.stride()),
-                                                                          b.element_size()):
+            if (sizes(a), strides(a), a.element_size()) != (sizes(b), strides(b), b.element_size()):
                 del slots[born]
     return slots, device
 
@@ -170,17 +181,29 @@ def generate_wrapper(gm: fx.GraphModule, kernels: dict[str, Kernel], graph: str,
     unpack = ", ".join(n.name for n in placeholders)
     body.append(f"{unpack}{',' if len(placeholders) == 1 else ''} = args" if placeholders else "pass")
     body.append("args.clear()")
+    bindings = symbol_bindings(gm)
+    clash = {s.name for s in bindings} & set(names.values())
+    if clash:
+        raise NotImplementedError(f"size symbols {sorted(clash)} share a name with graph values")
+    body += [f"{sym.name} = {src}  # size symbol" for sym, src in bindings.items()]
     frees = _last_uses(gm)
+    shape_env = shape_env_of(gm)
     for n in placeholders:
         val = n.meta.get("val")
         if isinstance(val, torch.Tensor):
-            specs.append(f"({tuple(val.shape)}, {tuple(val.stride())}, {val.dtype}, {_dev(val.device)})")
+            example = tuple(hint(s, shape_env) for s in val.shape), tuple(hint(s, shape_env) for s in val.stride())
+            specs.append(f"({example[0]}, {example[1]}, {val.dtype}, {_dev(val.device)})")
             if any(u.op == "call_module" for u in n.users):
-                body.append(f"check_layout({n.name}, {tuple(val.shape)}, {tuple(val.stride())}, {n.name!r})")
+                body.append(f"check_layout({n.name}, {ptuple(sizes(val))}, {ptuple(strides(val))}, {n.name!r})")
         else:
             specs.append("None")
+    per_size = slots and plan.buffers[0].offset is None  # symbolic sizes: offsets looked up per call
     if slots:
-        body.append(f"{arena} = torch.empty({plan.planned_bytes}, dtype=torch.uint8, device={_dev(arena_device)})"
+        nbytes = f"{arena}_bytes" if per_size else plan.planned_bytes
+        if per_size:
+            body.append(f"{arena}_bytes, {arena}_at = PLANS.offsets({', '.join(f'{s.name}={s.name}' for s in bindings)})"
+                        f"  # the plan for these sizes (made at their first call)")
+        body.append(f"{arena} = torch.empty({nbytes}, dtype=torch.uint8, device={_dev(arena_device)})"
                     f"  # the memory plan's arena ({plan.strategy}): {len(slots)} kernel outputs are views of it")
     for position, n in enumerate(gm.graph.nodes):
         if n.op == "call_module":
@@ -204,13 +227,14 @@ def generate_wrapper(gm: fx.GraphModule, kernels: dict[str, Kernel], graph: str,
             body.append(f"del {', '.join(dead)}")
         if poison:
             for rec in dies.get(position, []):
-                body.append(f"{arena}[{rec.offset}:{rec.offset + rec.nbytes}].fill_(0xFF)  # poison {rec.name}: "
+                body.append(f"{arena}[{_span(rec, arena)}].fill_(0xFF)  # poison {rec.name}: "
                             f"dead after node {position}, a later read sees NaN")
         if position == arena_end:
             body.append(f"del {arena}  # every planned buffer is placed; its memory goes when the last view dies")
     uses_libdevice = any("libdevice." in k.full_source() for k in kernels.values())
     libdevice = "from triton.language.extra import libdevice" if uses_libdevice else ""
-    src = HEADER.format(graph=graph, filename=filename, libdevice=libdevice)
+    extra = "\nimport math\nimport operator" if bindings else ""
+    src = HEADER.format(graph=graph, filename=filename, libdevice=libdevice, extra=extra)
     if profile:
         src += PROFILE_HEADER
     if mode == "triton":
@@ -231,6 +255,14 @@ def _timed(lines: list[str], name: str, profile: bool) -> list[str]:
 def _holds_value(node: fx.Node) -> bool:
     """Multi-output kernel calls are unpacked straight into their getitem names: nothing to free."""
     return not (node.op == "call_module" and isinstance(node.meta.get("val"), tuple))
+
+
+def _span(rec: BufferRecord, arena: str) -> str:
+    """The arena slice of a planned buffer: fixed offsets, or per-call ones (symbolic sizes)."""
+    if rec.offset is None:
+        at = f"{arena}_at[{rec.name!r}]"
+        return f"{at}:{at} + {pexpr(rec.nbytes)}"
+    return f"{rec.offset}:{rec.offset + rec.nbytes}"
 
 
 def _in_place_of(name: str, replaced) -> str:
@@ -258,16 +290,17 @@ def _launch(n: fx.Node, k: Kernel, names, mode: str, slots=None, arena: str = "a
     for name, o in zip(outs, k.outputs):
         if slots and name in slots:
             rec = slots[name][0]
-            lines.append(f"{name} = {arena}[{rec.offset}:{rec.offset + rec.nbytes}].view({o.dtype}).as_strided("
-                         f"{tuple(o.shape)}, {tuple(o.stride())})  # planned: {rec.nbytes} bytes, alive nodes "
+            lines.append(f"{name} = {arena}[{_span(rec, arena)}].view({o.dtype}).as_strided("
+                         f"{ptuple(sizes(o))}, {ptuple(strides(o))})  # planned: {rec.nbytes} bytes, alive nodes "
                          f"{rec.first_use}-{rec.last_use}{_in_place_of(name, replaced)}")
             continue
-        lines.append(f"{name} = empty_strided({tuple(o.shape)}, {tuple(o.stride())}, dtype={o.dtype}, "
+        lines.append(f"{name} = empty_strided({ptuple(sizes(o))}, {ptuple(strides(o))}, dtype={o.dtype}, "
                      f"device={_dev(o.device)})")
     device = _dev(k.outputs[0].device)
     scratch = [f"ws_{n.name}_{i}" for i in range(len(k.workspaces))]
     for name, (shape, dtype) in zip(scratch, k.workspaces):
         lines.append(f"{name} = torch.empty({shape}, dtype={dtype}, device={device})  # per-chunk partials")
+    lines += k.setup  # per-call block sizes (symbolic row lengths)
     if k.prologue is not None:
         p = k.prologue
         lines.append(f"{p.name}[{p.grid_source()}]({args}, {''.join(w + ', ' for w in scratch)}{', '.join(outs)}"

@@ -24,13 +24,18 @@ def memory_plan(gm: fx.GraphModule, applied: bool = False) -> MemoryPlan:
     applied: plan only the buffers the wrapper allocates (fused kernels' outputs), with in-place reuse,
     for Options(memory_plan="apply"); ATen calls allocate their own results (out= is not used yet)."""
     inner = [iv for iv in buffer_intervals(gm) if not iv.is_output and (iv.kernel or not applied)]
-    if not applied:
+    return plan_intervals(inner, inplace_pairs(gm, inner) if applied else None)
+
+
+def plan_intervals(inner: list[Interval], pairs: list[tuple[str, str]] | None) -> MemoryPlan:
+    """Place concrete intervals: a MemoryPlan, or with `pairs` (in-place (dying, born) names) the
+    AppliedPlan the wrapper follows."""
+    if pairs is None:
         placed, strategy = plan(inner)
         buffers = [BufferRecord(p.interval.name, p.interval.nbytes, p.interval.first_use, p.interval.last_use,
                                 p.offset) for p in placed]
         return MemoryPlan(naive_bytes=sum(align(iv.nbytes) for iv in inner), lower_bound_bytes=lower_bound(inner),
                           planned_bytes=arena_bytes(placed), buffers=buffers, strategy=strategy)
-    pairs = inplace_pairs(gm, inner)
     root = {iv.name: iv.name for iv in inner}
     for dying, born in pairs:  # chains a -> b -> c share a's slot
         root[born] = root[dying]
@@ -47,7 +52,7 @@ def memory_plan(gm: fx.GraphModule, applied: bool = False) -> MemoryPlan:
     buffers = [BufferRecord(iv.name, iv.nbytes, iv.first_use, iv.last_use, offset[root[iv.name]]) for iv in inner]
     return AppliedPlan(naive_bytes=sum(align(iv.nbytes) for iv in inner),
                        lower_bound_bytes=lower_bound(list(slots.values())), planned_bytes=arena_bytes(placed),
-                       buffers=buffers, strategy=strategy, inplace=pairs)
+                       buffers=buffers, strategy=strategy, inplace=list(pairs))
 
 
 def memory_svg(mp: MemoryPlan, width: int = 800, height: int = 400) -> str:

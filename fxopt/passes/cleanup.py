@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from ..analysis.symbolic import sizes, storage_offset, strides
 from ..pass_manager import PassContext, PassResult
 
 aten = torch.ops.aten
@@ -22,8 +23,8 @@ prims = torch.ops.prims
 def _same_meta(a: fx.Node, b: fx.Node) -> bool:
     va, vb = a.meta.get("val"), b.meta.get("val")
     return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.dtype == vb.dtype
-            and va.shape == vb.shape and va.stride() == vb.stride() and va.device == vb.device
-            and va.storage_offset() == vb.storage_offset())
+            and sizes(va) == sizes(vb) and strides(va) == strides(vb) and va.device == vb.device
+            and storage_offset(va) == storage_offset(vb))  # sympy for symbolic sizes: no guards
 
 
 def _is_noop(node: fx.Node) -> bool:

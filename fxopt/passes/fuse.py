@@ -24,6 +24,7 @@ from torch.fx.passes.operator_support import OperatorSupportBase
 
 from ..analysis.op_classes import classify, is_view, pointwise_unsupported_reason
 from ..analysis.reductions import reduction_unsupported_reason
+from ..analysis.symbolic import sizes
 from ..pass_manager import PassContext, PassResult
 
 FUSED_PREFIX = "fused"
@@ -45,7 +46,7 @@ def _domain_key(node: fx.Node):
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor):
         return None
-    return (tuple(val.shape), str(val.device))
+    return (sizes(val), str(val.device))  # sympy sizes: hashable, compared without guards
 
 
 def _view_chain(arg: fx.Node) -> list[fx.Node]:

@@ -29,6 +29,7 @@ from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
 from ..analysis.op_classes import is_view, pointwise_unsupported_reason
+from ..analysis.symbolic import sizes
 from ..analysis.reductions import dropped_shape, kept_shape, reduction_info, reduction_unsupported_reason
 from ..pass_manager import PassContext, PassResult
 from .fuse import _NO_HORIZONTAL, FUSED_PREFIX, absorb_input_views
@@ -53,13 +54,13 @@ class _ReductionGroupSupport(OperatorSupportBase):
             src, val = node.args[0].meta.get("val"), node.meta.get("val")
             scalars = self.shapes - {self.key[0]}
             return (isinstance(src, torch.Tensor) and isinstance(val, torch.Tensor) and src.dtype == val.dtype
-                    and tuple(src.shape) in scalars and tuple(val.shape) in scalars
-                    and not self._ambiguous_row_scalar(node, tuple(val.shape)))
+                    and sizes(src) in scalars and sizes(val) in scalars
+                    and not self._ambiguous_row_scalar(node, sizes(val)))
         val = node.meta.get("val")
-        if not (isinstance(val, torch.Tensor) and tuple(val.shape) in self.shapes and str(val.device) == self.device
+        if not (isinstance(val, torch.Tensor) and sizes(val) in self.shapes and str(val.device) == self.device
                 and pointwise_unsupported_reason(node, self.target) is None):
             return False
-        return not self._ambiguous_row_scalar(node, tuple(val.shape))
+        return not self._ambiguous_row_scalar(node, sizes(val))
 
     def _ambiguous_row_scalar(self, node: fx.Node, shape) -> bool:
         """A value of the reduced shape without the reduced dims ([N] for a sum over dim 1 of [N, M]) is

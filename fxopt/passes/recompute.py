@@ -12,12 +12,14 @@ load from other groups.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
 from ..analysis.op_classes import pointwise_unsupported_reason
+from ..analysis.symbolic import hint, same, sizes
 from ..analysis.reductions import reduction_info, reduction_unsupported_reason
 from ..pass_manager import PassContext, PassResult
 
@@ -27,7 +29,7 @@ RESERVED_FOR = "fxopt_reduction_key"  # node.meta key: the reduction group a cop
 
 def _nbytes(node: fx.Node) -> int:
     v = node.meta.get("val")
-    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+    return hint(v.numel()) * v.element_size() if isinstance(v, torch.Tensor) else 0  # a cost: example sizes
 
 
 def _chain(r: fx.Node, shape, target: str) -> list[fx.Node]:
@@ -38,7 +40,7 @@ def _chain(r: fx.Node, shape, target: str) -> list[fx.Node]:
         if n in seen or not isinstance(n, fx.Node):
             continue
         v = n.meta.get("val")
-        if not (isinstance(v, torch.Tensor) and tuple(v.shape) == shape
+        if not (isinstance(v, torch.Tensor) and sizes(v) == shape
                 and pointwise_unsupported_reason(n, target) is None):
             continue
         seen.add(n)
@@ -72,7 +74,7 @@ class RecomputeForReductions:
                 numel *= s
             leaves = {a for n in chain for a in n.all_input_nodes if a not in inside}
             reads = sum(_nbytes(a) for a in leaves if isinstance(a.meta.get("val"), torch.Tensor)
-                        and a.meta["val"].numel() == numel)
+                        and same(math.prod(sizes(a.meta["val"])), numel))
             if reads >= 2 * sum(_nbytes(n) for n in shared):
                 continue
             copies: dict[fx.Node, fx.Node] = {}
