@@ -1,0 +1,56 @@
+"""Where a benchmark workload's fxopt time goes: fxopt.profile over the workload's own function and inputs.
+
+    PYTHONPATH=. python -m benchmarks.profile_workload --workloads gpt_block_train,llama_block_mixed [--quick]
+
+Each workload is compiled with the options the runner gives fxopt (precision for a mixed workload,
+plus --fxopt-option KEY=VALUE), and fxopt.profile prints each kernel and ATen call with its measured
+time and % of its roofline, sorted by time (CUDA events on a GPU; wall clock on a CPU).
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import fxopt
+
+from . import measure, workloads
+
+
+def _detached(fn):
+    def detached(*args):
+        return tuple(t.detach() for t in workloads.tensors(fn(*args)))
+    return detached
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.profile_workload", description=__doc__.splitlines()[0])
+    p.add_argument("--workloads", required=True, help="comma-separated workload names")
+    p.add_argument("--dtype", default="bf16", choices=sorted(measure.DTYPES))
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--repeat", type=int, default=10)
+    p.add_argument("--top", type=int, default=25, help="rows to print, slowest first (default 25)")
+    p.add_argument("--fxopt-option", action="append", default=[], metavar="KEY=VALUE")
+    args = p.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    extra = dict(measure.parse_fxopt_option(o) for o in args.fxopt_option)
+    for w in workloads.get(args.workloads):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        fn, inputs = w.make(device, measure.DTYPES[args.dtype], args.quick)
+        options = {**({"precision": w.precision} if w.precision else {}), **extra}
+        if w.training:  # fn runs its own backward; its outputs must not send profile() into a second one
+            fn = _detached(fn)
+        with measure.grad_mode(w):
+            prof = fxopt.profile(fn, *inputs, repeat=args.repeat, **options)
+        rows = sorted(prof.rows, key=lambda r: -r.seconds)[:args.top]
+        print(f"== {w.name} ({device}, options {options})")
+        print("\n".join(str(prof).splitlines()[:4]))
+        for r in rows:
+            pct = f"{r.percent_of_roofline:5.1f}%" if r.percent_of_roofline is not None else "    - "
+            print(f"  {r.graph:12s} {r.name[:44]:44s} {r.kind:10s} x{r.calls:<3d} {r.seconds * 1e3:8.4f} ms  {pct}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
