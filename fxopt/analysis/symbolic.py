@@ -15,7 +15,6 @@ from __future__ import annotations
 import sympy
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.utils._sympy.numbers import int_oo
 from torch.utils._sympy.printers import PythonPrinter
 
@@ -92,8 +91,8 @@ def has_symbolic_shapes(gm: fx.GraphModule) -> bool:
 
 def hint(x, shape_env=None) -> int:
     """The example value of a size (for heuristics only: never for what the code computes)."""
-    if isinstance(x, torch.SymInt):
-        return optimization_hint(x)
+    if isinstance(x, torch.SymInt):  # ShapeEnv.size_hint: in torch 2.11 and later (optimization_hint is newer)
+        x, shape_env = x.node.expr, x.node.shape_env
     if isinstance(x, sympy.Expr) and not x.is_number:
         if shape_env is None:
             raise ValueError(f"fxopt: no ShapeEnv to evaluate the example value of {x}")
