@@ -86,7 +86,7 @@ def _erf(c, x):
 
 
 def _sqrt(c, x):
-    return f"tl.sqrt_rn({x})" if c.out_dtype in (torch.float32, torch.float64) else f"tl.sqrt({x})"
+    return f"tl.sqrt_rn({x})" if c.out_dtype == torch.float32 else f"tl.sqrt({x})"  # sqrt_rn is fp32-only; fp64 sqrt is IEEE
 
 
 def _rsqrt(c, x):

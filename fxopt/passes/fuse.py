@@ -61,6 +61,8 @@ def _view_chain(arg: fx.Node) -> list[fx.Node]:
         return []
     if any(n.meta.get("val") is None or n.meta["val"].dtype != root_val.dtype for n in chain):
         return []  # a dtype-reinterpreting view: the kernel cannot read it through strides
+    if any(a.all_input_nodes[1:] for a in chain):
+        return []  # a view sized by graph values (SymInts, dynamic shapes) stays an ATen view outside
     return list(reversed(chain))
 
 

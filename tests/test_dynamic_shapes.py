@@ -1,0 +1,269 @@
+"""Dynamic shapes: one compilation with symbolic sizes serves many sizes, with eager's results.
+
+Every test compiles with dynamic=True through a counting backend, calls several sizes (odd ones, rows
+longer than one 4096-element block), compares with eager (float64 where the interpreter allows), and
+checks the backend ran once. Sizes stay >= 2: dynamo specialises 0 and 1 (tested separately).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxopt
+from fxopt.backend import compile_dynamo_graph
+from fxopt.memory.validate import validate_plan
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+from tiny_gpt import GPTConfig, lm_loss, make  # noqa: E402
+
+
+class Counting:
+    """A backend that compiles through fxopt into one Report and counts dynamo's calls."""
+
+    def __init__(self, **options):
+        self.options, self.report, self.calls = fxopt.Options(**options), fxopt.Report(), 0
+
+    def __call__(self, gm, inputs):
+        self.calls += 1
+        return compile_dynamo_graph(gm, inputs, self.options, self.report)
+
+
+def _compiled(fn, **options):
+    backend = Counting(**options)
+    return torch.compile(fn, backend=backend, dynamic=True), backend
+
+
+def _symbolic_graphs(rep):
+    return [g for g in rep.graphs if g.symbols]
+
+
+def _assert_no_narrowing(rep):
+    """fxopt compiled the symbolic graphs as such: kernels, and no size guard added by its passes."""
+    graphs = _symbolic_graphs(rep)
+    assert graphs and all(g.kernels for g in graphs), [(g.name, g.notes) for g in rep.graphs]
+    assert not [n for g in graphs for n in g.notes if "added size guards" in n or "runs as ATen" in n]
+
+
+# -- pointwise --------------------------------------------------------------------------------------
+
+def test_pointwise_with_broadcast_and_transposed_inputs_serves_every_size():
+    def f(x, b, y):
+        return torch.sigmoid(x) * b + y.t() * 2
+
+    g, backend = _compiled(f)
+    for n, m in [(3, 5), (7, 9), (2, 1031), (13, 3)]:
+        x, b, y = (torch.randn(n, m, dtype=torch.float64), torch.randn(m, dtype=torch.float64),
+                   torch.randn(m, n, dtype=torch.float64))
+        torch.testing.assert_close(g(x, b, y), f(x, b, y))
+    assert backend.calls == 1
+    _assert_no_narrowing(backend.report)
+    src = backend.report.kernels[0].source
+    assert "xnumel, s" in src and "XBLOCK: tl.constexpr" in src  # sizes are runtime arguments
+    assert "triton.cdiv(" in backend.report.wrapper_source  # the grid is computed per call
+
+
+def test_a_size_used_as_a_number_is_computed_in_the_kernel():
+    def f(x):
+        return x * x.shape[0] + x.shape[1]
+
+    g, backend = _compiled(f)
+    for n, m in [(3, 5), (6, 2)]:
+        x = torch.randn(n, m, dtype=torch.float64)
+        torch.testing.assert_close(g(x), f(x))
+    assert backend.calls == 1
+
+
+# -- reductions -------------------------------------------------------------------------------------
+
+def softmax(x):
+    return torch.softmax(x, -1)
+
+
+def layernorm(x):
+    return F.layer_norm(x, (x.shape[-1],), eps=1e-5)
+
+
+def rmsnorm(x):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def sum_inner(x):
+    return x.sum(-1)
+
+
+def sum_outer(x):
+    return (x * 2).sum(0)
+
+
+# rows shorter than, equal to and longer than the looped kernel's 4096-element block; odd counts;
+# a column sum over more rows than its 64-row step
+SIZES = [(3, 5), (7, 9), (2, 4100), (70, 3)]
+
+
+@pytest.mark.parametrize("fn", [softmax, layernorm, rmsnorm, sum_inner, sum_outer])
+def test_reductions_with_symbolic_rows_and_lengths(fn):
+    g, backend = _compiled(fn)
+    for n, m in SIZES:
+        x = torch.randn(n, m, dtype=torch.float64)
+        torch.testing.assert_close(g(x), fn(x), rtol=1e-9, atol=1e-10)
+    assert backend.calls == 1
+    _assert_no_narrowing(backend.report)
+    assert all(k.kind == "reduction" and "looped" in k.schedule for k in backend.report.kernels
+               if k.kind == "reduction"), [k.schedule for k in backend.report.kernels]
+
+
+def test_static_row_length_stays_persistent_under_symbolic_rows():
+    w = torch.randn(32, dtype=torch.float64)
+
+    def f(x):
+        return F.layer_norm(x, (32,), w)
+
+    g, backend = _compiled(f)
+    for b, t in [(2, 3), (5, 7)]:
+        x = torch.randn(b, t, 32, dtype=torch.float64)
+        torch.testing.assert_close(g(x), f(x))
+    assert backend.calls == 1
+    assert [k.schedule for k in backend.report.kernels if k.kind == "reduction"] == ["persistent"]
+
+
+def test_gradients_through_a_dynamic_graph_equal_eager():
+    w = torch.randn(24, dtype=torch.float64, requires_grad=True)
+
+    def f(x):
+        h = F.layer_norm(x, (x.shape[-1],), w) * torch.tanh(x)
+        return torch.softmax(h, -1).pow(2).sum()
+
+    g, backend = _compiled(f)
+    for n in (3, 7, 10):
+        x = torch.randn(n, 24, dtype=torch.float64, requires_grad=True)
+        gx, gw = torch.autograd.grad(g(x), (x, w))
+        rx, rw = torch.autograd.grad(f(x), (x, w))
+        torch.testing.assert_close(gx, rx)
+        torch.testing.assert_close(gw, rw)
+    assert backend.calls == 1
+    assert {g.name for g in _symbolic_graphs(backend.report)} == {"forward", "backward"}
+    _assert_no_narrowing(backend.report)
+
+
+# -- a GPT block, memory plans, report --------------------------------------------------------------
+
+CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16)
+PAIRS = [(2, 8), (3, 5), (2, 11)]
+
+
+def _step(fn, model, idx):
+    model.zero_grad(set_to_none=True)
+    logits = fn(idx)
+    lm_loss(logits, idx).backward()
+    return logits.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_gpt_block_one_compilation_serves_batch_and_sequence_pairs():
+    model, _ = make(CONFIG, batch=2, seq=8)
+    g, backend = _compiled(model, memory_plan="apply")
+    compiled_after_first = None
+    for b, t in PAIRS:
+        idx = torch.randint(0, CONFIG.vocab_size, (b, t), generator=torch.Generator().manual_seed(b * 100 + t))
+        ref_logits, ref_grads = _step(model, model, idx)
+        logits, grads = _step(g, model, idx)
+        torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-5)
+        for name, ref in ref_grads.items():
+            torch.testing.assert_close(grads[name], ref, rtol=1e-4, atol=1e-5, msg=lambda m: f"grad {name}: {m}")
+        compiled_after_first = compiled_after_first or backend.calls
+        assert backend.calls == compiled_after_first  # no recompilation for a new (batch, seq)
+    rep = backend.report
+    _assert_no_narrowing(rep)
+    graphs = _symbolic_graphs(rep)
+    assert {g.name for g in graphs} == {"forward", "backward"}
+    for gr in graphs:
+        assert len(gr.symbols) == 2 and all(name.startswith("s") for name in gr.symbols)
+        assert any("<=" in guard for guard in gr.guards)  # the sizes' ranges (seq <= block_size)
+        assert any("symbolic sizes" in note for note in gr.notes)
+        plans = gr.size_plans.plans
+        assert len(plans) == len(PAIRS), list(plans)  # one concrete plan per size tried
+        for values, plan in plans.items():
+            assert list(plan.sizes.values()) == list(values)
+            assert validate_plan(plan) == [], (gr.name, values)
+        assert gr.memory_plan.sizes == gr.symbols  # the reported plan says which sizes it is for
+    # attention matching refuses symbolic shapes: the site stays as written, with the reason
+    assert rep.attention and all(not s.fused and "symbolic" in s.reason for s in rep.attention)
+    assert "symbolic sizes" in str(rep)
+
+
+def test_memory_plan_apply_places_intermediates_per_size():
+    def f(x, w):
+        h = torch.relu(x * 2) + 1
+        return torch.tanh(h @ w) * 3
+
+    w = torch.randn(40, 40, dtype=torch.float64)
+    g, backend = _compiled(f, memory_plan="apply")
+    for n in (3, 8, 5, 8):
+        x = torch.randn(n, 40, dtype=torch.float64)
+        torch.testing.assert_close(g(x, w), f(x, w))
+    gr = _symbolic_graphs(backend.report)[0]
+    assert "PLANS.offsets(" in gr.wrapper_source  # the arena's layout is looked up per call
+    plans = gr.size_plans.plans
+    assert len(plans) == 3 and all(p.buffers for p in plans.values())
+    assert len({p.planned_bytes for p in plans.values()}) == 3  # each sized for its own call
+    for plan in plans.values():
+        assert validate_plan(plan) == []
+
+
+# -- guards -----------------------------------------------------------------------------------------
+
+def test_size_one_is_specialised_by_dynamo_and_recompiles():
+    g, backend = _compiled(layernorm)
+    for n in (4, 6):
+        x = torch.randn(n, 5, dtype=torch.float64)
+        torch.testing.assert_close(g(x), layernorm(x))
+    assert backend.calls == 1
+    x = torch.randn(1, 5, dtype=torch.float64)
+    torch.testing.assert_close(g(x), layernorm(x))
+    assert backend.calls == 2  # size 1 is a constant to dynamo: a new graph, never the symbolic one
+
+
+def test_a_size_fxopt_cannot_express_runs_as_aten_with_the_reason():
+    def f(x):
+        return torch.sigmoid(x.reshape(x.shape[0] // 2, -1)) + 1
+
+    g, backend = _compiled(f)
+    for n in (4, 6, 10):
+        x = torch.randn(n, 3, dtype=torch.float64)
+        torch.testing.assert_close(g(x), f(x))
+    (gr,) = backend.report.graphs
+    assert backend.calls == 1 and not gr.kernels  # one graph, run as ATen for every size
+    assert any("runs as ATen" in n and "s" in n and "//2" in n for n in gr.notes), gr.notes
+    assert gr.fallbacks
+
+
+# -- GPU (run with TRITON_INTERPRET=0 on a CUDA machine) ----------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fn", [softmax, layernorm, rmsnorm, sum_inner, sum_outer])
+def test_gpu_reductions_serve_many_sizes(fn):
+    g, backend = _compiled(fn)
+    for n, m in [(3, 5), (64, 4096), (5, 10000), (1000, 17), (4100, 3)]:
+        x = torch.randn(n, m, device="cuda")
+        torch.testing.assert_close(g(x), fn(x), rtol=1e-4, atol=1e-4)
+    assert backend.calls == 1
+
+
+@pytest.mark.gpu
+def test_gpu_gpt_block_many_sizes():
+    model, _ = make(GPTConfig(vocab_size=512, block_size=256, n_layer=2, n_head=4, n_embd=64), device="cuda")
+    g, backend = _compiled(model, memory_plan="apply")
+    first = None
+    for b, t in [(2, 16), (8, 100), (3, 255), (64, 32)]:
+        idx = torch.randint(0, 512, (b, t), device="cuda")
+        ref_logits, ref_grads = _step(model, model, idx)
+        logits, grads = _step(g, model, idx)
+        torch.testing.assert_close(logits, ref_logits, rtol=1e-3, atol=1e-3)
+        for name, ref in ref_grads.items():
+            torch.testing.assert_close(grads[name], ref, rtol=1e-3, atol=1e-3)
+        first = first or backend.calls
+        assert backend.calls == first
+    _assert_no_narrowing(backend.report)
