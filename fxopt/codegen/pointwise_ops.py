@@ -159,11 +159,14 @@ def _sign(x):
     return f"tl.where({x} > 0, 1, tl.where({x} < 0, -1, 0)).to({x}.dtype)"
 
 
-def _remainder(a, b):
-    """Python-style remainder (sign of the divisor), as ATen computes it: the C remainder `%` (fmod for
+def _remainder(c, a, b):
+    """Python-style remainder (sign of the divisor), as ATen computes it: the C remainder (fmod for
     floats, exact; srem for integers) corrected by b where the signs differ. a - b * floor(a / b) is
-    not exact: it loses integers from 2^24 on (the division runs in fp32) and whole periods for floats."""
-    r = f"({a} % {b})"
+    not exact: it loses integers from 2^24 on (the division runs in fp32) and whole periods for floats.
+    Floats on the GPU use libdevice.fmod: Triton's float `%` there is not exact for |a| >> |b|
+    (remainder(-1e30, 7) came out 2.8e22); the interpreter's `%` is numpy's exact fmod."""
+    exact_fmod = c.target == "cuda" and c.compute.is_floating_point
+    r = f"libdevice.fmod({a}, {b})" if exact_fmod else f"({a} % {b})"
     return f"tl.where(({r} != 0) & (({r} < 0) != ({b} < 0)), {r} + {b}, {r})"
 
 
@@ -246,8 +249,8 @@ LOWERINGS = {
     aten.ge.Scalar: lambda c, n, o: f"({o[0]} >= {o[1]})",
     aten.fmod.Tensor: lambda c, n, o: f"libdevice.fmod({o[0]}, {o[1]})",
     aten.fmod.Scalar: lambda c, n, o: f"libdevice.fmod({o[0]}, {o[1]})",
-    aten.remainder.Tensor: lambda c, n, o: _remainder(o[0], o[1]),
-    aten.remainder.Scalar: lambda c, n, o: _remainder(o[0], o[1]),
+    aten.remainder.Tensor: lambda c, n, o: _remainder(c, o[0], o[1]),
+    aten.remainder.Scalar: lambda c, n, o: _remainder(c, o[0], o[1]),
     aten.bitwise_and.Tensor: lambda c, n, o: f"({o[0]} & {o[1]})",
     aten.bitwise_and.Scalar: lambda c, n, o: f"({o[0]} & {o[1]})",
     aten.bitwise_or.Tensor: lambda c, n, o: f"({o[0]} | {o[1]})",
