@@ -97,10 +97,13 @@ def compile_aten_graph(gm: fx.GraphModule, example_inputs, *, options: Options, 
     record = GraphReport(name=graph_name, target=target,
                          captured_text=graph_to_text(gm, "captured") if inspect else "")
     symbols, shape_env, plans = [], None, None
+    opaque = _wrapper_cannot_call(gm)
+    if opaque is not None:
+        return _run_as_aten(gm, record, report, on_done, start, opaque)
     if has_symbolic_shapes(gm):  # dynamic shapes: sizes are sympy expressions of dynamo's symbols
         reason = symbolic_unsupported_reason(gm)
         if reason is not None:
-            return _run_as_aten(gm, record, report, on_done, start, reason)
+            return _run_as_aten(gm, record, report, on_done, start, "symbolic (dynamic) shapes: " + reason)
         symbols, shape_env = graph_symbols(gm), shape_env_of(gm)
         record.symbols = {s.name: hint(s, shape_env) for s in symbols}
         guards_before = len(shape_env.guards)
@@ -167,10 +170,11 @@ def compile_aten_graph(gm: fx.GraphModule, example_inputs, *, options: Options, 
 
 
 def _run_as_aten(gm: fx.GraphModule, record: GraphReport, report: Report, on_done, start: float, why: str):
-    """A symbolic graph fxopt cannot serve (analysis/symbolic.symbolic_unsupported_reason): run it as is."""
+    """A graph fxopt cannot serve (a symbolic size it cannot express, an op the wrapper cannot call): run
+    the ATen graph as it is, every node listed in the fallbacks with the reason."""
     from torch._functorch.aot_autograd import make_boxed_func
 
-    reason = f"symbolic (dynamic) shapes: the graph runs as ATen ops, unfused: {why}"
+    reason = f"the graph runs as ATen ops, unfused: {why}"
     record.notes.append(reason)
     record.fallbacks = [(n.name, reason) for n in gm.graph.nodes if n.op == "call_function"]
     record.wrapper_source = "# not generated: " + reason + "\n" + gm.code
@@ -180,6 +184,15 @@ def _run_as_aten(gm: fx.GraphModule, record: GraphReport, report: Report, on_don
     if on_done is not None:
         on_done(report)
     return make_boxed_func(gm.forward)
+
+
+def _wrapper_cannot_call(gm: fx.GraphModule) -> str | None:
+    """Higher-order ops (checkpointed RNG replay: run_and_save_rng_state) take ops as arguments, which
+    the wrapper does not print yet."""
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator):
+            return f"node '{n.name}' calls the higher-order op {n.target.name()}, which the wrapper cannot emit yet"
+    return None
 
 
 def _load(gm: fx.GraphModule, kernels: dict[str, Kernel], record: GraphReport, env: Environment, mode,

@@ -7,6 +7,9 @@ CUDA that call libdevice need the GPU).
 """
 from __future__ import annotations
 
+import torch
+
+from ..analysis.symbolic import hint
 from .kernel import Kernel
 
 HEADER = '''# fxopt kernel {name} ({kind}): {ops}
@@ -33,17 +36,22 @@ def _tensor(size, stride, dtype, device):
 
 if __name__ == "__main__":
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    inputs = [_tensor(*spec, device) for spec in INPUTS]
+    inputs = [_tensor(*spec, device) if isinstance(spec, tuple) else spec for spec in INPUTS]
     scratch = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in WORKSPACES]
     outputs = [torch.empty_strided(size, stride, dtype=dtype, device=device) for size, stride, dtype in OUTPUTS]
-{launches}
+{setup}{launches}
     for i, o in enumerate(outputs):
         print(f"output {{i}}: {{o.dtype}}{{list(o.shape)}} sum={{o.double().sum().item():.6g}}")
 '''
 
 
 def _specs(vals) -> str:
-    return "[" + ", ".join(f"({tuple(v.shape)}, {tuple(v.stride())}, {v.dtype})" for v in vals) + "]"
+    """(size, stride, dtype) per tensor at its example sizes; a SymInt input as its example value."""
+    def one(v):
+        if not isinstance(v, torch.Tensor):
+            return str(hint(v))
+        return f"({tuple(hint(s) for s in v.shape)}, {tuple(hint(s) for s in v.stride())}, {v.dtype})"
+    return "[" + ", ".join(one(v) for v in vals) + "]"
 
 
 def standalone_source(k: Kernel) -> str:
@@ -51,8 +59,10 @@ def standalone_source(k: Kernel) -> str:
     for stage in ([k.prologue] if k.prologue else []) + [k]:
         launches.append(f"    {stage.name}[{stage.grid_source()}](*inputs, *scratch, *outputs"
                         f"{stage.launch_suffix()})")
+    symbols = "".join(f"{name} = {value}  # size symbol: its example value\n" for name, value in k.symbols.items())
+    setup = "".join(f"    {line}\n" for line in k.setup)
     body = (HEADER.format(name=k.name, kind=k.kind, ops=", ".join(k.ops)) + k.full_source()
-            + f"\n\nINPUTS = {_specs(k.inputs)}\nOUTPUTS = {_specs(k.outputs)}\n"
+            + f"\n\n{symbols}INPUTS = {_specs(k.inputs)}\nOUTPUTS = {_specs(k.outputs)}\n"
             + f"WORKSPACES = {[(shape, dtype) for shape, dtype in k.workspaces]}\n"
-            + MAIN.format(launches="\n".join(launches)))
+            + MAIN.format(launches="\n".join(launches), setup=setup))
     return body
