@@ -14,6 +14,7 @@ import torch.fx as fx
 from . import pipeline
 from .codegen.cache import module_cache, source_hash
 from .codegen.harness import standalone_source
+from .codegen.fast_launch import FastKernel
 from .codegen.interpreter_guard import GuardedKernel
 from .codegen.kernel import Kernel
 from .codegen.triton_pointwise import generate_pointwise_kernel
@@ -206,8 +207,7 @@ def _load(gm: fx.GraphModule, kernels: dict[str, Kernel], record: GraphReport, e
         if mode == "triton":
             key = (source_hash(k.source), record.target)  # an interpreted kernel never serves CUDA
             fn = getattr(module, k.name)
-            if record.target == "interpret":
-                fn = GuardedKernel(fn)
+            fn = GuardedKernel(fn) if record.target == "interpret" else FastKernel(fn)  # codegen/fast_launch.py
             setattr(module, k.name, _KERNELS.setdefault(key, fn))
     for node in gm.graph.nodes:
         if node.op == "get_attr":

@@ -44,9 +44,9 @@ def _full_mask(mask: Optional[Tensor], q: Tensor, k: Tensor) -> Optional[Tensor]
     return mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
 
 
-@torch.library.custom_op("fxopt::flash_attention", mutates_args=())
-def flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float,
-                    causal: bool) -> tuple[Tensor, Tensor]:
+def run_flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float,
+                        causal: bool) -> tuple[Tensor, Tensor]:
+    """The op's implementation; wrappers call it directly (codegen/direct_calls.py)."""
     if not _on_triton(q):
         out, lse = reference.attention(q, k, v, scale=scale, causal=causal, mask=mask)
         return out.contiguous(), lse.contiguous()
@@ -54,6 +54,9 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], sca
     from .flash_forward import flash_forward
     kernel = flash_decode if decode_applies(q.shape[2], k.shape[2]) else flash_forward
     return _triton_call(q, kernel, q, k, v, scale=scale, causal=causal, mask=_full_mask(mask, q, k))
+
+
+flash_attention = torch.library.custom_op("fxopt::flash_attention", mutates_args=())(run_flash_attention)
 
 
 @flash_attention.register_fake
@@ -64,15 +67,18 @@ def _(q, k, v, mask, scale, causal):
     return out, lse
 
 
-@torch.library.custom_op("fxopt::flash_attention_backward", mutates_args=())
-def flash_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                             mask: Optional[Tensor], scale: float, causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+def run_flash_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                                 mask: Optional[Tensor], scale: float, causal: bool) -> tuple[Tensor, Tensor, Tensor]:
     if not _on_triton(q):
         dq, dk, dv = reference.attention_backward(dout, q, k, v, scale=scale, causal=causal, mask=mask)
         return dq.contiguous(), dk.contiguous(), dv.contiguous()
     from .flash_backward import flash_backward
     return _triton_call(q, flash_backward, dout, q, k, v, out, lse, scale=scale, causal=causal,
                         mask=_full_mask(mask, q, k))
+
+
+flash_attention_backward = torch.library.custom_op("fxopt::flash_attention_backward",
+                                                   mutates_args=())(run_flash_attention_backward)
 
 
 @flash_attention_backward.register_fake

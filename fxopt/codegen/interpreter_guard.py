@@ -63,4 +63,7 @@ def launcher(kernel, grid: tuple, device, who: str):
     if device.type == "cuda" and interpreted:
         raise ValueError(f"{who}: cuda tensors need the Triton compiler, but triton was imported with "
                          "TRITON_INTERPRET=1 (the interpreter); unset it for GPU runs")
-    return GuardedKernel(kernel)[grid] if interpreted else kernel[grid]
+    if interpreted:
+        return GuardedKernel(kernel)[grid]
+    from .fast_launch import fast_kernel
+    return fast_kernel(kernel)[grid]

@@ -102,6 +102,8 @@ def format_value(a, names) -> str:
 def _callee(target) -> str:
     if isinstance(target, torch._ops.OpOverload):
         ns = target.namespace
+        if ns == "fxopt":  # our own ops: their implementation, without the dispatcher (direct_calls.py)
+            return f"fxopt_ops.{target._schema.name.split('::')[-1]}"
         prefix = ns if ns in ("aten", "prims") else f"torch.ops.{ns}"
         return f"{prefix}.{target._schema.name.split('::')[-1]}.{target._overloadname}"
     if getattr(target, "__module__", None) == "_operator":  # SymInt arithmetic (operator.mul, ...)
@@ -234,6 +236,8 @@ def generate_wrapper(gm: fx.GraphModule, kernels: dict[str, Kernel], graph: str,
     uses_libdevice = any("libdevice." in k.full_source() for k in kernels.values())
     libdevice = "from triton.language.extra import libdevice" if uses_libdevice else ""
     extra = "\nimport math\nimport operator" if bindings else ""
+    if any(isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "fxopt" for n in gm.graph.nodes):
+        extra += "\nfrom fxopt.codegen import direct_calls as fxopt_ops"
     src = HEADER.format(graph=graph, filename=filename, libdevice=libdevice, extra=extra)
     if profile:
         src += PROFILE_HEADER

@@ -80,11 +80,14 @@ def _rows(logits: Tensor, target: Tensor, ignore_index: int) -> tuple[Tensor, Te
     return cross_entropy_rows(logits, target, ignore_index)
 
 
-@torch.library.custom_op("fxopt::cross_entropy", mutates_args=())
-def cross_entropy_op(logits: Tensor, target: Tensor, ignore_index: int, reduction: str) -> tuple[Tensor, Tensor]:
+def run_cross_entropy(logits: Tensor, target: Tensor, ignore_index: int, reduction: str) -> tuple[Tensor, Tensor]:
+    """The op's implementation; wrappers call it directly (codegen/direct_calls.py)."""
     _check_reduction(reduction)
     rows, lse = _rows(logits, target, ignore_index)
     return _reduce(rows, target, ignore_index, reduction), lse
+
+
+cross_entropy_op = torch.library.custom_op("fxopt::cross_entropy", mutates_args=())(run_cross_entropy)
 
 
 @cross_entropy_op.register_fake
@@ -95,14 +98,17 @@ def _(logits, target, ignore_index, reduction):
     return loss, logits.new_empty((n,), dtype=torch.float32)
 
 
-@torch.library.custom_op("fxopt::cross_entropy_backward", mutates_args=())
-def cross_entropy_backward_op(grad_loss: Tensor, logits: Tensor, target: Tensor, lse: Tensor,
-                              ignore_index: int, reduction: str) -> Tensor:
+def run_cross_entropy_backward(grad_loss: Tensor, logits: Tensor, target: Tensor, lse: Tensor,
+                               ignore_index: int, reduction: str) -> Tensor:
     scale = _row_scale(grad_loss, target, ignore_index, reduction)
     if not _on_triton(logits):
         return reference_grad(logits, target, lse, scale, ignore_index)
     from .cross_entropy_kernels import cross_entropy_grad
     return cross_entropy_grad(logits, target, lse, scale, ignore_index)
+
+
+cross_entropy_backward_op = torch.library.custom_op("fxopt::cross_entropy_backward",
+                                                    mutates_args=())(run_cross_entropy_backward)
 
 
 @cross_entropy_backward_op.register_fake

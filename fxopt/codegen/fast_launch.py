@@ -1,0 +1,106 @@
+"""Launch compiled Triton kernels without re-deriving what the first launch already knows.
+
+`kernel[grid](*args, **constexprs)` makes Triton bind the arguments, compute each one's
+specialisation (16-byte alignment of pointers, ints divisible by 16 or equal to 1), hash them into a
+cache key and look the compiled kernel up: about 50-70 us of Python per launch on the H200 machine
+(triton 3.6), more than most fused kernels of a small batch take on the GPU. A wrapper launches the
+same kernel with the same kinds of arguments on every call, so `FastKernel` keeps the compiled
+kernel of the first launch together with the specialisation it was compiled for, and later launches
+that have that same specialisation go straight to its launcher (`CompiledKernel.run`, what Triton's
+own `JITFunction.run` ends with). Anything else takes Triton's path, which stays correct:
+  - an argument whose specialisation differs (a misaligned input view, a size that became 1);
+  - launch hooks installed (profilers read `launch_metadata`, computed only on Triton's path);
+  - a Triton without the `CompiledKernel.run` signature of 3.3 and later (checked at the first launch).
+The specialisation is recomputed on every call (a pointer modulo 16 and two int tests per argument,
+about 0.3 us each), so a fast launch never runs a kernel compiled for other arguments.
+"""
+from __future__ import annotations
+
+import torch
+
+try:  # triton >= 3.4 keeps the launch hooks in knobs; older ones on CompiledKernel
+    from triton import knobs as _knobs
+except ImportError:  # pragma: no cover - older triton
+    _knobs = None
+
+
+def hooks_installed() -> bool:
+    """Launch hooks (a profiler) need the launch metadata that only Triton's own path computes."""
+    runtime = getattr(_knobs, "runtime", None)
+    if runtime is None:
+        return True
+    # None, or (newer triton) a HookChain that may hold no hooks
+    return any(h is not None and (not hasattr(h, "calls") or bool(h.calls))
+               for h in (runtime.launch_enter_hook, runtime.launch_exit_hook))
+
+
+def current_stream() -> int:
+    """The raw CUDA stream a launch goes to (the capturing stream inside a CUDA graph capture)."""
+    return torch.cuda.current_stream().cuda_stream
+
+
+def specialisation(args) -> tuple:
+    """What Triton specialises a launch on, per argument: a pointer's dtype and 16-byte alignment; an
+    int's divisibility by 16, being 1, and whether it fits in 32 bits; the type of anything else."""
+    key = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key.append((a.dtype, a.data_ptr() % 16 == 0))
+        elif isinstance(a, int) and not isinstance(a, bool):  # i32 or i64 by magnitude, as Triton types it
+            key.append((a % 16 == 0, a == 1, -2**31 <= a < 2**31))
+        else:
+            key.append(type(a))
+    return tuple(key)
+
+
+class FastKernel:
+    """A JITFunction launched as `kernel[grid](*args, **constexprs_and_options)`, faster after the first
+    launch of each specialisation (up to MAX_VARIANTS of them are remembered)."""
+
+    MAX_VARIANTS = 16
+
+    def __init__(self, fn):
+        self.fn = fn
+        self._names = list(fn.arg_names)
+        self._compiled: dict[tuple, object] = {}  # (specialisation, keyword arguments) -> CompiledKernel
+        self.fast_launches = 0  # how many launches skipped Triton's binding (tests read it)
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self._launch(grid, args, kwargs)
+
+    def __getattr__(self, name):  # warmup, arg_names, ... from the JITFunction
+        return getattr(self.fn, name)
+
+    def _launch(self, grid, args, kwargs):
+        key = (specialisation(args), tuple(kwargs.items()))  # constexprs and options (num_warps, ...) too
+        compiled = self._compiled.get(key)
+        if compiled is not None and not hooks_installed():
+            rest = tuple(kwargs[n] for n in self._names[len(args):])  # the constexprs, in signature order
+            g = tuple(grid) + (1, 1)
+            stream = current_stream()
+            compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, None,
+                         None, None, *args, *rest)
+            self.fast_launches += 1
+            return compiled
+        kernel = self.fn[grid](*args, **kwargs)
+        if len(self._compiled) < self.MAX_VARIANTS and _launcher_signature_known(kernel):
+            self._compiled[key] = kernel
+        return kernel
+
+
+def _launcher_signature_known(kernel) -> bool:
+    """CompiledKernel.run(gx, gy, gz, stream, function, packed_metadata, launch_metadata, enter, exit,
+    *every bound argument) is the launcher call of triton 3.3 and later."""
+    return (_knobs is not None and hasattr(kernel, "run") and hasattr(kernel, "function")
+            and hasattr(kernel, "packed_metadata"))
+
+
+_FAST: dict = {}  # JITFunction -> its FastKernel, for kernels launched from library code (attention, losses)
+
+
+def fast_kernel(fn) -> FastKernel:
+    """The one FastKernel of `fn` (kept for the process, as Triton keeps its compiled kernels)."""
+    fast = _FAST.get(fn)
+    if fast is None:
+        fast = _FAST[fn] = FastKernel(fn)
+    return fast

@@ -1,0 +1,86 @@
+"""FastKernel (codegen/fast_launch.py): a launch goes straight to the compiled kernel only when it has
+the specialisation that kernel was compiled for. Checked here with a stand-in JITFunction (the CPU
+interpreter has no compiled launcher); the GPU tests run every generated kernel through it for real."""
+import pytest
+import torch
+
+from fxopt.codegen import fast_launch
+from fxopt.codegen.fast_launch import FastKernel, specialisation
+
+
+class Compiled:
+    def __init__(self, log):
+        self.log, self.function, self.packed_metadata = log, "fn", "meta"
+
+    def run(self, gx, gy, gz, stream, function, packed, launch_metadata, enter, exit_, *args):
+        self.log.append(("fast", (gx, gy, gz), stream, args))
+
+
+class StandIn:
+    """What FastKernel uses of a JITFunction: arg_names and kernel[grid](*args, **kwargs)."""
+    arg_names = ["x_ptr", "n", "BLOCK"]
+
+    def __init__(self):
+        self.log, self.compiled = [], 0
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.log.append(("triton", tuple(grid), args, dict(kwargs)))
+            self.compiled += 1
+            return Compiled(self.log)
+        return launch
+
+
+@pytest.fixture(autouse=True)
+def no_cuda_stream(monkeypatch):
+    monkeypatch.setattr(fast_launch, "current_stream", lambda: 7)
+
+
+def test_second_launch_with_the_same_specialisation_is_fast():
+    fn, x = StandIn(), torch.empty(64)
+    k = FastKernel(fn)
+    k[(4,)](x, 64, BLOCK=16, num_warps=4)
+    k[(4,)](x, 64, BLOCK=16, num_warps=4)
+    assert [e[0] for e in fn.log] == ["triton", "fast"]
+    assert fn.log[1] == ("fast", (4, 1, 1), 7, (x, 64, 16))  # every argument in signature order, grid padded
+    assert k.fast_launches == 1
+
+
+@pytest.mark.parametrize("change", ["misaligned", "size_one", "int64", "constexpr", "num_warps", "dtype"])
+def test_a_different_specialisation_takes_tritons_path(change):
+    fn, x = StandIn(), torch.empty(64)
+    k = FastKernel(fn)
+    k[(4,)](x, 64, BLOCK=16, num_warps=4)
+    args, kwargs = [x, 64], dict(BLOCK=16, num_warps=4)
+    if change == "misaligned":
+        args[0] = x[1:]  # 4 bytes past a 16-byte boundary
+    elif change == "size_one":
+        args[1] = 1
+    elif change == "int64":
+        args[1] = 2**32
+    elif change == "constexpr":
+        kwargs["BLOCK"] = 32
+    elif change == "num_warps":
+        kwargs["num_warps"] = 8
+    else:
+        args[0] = torch.empty(64, dtype=torch.float16)
+    k[(4,)](*args, **kwargs)
+    assert [e[0] for e in fn.log] == ["triton", "triton"]
+    k[(4,)](*args, **kwargs)  # that specialisation is remembered too
+    assert [e[0] for e in fn.log] == ["triton", "triton", "fast"]
+
+
+def test_launch_hooks_take_tritons_path(monkeypatch):
+    fn, x = StandIn(), torch.empty(64)
+    k = FastKernel(fn)
+    k[(4,)](x, 64, BLOCK=16)
+    monkeypatch.setattr(fast_launch, "hooks_installed", lambda: True)
+    k[(4,)](x, 64, BLOCK=16)
+    assert [e[0] for e in fn.log] == ["triton", "triton"]
+
+
+def test_specialisation_reads_alignment_divisibility_and_width():
+    x = torch.empty(8)
+    assert specialisation([x, 32, 1, 2**40, 0.5]) == (
+        (torch.float32, True), (True, False, True), (False, True, True), (True, False, False), float)
+    assert specialisation([x[1:]])[0] == (torch.float32, False)
