@@ -96,7 +96,7 @@ def hint(x, shape_env=None) -> int:
     if isinstance(x, sympy.Expr) and not x.is_number:
         if shape_env is None:
             raise ValueError(f"fxopt: no ShapeEnv to evaluate the example value of {x}")
-        return int(shape_env.optimization_hint(x))
+        return int(shape_env.size_hint(x))
     return int(x)
 
 
