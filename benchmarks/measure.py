@@ -52,6 +52,7 @@ def header(device: str) -> dict:
 
 
 # ---------------------------------------------------------------- backends
+DYNAMIC: list = [None]  # --dynamic: torch.compile(..., dynamic=True) for inductor and fxopt (issue 9's comparison)
 FXOPT_OPTIONS: dict = {}  # --fxopt-option KEY=VALUE: extra fxopt.backend options for every fxopt row
 FXOPT_REPORTS: list = []  # the Report of the latest fxopt compile (every graph it compiled), for plan/LB
 
@@ -66,9 +67,9 @@ def compile_for(backend: str, fn, w=None):
     if backend == "eager":
         return autocast(fn, precision)
     if backend == "inductor":
-        return torch.compile(autocast(fn, precision), mode="reduce-overhead" if graphs else None)
+        return torch.compile(autocast(fn, precision), mode="reduce-overhead" if graphs else None, dynamic=DYNAMIC[0])
     if backend == "fxopt":
-        return torch.compile(fn, backend=_recording_fxopt(precision=precision, cudagraphs=graphs))
+        return torch.compile(fn, backend=_recording_fxopt(precision=precision, cudagraphs=graphs), dynamic=DYNAMIC[0])
     raise SystemExit(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
 
 
@@ -268,6 +269,7 @@ def first_call(w, backend: str, device: str, dtype_name: str, quick: bool, timeo
     cmd = [sys.executable, "-m", "benchmarks.run", "--first-call", w.name, backend,
            "--device", device, "--dtype", dtype_name] + (["--quick"] if quick else [])
     cmd += [a for k, v in FXOPT_OPTIONS.items() for a in ("--fxopt-option", f"{k}={v}")]
+    cmd += ["--dynamic"] if DYNAMIC[0] else []
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -44,6 +44,8 @@ def parse_args(argv=None):
     p.add_argument("--first-call-timeout", type=float, default=1200, help="seconds per first-call child")
     p.add_argument("--fxopt-option", action="append", default=[], metavar="KEY=VALUE",
                    help="an fxopt.backend option for the fxopt rows, e.g. memory_plan=apply (repeatable)")
+    p.add_argument("--dynamic", action="store_true",
+                   help="compile inductor and fxopt with dynamic=True (symbolic sizes), to compare with static")
     p.add_argument("--first-call", nargs=2, metavar=("WORKLOAD", "BACKEND"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -53,6 +55,7 @@ def parse_args(argv=None):
         measure.FXOPT_OPTIONS.update(measure.parse_fxopt_option(o) for o in args.fxopt_option)
     except ValueError as e:
         p.error(str(e))
+    measure.DYNAMIC[0] = True if args.dynamic else None
     args.backend_list = [b.strip() for b in args.backends.split(",") if b.strip()]
     for b in args.backend_list:
         if b not in measure.BACKENDS:
