@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import threading
-import warnings
 
 import torch
 import torch.fx as fx
@@ -16,6 +15,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from . import pipeline
 from .compile import compile_aten_graph
+from .cudagraphs import graphed_compiler
 from .decompositions import decomposition_table
 from .options import Environment, Options
 from .pass_manager import PassContext, PassManager
@@ -41,10 +41,6 @@ def compile_dynamo_graph(gm: fx.GraphModule, example_inputs, options: Options, r
             report = Report()
     elif dump_dir:
         on_done = lambda rep: rep.save(dump_dir)  # noqa: E731
-    if options.cudagraphs:
-        reason = "cudagraphs=True: CUDA graphs are not built yet; the graph runs without them"
-        warnings.warn(f"fxopt: {reason}", stacklevel=2)
-        report.pre_autograd_notes.append(("cudagraphs", reason))
     ctx = PassContext(options=options, env=env, graph_name="torch", example_inputs=list(example_inputs),
                       inspect=options.keep_graphs or bool(dump_dir))
     pre = pipeline.pre_autograd_passes(options)
@@ -60,6 +56,8 @@ def compile_dynamo_graph(gm: fx.GraphModule, example_inputs, options: Options, r
     # symbolic sizes, and a symbolic graph is not fused
     example_inputs = [*example_inputs, *(c.example for c in cached_casts)]
     compiler = functools.partial(compile_aten_graph, options=options, report=report, on_done=on_done)
+    if options.cudagraphs:  # forward, backward and inference replay as CUDA graphs, sharing one pool
+        compiler = graphed_compiler(compiler, report, options)
     # explain() wants the backward graph now; torch.compile compiles it at the first backward call
     eager_backward = options.keep_graphs
     with torch._functorch.config.patch(force_non_lazy_backward_lowering=eager_backward):

@@ -18,7 +18,8 @@ class Options:
     fuse: bool = True  # fuse pointwise chains into Triton kernels
     attention: bool = True  # match hand-written attention and run fxopt's flash kernels
     memory_plan: bool | str = True  # True: plan an arena and report it; "apply": the wrapper allocates from it
-    cudagraphs: bool = False  # replay as CUDA graphs (not built yet: a warning and a note in rep.fallbacks)
+    cudagraphs: bool = False  # replay compiled CUDA graphs with torch.cuda.CUDAGraph (cudagraphs.py); refusals
+    # (CPU graphs, syncs, random ops) run without graphs, warn once and are listed in rep.fallbacks
     dump_dir: str | None = None  # write passes, kernels, wrapper and report.html here
     verify: bool = False  # check every pass numerically against the captured graph
     verify_rtol: float | None = None  # relative error (norm-wise) above which verify names the pass;
@@ -31,6 +32,8 @@ class Options:
             raise ValueError(f"fxopt: precision={self.precision!r} is not one of {PRECISIONS}")
         if not any(self.memory_plan is v or (isinstance(v, str) and self.memory_plan == v) for v in MEMORY_PLANS):
             raise ValueError(f"fxopt: memory_plan={self.memory_plan!r} is not one of {MEMORY_PLANS}")
+        if not isinstance(self.cudagraphs, bool):
+            raise TypeError(f"fxopt: cudagraphs={self.cudagraphs!r} must be True or False")
         if self.precision_policy is not None:
             from .analysis.precision_policy import check_overrides  # lazily: it loads the attention op
             check_overrides(self.precision_policy, self.precision)

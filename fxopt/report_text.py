@@ -47,6 +47,7 @@ def report_to_text(rep) -> str:
             for r in sorted(g.roofline, key=lambda r: -r.seconds)[:5]:
                 out.append(f"  {r.name} [{r.kind}] {r.flops / 1e6:.2f} MFLOP {r.bytes / 2**20:.2f} MiB "
                            f"{r.intensity:.1f} FLOP/B -> {r.seconds * 1e6:.2f} us ({r.bound}-bound)")
+        out += [f"note: {note}" for note in g.notes]
         if g.fallbacks:
             out.append(f"left to ATen ({len(g.fallbacks)}):")
             for node, reason in g.fallbacks:

@@ -1,0 +1,86 @@
+"""The inputs and outputs of a captured CUDA graph: static input buffers, and outputs copied out
+of graph memory after each replay (the next replay overwrites it).
+
+The copy rule: every output whose memory the graph owns is copied once per replay, one copy per
+storage (outputs that alias each other, a view and its base, keep aliasing, with the same strides
+and storage offsets); an output that aliases an input is rebuilt as a view of the caller's tensor.
+Cost: one device-to-device copy of the output bytes and one allocation per output storage per call.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class Outputs:
+    """How each output leaves the graph: copied out of graph memory (one copy per storage, so
+    outputs that alias each other still do), rebuilt over the caller's input, or a plain value."""
+
+    def __init__(self, outs, inputs: list):
+        owner = {}
+        for i, t in enumerate(inputs):
+            if isinstance(t, torch.Tensor) and t.numel() > 0:
+                owner.setdefault(t.untyped_storage().data_ptr(), (i, t.data_ptr()))
+        spans: dict[int, list] = {}
+        for o in outs:
+            if isinstance(o, torch.Tensor) and o.numel() > 0 and o.untyped_storage().data_ptr() not in owner:
+                start, end = o.data_ptr(), o.data_ptr() + _extent(o) * o.element_size()
+                span = spans.setdefault(o.untyped_storage().data_ptr(), [start, end, o])
+                span[0], span[1] = min(span[0], start), max(span[1], end)
+        group, self.srcs = {}, []
+        for base, (start, end, o) in spans.items():
+            start -= (start - base) % 16  # so every dtype's offset into the copy stays whole
+            group[base] = (len(self.srcs), start)
+            self.srcs.append(_view(o.untyped_storage(), start - base, torch.uint8, (end - start,), (1,)))
+        self.specs = []  # (kind, where, offset, dtype, shape, stride)
+        for o in outs:
+            if not isinstance(o, torch.Tensor):
+                self.specs.append(("value", o, 0, None, None, None))
+                continue
+            meta = (o.dtype, tuple(o.shape), o.stride())
+            base = o.untyped_storage().data_ptr()
+            if o.numel() == 0:
+                self.specs.append(("empty", o.device, 0, *meta))
+            elif base in owner:
+                i, ptr = owner[base]
+                self.specs.append(("input", i, o.data_ptr() - ptr, *meta))
+            else:
+                g, start = group[base]
+                self.specs.append(("copy", g, (o.data_ptr() - start) // o.element_size(), *meta))
+
+    def materialize(self, args) -> tuple:
+        """Fresh outputs for this replay: the copies, then views over them or over the caller's inputs."""
+        copies = [torch.empty(s.numel(), dtype=torch.uint8, device=s.device) for s in self.srcs]
+        if copies:
+            torch._foreach_copy_(copies, self.srcs)
+        outs = []
+        for kind, where, offset, dtype, shape, stride in self.specs:
+            if kind == "copy":
+                outs.append(_view(copies[where].untyped_storage(), offset, dtype, shape, stride))
+            elif kind == "input":
+                arg = args[where]
+                storage = arg.untyped_storage()
+                offset = (arg.data_ptr() + offset - storage.data_ptr()) // dtype.itemsize
+                outs.append(_view(storage, offset, dtype, shape, stride))
+            elif kind == "empty":
+                outs.append(torch.empty_strided(shape, stride, dtype=dtype, device=where))
+            else:
+                outs.append(where)
+        return tuple(outs)
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Elements from the first to the last one the tensor reads (views may skip or repeat some)."""
+    return 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+
+
+def _view(storage, offset: int, dtype, shape, stride) -> torch.Tensor:
+    return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, shape, stride)
+
+
+def static_buffer(arg: torch.Tensor):
+    """(buffer laid out like arg, flat span or None). Overlapping layouts (expanded inputs) cannot be
+    copied element by element, so their whole span is copied as a flat range instead."""
+    if torch._debug_has_internal_overlap(arg) == 0:
+        return torch.empty_strided(arg.shape, arg.stride(), dtype=arg.dtype, device=arg.device), None
+    flat = torch.empty(_extent(arg), dtype=arg.dtype, device=arg.device)
+    return flat.as_strided(arg.shape, arg.stride()), flat

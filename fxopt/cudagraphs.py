@@ -1,0 +1,337 @@
+"""CUDA graphs (Options.cudagraphs): replay each compiled graph as one graph launch, so a small batch
+stops paying one CPU launch per kernel.
+
+Per compiled graph (forward, backward or inference) and per input signature (shapes, strides, dtypes):
+  calls 1..WARMUP_CALLS  run the compiled graph on a side stream (lazy initialisation, Triton and
+                         cuBLAS, happens outside capture) and note every input's address;
+  the next call          capture, then replay. Inputs whose address never changed (parameters,
+                         buffers, tensors an optimizer updates in place) are read where they are;
+                         the others are copied into static buffers before each replay;
+  later calls            replay. A static input at a new address is re-captured as a copied one:
+                         a graph never reads memory its caller no longer means.
+Outputs are copied out of the graph's memory after every replay (the next replay overwrites it), so
+a caller's earlier results never change; an output that aliases an input is rebuilt as a view of the
+caller's tensor. Nothing a caller holds lives in graph memory, so all of it is scratch between
+replays, which is what makes one memory pool for the forward and backward graphs of one compiled
+callable safe (replays run one at a time on the caller's stream).
+"""
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+
+import torch
+import torch.fx as fx
+
+from .compile import choose_target
+from .cudagraph_io import Outputs, static_buffer
+from .options import Environment
+from .report import GraphReport
+
+WARMUP_CALLS = 2  # uncaptured calls per signature before capture
+MAX_GRAPHS = 8  # captured signatures kept per compiled graph (least recently used evicted)
+aten = torch.ops.aten
+SYNC_OPS = {aten._local_scalar_dense.default, aten.item.default, aten.is_nonzero.default, aten.equal.default}
+_warned: set[str] = set()
+
+
+class Refused(Exception):
+    """Why a graph cannot be captured; it then runs without CUDA graphs."""
+
+
+def refusal_reason(gm: fx.GraphModule, target: str, profile: bool = False) -> str | None:
+    """Why this ATen graph cannot be captured, read from the graph before any call (None: it can)."""
+    if target != "cuda":
+        return f"the graph runs on the CPU ({target}); CUDA graphs need CUDA tensors"
+    if profile:
+        return "profile=True times every launch on its own; a replayed graph has no launches to time"
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        tags = getattr(n.target, "tags", ())
+        if torch.Tag.nondeterministic_seeded in tags or "rngprims" in str(n.target):
+            return (f"random op {n.target} ({n.name}): fxopt does not capture random ops yet (a seeded run "
+                    f"would not repeat eager's numbers); dropout in training: model.eval() or p=0 avoids it")
+        if n.target in SYNC_OPS or torch.Tag.data_dependent_output in tags:
+            return f"{n.target} ({n.name}) reads a GPU value on the CPU (a sync), which capture cannot record"
+        if torch.Tag.dynamic_output_shape in tags:
+            return f"{n.target} ({n.name}) has a data-dependent output shape (the CPU waits for the GPU)"
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        if n.op == "placeholder" and isinstance(val, torch.Tensor) and val.device.type != "cuda":
+            return (f"input {n.name} is a {val.device.type.upper()} tensor: its value would be frozen into "
+                    f"the graph at capture")
+    return None
+
+
+def mutated_inputs(gm: fx.GraphModule) -> set[int]:
+    """Positions of the inputs the graph writes in place (through views too): they must be read in
+    place, since a write to a static copy would never reach the caller's tensor."""
+    index = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    written = set()
+    for n in gm.graph.nodes:
+        schema = getattr(n.target, "_schema", None)
+        if n.op != "call_function" or schema is None:
+            continue
+        for i, spec in enumerate(schema.arguments):
+            if spec.alias_info is None or not spec.alias_info.is_write:
+                continue
+            value = n.args[i] if i < len(n.args) else n.kwargs.get(spec.name)
+            while isinstance(value, fx.Node) and getattr(value.target, "is_view", False):
+                value = value.args[0]
+            if value in index:
+                written.add(index[value])
+    return written
+
+
+def signature(args, cpu_ok: bool = False) -> tuple[tuple, int]:
+    """(key, device): what a captured graph is specific to. Refused for CPU tensors (their values
+    would be baked in), several devices, or inputs that cannot be keyed."""
+    key, devices = [], set()
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            dev = a.get_device()
+            if dev < 0 and not cpu_ok:
+                raise Refused(f"input {i} is a CPU tensor at run time: its value would be frozen into the graph")
+            devices.add(dev)
+            key.append((a.shape, a.stride(), a.dtype, dev))
+        else:
+            try:
+                hash(a)
+            except TypeError:
+                raise Refused(f"input {i} is a {type(a).__name__}, which cannot key a captured graph") from None
+            key.append((type(a), a))
+    if len(devices) > 1:
+        raise Refused(f"inputs on several devices {sorted(devices)}: one graph runs on one GPU")
+    return tuple(key), (devices.pop() if devices else -1)
+
+
+class SignatureCache:
+    """A bounded LRU map from input signature to its state; evicting drops the captured graph."""
+
+    def __init__(self, maxsize: int = MAX_GRAPHS):
+        if maxsize < 1:
+            raise ValueError(f"fxopt: the CUDA graph cache needs room for at least one graph, got {maxsize}")
+        self.maxsize, self.evicted = maxsize, 0
+        self._items: OrderedDict = OrderedDict()
+
+    def get(self, key):
+        value = self._items.get(key)
+        if value is not None:
+            self._items.move_to_end(key)
+        return value
+
+    def put(self, key, value):
+        self._items[key] = value
+        self._items.move_to_end(key)
+        while len(self._items) > self.maxsize:
+            self._items.popitem(last=False)
+            self.evicted += 1
+        return value
+
+    def __len__(self):
+        return len(self._items)
+
+    def __contains__(self, key):
+        return key in self._items
+
+
+class CudaGraphs:
+    """torch.cuda.CUDAGraph capture and replay; one pool for every graph this object captures."""
+
+    cpu_ok = False
+    _streams: dict[int, torch.cuda.Stream] = {}  # the side stream per device: warm-up and capture
+
+    def __init__(self):
+        self.pool = None
+
+    def busy(self) -> bool:
+        """Called inside someone else's capture: run plainly, the outer graph records it."""
+        return torch.cuda.is_current_stream_capturing()
+
+    def _stream(self, device: int) -> torch.cuda.Stream:
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
+    def warmup(self, fn, args, device: int):
+        with torch.cuda.device(device):
+            current, side = torch.cuda.current_stream(), self._stream(device)
+            side.wait_stream(current)
+            with torch.cuda.stream(side):
+                outs = fn(args)
+            current.wait_stream(side)
+            for o in outs:  # made on the side stream, used on the caller's: free only after its work
+                if isinstance(o, torch.Tensor) and o.is_cuda:
+                    o.record_stream(current)
+        return outs
+
+    def capture(self, fn, args, device: int):
+        with torch.cuda.device(device):
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            graph, side = torch.cuda.CUDAGraph(), self._stream(device)
+            torch.cuda.synchronize()
+            with torch.cuda.stream(side):
+                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                try:
+                    outs = fn(args)
+                except BaseException:
+                    try:
+                        graph.capture_end()
+                    except Exception:  # noqa: BLE001 (the capture is already invalid; keep the first error)
+                        pass
+                    self._streams.pop(device, None)  # a failed capture retires its stream
+                    raise
+                graph.capture_end()
+        return graph, outs
+
+    def replay(self, graph, device: int) -> None:
+        graph.replay()
+
+
+class _Captured:
+    def __init__(self, graph, direct, copies, outputs: Outputs):
+        self.graph, self.direct, self.copies, self.outputs = graph, direct, copies, outputs
+
+
+class _Entry:
+    """One input signature: warm-up calls seen, inputs seen at more than one address, its graph."""
+
+    def __init__(self):
+        self.calls, self.ptrs, self.moved, self.captured = 0, None, set(), None
+
+    def observe(self, args) -> None:
+        ptrs = [a.data_ptr() if isinstance(a, torch.Tensor) else None for a in args]
+        self.calls += 1
+        if self.ptrs is not None:
+            self.moved.update(i for i, (p, q) in enumerate(zip(ptrs, self.ptrs)) if p != q)
+        self.ptrs = ptrs
+
+
+class GraphedCallable:
+    """The boxed callable aot_autograd gets: the compiled graph, replayed as CUDA graphs."""
+
+    _boxed_call = True
+
+    def __init__(self, fn, name: str, record: GraphReport, mutated: set[int], backend=None,
+                 warmup: int = WARMUP_CALLS, max_graphs: int = MAX_GRAPHS):
+        self.fn, self.name, self.record, self.mutated = fn, name, record, mutated
+        self.backend = backend if backend is not None else CudaGraphs()
+        self.warmup, self.cache = warmup, SignatureCache(max_graphs)
+        self.refused: str | None = None
+        self.captures = self.recaptures = 0
+        self._note = len(record.notes)
+        record.notes.append(f"cudagraphs: enabled, nothing captured yet (capture at call {warmup + 1} of each "
+                            f"input signature)")
+
+    def __call__(self, args):
+        if self.refused is not None:
+            return self.fn(args)
+        try:
+            key, device = signature(args, self.backend.cpu_ok)
+        except Refused as why:
+            self.refuse(str(why))
+            return self.fn(args)
+        if self.backend.busy():
+            return self.fn(args)
+        entry = self.cache.get(key)
+        if entry is None:
+            entry = self.cache.put(key, _Entry())
+        cap = entry.captured
+        if cap is not None:
+            moved = [i for i, ptr in cap.direct if args[i].data_ptr() != ptr]
+            if not moved:
+                return self._replay(cap, args, device)
+            entry.moved.update(moved)
+            entry.captured, cap = None, None
+            self.recaptures += 1
+        else:
+            entry.observe(args)
+            if entry.calls <= self.warmup:
+                return self.backend.warmup(self.fn, args, device)
+        try:
+            entry.captured = self._capture(entry, args, device)
+        except Refused as why:
+            self.refuse(str(why))
+            return self.fn(args)
+        except Exception as exc:  # noqa: BLE001 (any capture failure: run uncaptured, say why)
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            self.refuse(f"capture failed ({type(exc).__name__}: {first}); the graph may sync with the CPU")
+            return self.fn(args)
+        self.captures += 1
+        self._update_note()
+        return self._replay(entry.captured, args, device)
+
+    def _capture(self, entry: _Entry, args, device: int) -> _Captured:
+        tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        copied = [i for i in tensors if i in entry.moved]
+        stale = sorted(self.mutated.intersection(copied))
+        if stale:
+            raise Refused(f"input {stale[0]} is written in place by the graph but arrives at a new address on "
+                          f"some calls: a captured graph would write to a stale copy")
+        static, copies = list(args), []
+        for i in copied:
+            buf, flat = static_buffer(args[i])
+            static[i] = buf
+            copies.append((i, buf, flat))
+        graph, outs = self.backend.capture(self.fn, list(static), device)
+        direct = [(i, args[i].data_ptr()) for i in tensors if i not in entry.moved]
+        return _Captured(graph, direct, copies, Outputs(outs, static))
+
+    def _replay(self, cap: _Captured, args, device: int) -> tuple:
+        for i, buf, flat in cap.copies:
+            if flat is None:
+                buf.copy_(args[i])
+            else:
+                flat.copy_(args[i].as_strided((flat.numel(),), (1,)))
+        self.backend.replay(cap.graph, device)
+        outs = cap.outputs.materialize(args)
+        args.clear()
+        return outs
+
+    def refuse(self, reason: str) -> None:
+        """Run without graphs from now on; the reason goes to the report and, once, to a warning."""
+        self.refused = reason
+        self.cache = SignatureCache(self.cache.maxsize)  # drop captured graphs and their memory
+        refuse(self.record, self.name, reason, self._note)
+
+    def _update_note(self) -> None:
+        self.record.notes[self._note] = (
+            f"cudagraphs: captured {self.captures} graph(s) ({len(self.cache)} kept of at most "
+            f"{self.cache.maxsize}, {self.cache.evicted} evicted, {self.recaptures} re-captured after a static "
+            f"input moved); outputs are copied out after each replay")
+
+
+def refuse(record: GraphReport, name: str, reason: str, note: int | None = None) -> None:
+    """Record a refusal (report fallbacks, the graph's cudagraphs note) and warn once per reason."""
+    record.fallbacks.append(("cudagraphs", reason))
+    if note is None:
+        record.notes.append(f"cudagraphs: refused: {reason}")
+    else:
+        record.notes[note] = f"cudagraphs: refused: {reason}"
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"fxopt: cudagraphs: the {name} graph runs without CUDA graphs: {reason}", stacklevel=3)
+
+
+def graphed_compiler(compiler, report, options):
+    """Wrap an aot_autograd graph compiler so every graph it compiles replays as CUDA graphs; the
+    graphs of one compiled callable (forward, backward, inference) share one memory pool."""
+    backend = CudaGraphs()
+
+    def compile_graph(gm: fx.GraphModule, example_inputs, *, graph_name: str):
+        target = choose_target(gm, Environment.read())
+        reason = refusal_reason(gm, target, options.profile)  # read before the passes rewrite gm
+        mutated = mutated_inputs(gm)
+        first = len(report.graphs)
+        call = compiler(gm, example_inputs, graph_name=graph_name)
+        record = next((g for g in report.graphs[first:] if g.name == graph_name), None)
+        if record is None:  # compile_aten_graph always records one; keep going if that ever changes
+            record = GraphReport(name=graph_name, target=target)
+        if reason is not None:
+            refuse(record, graph_name, reason)
+            return call
+        return GraphedCallable(call, graph_name, record, mutated, backend)
+
+    return compile_graph
