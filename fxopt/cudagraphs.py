@@ -180,7 +180,7 @@ class CudaGraphs:
                     try:
                         graph.capture_end()
                     except Exception:  # noqa: BLE001 (the capture is already invalid; keep the first error)
-                        pass
+                        _release_generator(device)
                     self._streams.pop(device, None)  # a failed capture retires its stream
                     raise
                 graph.capture_end()
@@ -188,6 +188,16 @@ class CudaGraphs:
 
     def replay(self, graph, device: int) -> None:
         graph.replay()
+
+
+def _release_generator(device: int) -> None:
+    """A capture whose end fails leaves the device's default generator marked as capturing, and every
+    later random op raises "Offset increment outside graph capture". Give the generator a clone of
+    its state (same seed and offset, not capturing). fxopt never captures random ops, so no graph of
+    ours reads the abandoned state."""
+    gen = torch.cuda.default_generators[device]
+    if hasattr(gen, "graphsafe_set_state") and hasattr(gen, "clone_state"):
+        gen.graphsafe_set_state(gen.clone_state())
 
 
 class _Captured:

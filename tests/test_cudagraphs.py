@@ -33,6 +33,14 @@ gpu = pytest.mark.gpu
 
 
 @pytest.fixture(autouse=True)
+def _random_ops_still_work():
+    """After any test (a failed capture included), the device's generator is usable outside capture."""
+    yield
+    if torch.cuda.is_available():
+        torch.randn(1, device="cuda")
+
+
+@pytest.fixture(autouse=True)
 def _fresh_warnings(monkeypatch):
     monkeypatch.setattr(cudagraphs, "_warned", set())  # "warn once" is per process; each test starts clean
 
@@ -426,8 +434,9 @@ def test_cuda_graphs_training_reports_forward_and_backward_captured():
         opt.step()
     names = {g.name: [n for n in g.notes if n.startswith("cudagraphs")] for g in rep.graphs}
     assert set(names) == {"forward", "backward"}, names
-    for name, notes in names.items():
-        assert notes and notes[0].startswith("cudagraphs: captured 1 graph(s)"), (name, notes)
+    for name, notes in names.items():  # an input seen at one address in both warm-ups may move once
+        assert notes and notes[0].startswith("cudagraphs: captured"), (name, notes)
+        assert "1 kept of at most 8" in notes[0], (name, notes)
 
 
 @gpu
