@@ -12,8 +12,9 @@ Per compiled graph (forward, backward or inference) and per input signature (sha
 Outputs are copied out of the graph's memory after every replay (the next replay overwrites it), so
 a caller's earlier results never change; an output that aliases an input is rebuilt as a view of the
 caller's tensor. Nothing a caller holds lives in graph memory, so all of it is scratch between
-replays, which is what makes one memory pool for the forward and backward graphs of one compiled
-callable safe (replays run one at a time on the caller's stream).
+replays. Each captured graph has its own memory pool: sharing one `graph_pool_handle()` between the
+forward and backward graphs tripped an internal assertion of the caching allocator on torch 2.11
+(`use_count > 0`, a backward captured after its forward was refused), so the sharing is not done yet.
 """
 from __future__ import annotations
 
@@ -137,13 +138,13 @@ class SignatureCache:
 
 
 class CudaGraphs:
-    """torch.cuda.CUDAGraph capture and replay; one pool for every graph this object captures."""
+    """torch.cuda.CUDAGraph capture and replay; each graph in its own (private) memory pool."""
 
     cpu_ok = False
     _streams: dict[int, torch.cuda.Stream] = {}  # the side stream per device: warm-up and capture
 
     def __init__(self):
-        self.pool = None
+        self.pool = None  # None: a private pool per capture (see the module docstring)
 
     def busy(self) -> bool:
         """Called inside someone else's capture: run plainly, the outer graph records it."""
@@ -168,8 +169,6 @@ class CudaGraphs:
 
     def capture(self, fn, args, device: int):
         with torch.cuda.device(device):
-            if self.pool is None:
-                self.pool = torch.cuda.graph_pool_handle()
             graph, side = torch.cuda.CUDAGraph(), self._stream(device)
             torch.cuda.synchronize()
             with torch.cuda.stream(side):
@@ -183,7 +182,12 @@ class CudaGraphs:
                         _release_generator(device)
                     self._streams.pop(device, None)  # a failed capture retires its stream
                     raise
-                graph.capture_end()
+                try:
+                    graph.capture_end()
+                except BaseException:
+                    _release_generator(device)
+                    self._streams.pop(device, None)
+                    raise
         return graph, outs
 
     def replay(self, graph, device: int) -> None:
@@ -327,7 +331,7 @@ def refuse(record: GraphReport, name: str, reason: str, note: int | None = None)
 
 def graphed_compiler(compiler, report, options):
     """Wrap an aot_autograd graph compiler so every graph it compiles replays as CUDA graphs; the
-    graphs of one compiled callable (forward, backward, inference) share one memory pool."""
+    graphs of one compiled callable (forward, backward, inference) each capture into their own pool."""
     backend = CudaGraphs()
 
     def compile_graph(gm: fx.GraphModule, example_inputs, *, graph_name: str):
