@@ -1,9 +1,12 @@
 """Place buffers at byte offsets of one arena so that buffers alive at the same time never overlap.
 
-Two strategies are tried and the smaller arena kept:
-- by size: largest buffers first, each at the lowest offset where it fits beside the buffers already
-  placed whose lifetimes overlap its own (best fit);
-- by time: buffers in order of birth, same placement rule.
+Several orders are tried with one placement rule (each buffer into the smallest gap that fits beside
+the buffers already placed whose lifetimes overlap its own, else on top) and the smallest arena kept:
+- by size: largest buffers first, ties broken by the longer lifetime;
+- by area: largest bytes x lifetime first (a long-lived buffer pins its bytes for longer);
+- by time: buffers in order of birth.
+By size alone planned the Llama block's backward graph (d2048, 34 buffers) at 1.083x the lower bound;
+the lifetime tie-break and by area both reach the bound there (tests/memory/test_planner.py).
 The lower bound is the most bytes alive at any one node; no plan can use less. Graph outputs are not
 placed (they are returned to the user and must not share memory fxopt reuses).
 """
@@ -60,8 +63,12 @@ def arena_bytes(placed: list[Placement]) -> int:
 
 def plan(intervals: list[Interval]) -> tuple[list[Placement], str]:
     """The smallest arena of the strategies, and the strategy's name."""
+    def life(iv: Interval) -> int:
+        return iv.last_use - iv.first_use + 1
+
     candidates = {
-        "by size": _place(sorted(intervals, key=lambda iv: (-iv.nbytes, iv.first_use))),
+        "by size": _place(sorted(intervals, key=lambda iv: (-iv.nbytes, -life(iv), iv.first_use))),
+        "by area": _place(sorted(intervals, key=lambda iv: (-iv.nbytes * life(iv), iv.first_use))),
         "by time": _place(sorted(intervals, key=lambda iv: (iv.first_use, -iv.nbytes))),
     }
     name = min(candidates, key=lambda k: arena_bytes(candidates[k]))

@@ -71,3 +71,51 @@ def test_graph_outputs_are_never_planned_into_the_arena():
     returned = {a.name for a in next(n for n in rep.graph(after="cleanup_after_fuse").graph.nodes
                                      if n.op == "output").all_input_nodes}
     assert not names & returned
+
+
+# The backward graph of the Llama training block (d2048 B4 T1024, precision="bf16") as the H200 run
+# planned it (benchmarks/results/2026-11-29-h200-session3.md): (name, bytes, first use, last use).
+LLAMA_BACKWARD = [
+    ("fused0_1", 16777216, 27, 31),
+    ("mm_7", 33554432, 30, 32),
+    ("mm_8", 67108864, 31, 33),
+    ("getitem_13", 67108864, 33, 38),
+    ("getitem_14", 67108864, 33, 43),
+    ("mm_9", 33554432, 37, 44),
+    ("mm_10", 16777216, 38, 102),
+    ("mm_11", 33554432, 42, 44),
+    ("mm_12", 16777216, 43, 102),
+    ("fusedred1_1", 16384, 47, 48),
+    ("getitem_11", 33554432, 48, 102),
+    ("getitem_12", 16777216, 48, 54),
+    ("mm_13", 8388608, 53, 98),
+    ("mm_14", 16777216, 54, 58),
+    ("getitem_19", 8388608, 62, 68),
+    ("getitem_20", 4194304, 62, 67),
+    ("fused7_0", 2097152, 66, 67),
+    ("cat_2", 4194304, 67, 68),
+    ("fused5_0", 4194304, 68, 76),
+    ("getitem_21", 33554432, 69, 75),
+    ("getitem_22", 16777216, 69, 74),
+    ("fused8_0", 8388608, 73, 74),
+    ("cat_3", 16777216, 74, 75),
+    ("fused6_0", 16777216, 75, 92),
+    ("getitem_23", 4194304, 76, 82),
+    ("getitem_24", 4194304, 76, 88),
+    ("mm_15", 2097152, 81, 89),
+    ("mm_16", 16777216, 82, 102),
+    ("mm_17", 2097152, 87, 89),
+    ("mm_18", 16777216, 88, 102),
+    ("fused11_0", 16777216, 92, 97),
+    ("mm_19", 8388608, 96, 98),
+    ("mm_20", 16777216, 97, 102),
+    ("fusedred1_0", 16384, 101, 102),
+]
+
+
+def test_llama_backward_buffers_plan_at_the_lower_bound():
+    """Largest-first alone left a hole (1.083x the bound); the lifetime tie-break closes it."""
+    ivs = [Interval(n, b, f, l) for n, b, f, l in LLAMA_BACKWARD]
+    placed, strategy = plan(ivs)
+    validate(placed)
+    assert arena_bytes(placed) == lower_bound(ivs) == 201326592, strategy
