@@ -46,4 +46,8 @@ def decomposition_table() -> dict:
                                      aten.native_group_norm]))
     table[aten.var_mean.correction] = _var_mean
     table[aten.var.correction] = _var
+    # torch's decomposition of the CPU flash attention returns the attention probabilities where the
+    # op returns the log-sum-exp; its backward (still the fused op's) then reads probabilities as lse
+    # and the gradients come out wrong. SDPA that fxopt does not fuse stays one ATen call instead.
+    table.pop(aten._scaled_dot_product_flash_attention_for_cpu.default, None)
     return table
