@@ -91,12 +91,14 @@ def has_symbolic_shapes(gm: fx.GraphModule) -> bool:
 
 def hint(x, shape_env=None) -> int:
     """The example value of a size (for heuristics only: never for what the code computes)."""
-    if isinstance(x, torch.SymInt):  # ShapeEnv.size_hint: in torch 2.11 and later (optimization_hint is newer)
+    if isinstance(x, torch.SymInt):
         x, shape_env = x.node.expr, x.node.shape_env
     if isinstance(x, sympy.Expr) and not x.is_number:
         if shape_env is None:
             raise ValueError(f"fxopt: no ShapeEnv to evaluate the example value of {x}")
-        return int(shape_env.size_hint(x))
+        # optimization_hint where torch has it (size_hint warns there); size_hint on torch 2.11
+        example = getattr(shape_env, "optimization_hint", None) or shape_env.size_hint
+        return int(example(x))
     return int(x)
 
 

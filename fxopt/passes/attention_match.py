@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..analysis.attention_masks import MaskFacts, MaskStep, NotAttention, mask_facts
 from ..analysis.constant_values import ConstantValues
@@ -222,7 +223,9 @@ def _check_operands(m: Match) -> None:
     if q.dim() not in (3, 4) or len(k_shape) != q.dim() or v.dim() != q.dim():
         raise NotAttention(f"q, k, v have {q.dim()}, {len(k_shape)}, {v.dim()} dims; the kernel takes 3-D or 4-D")
     d = q.shape[-1]
-    if k_shape[-1] != d or v.shape[-1] != d:
+    if not isinstance(d, int):
+        raise NotAttention(f"symbolic head dim {d}: the kernels compile for one head dim")
+    if not _same(k_shape[-1], d) or not _same(v.shape[-1], d):
         raise NotAttention(f"head dims differ (q {d}, k {k_shape[-1]}, v {v.shape[-1]}); the kernel needs one")
     if not HEAD_DIMS[0] <= d <= HEAD_DIMS[1]:
         raise NotAttention(f"head dim {d} is outside the kernels' range {HEAD_DIMS[0]}..{HEAD_DIMS[1]}")
@@ -232,23 +235,36 @@ def _check_operands(m: Match) -> None:
     if q.device.type not in ("cuda", "cpu"):
         raise NotAttention(f"device {q.device} (fxopt runs attention on cuda, or on the cpu)")
     lead_q, lead_k = tuple(q.shape[:-2]), tuple(k_shape[:-2])
-    if lead_q != lead_k:
-        if q.dim() == 4 and lead_q[0] == lead_k[0] and lead_q[1] % lead_k[1] == 0 and tuple(v.shape[:-2]) == lead_k:
-            m.kv_groups = lead_q[1] // lead_k[1]
+    if not _same(lead_q, lead_k):
+        heads_q, heads_k = (lead_q[1], lead_k[1]) if q.dim() == 4 else (None, None)
+        if (isinstance(heads_q, int) and isinstance(heads_k, int) and _same(lead_q[0], lead_k[0])
+                and heads_q % heads_k == 0 and _same(tuple(v.shape[:-2]), lead_k)):
+            m.kv_groups = heads_q // heads_k
         else:
             raise NotAttention(f"batch/head dims of q {list(lead_q)} and k {list(lead_k)} do not line up")
-    elif tuple(v.shape[:-2]) != lead_q:
+    elif not _same(tuple(v.shape[:-2]), lead_q):
         raise NotAttention(f"batch/head dims of v {list(v.shape[:-2])} differ from q's {list(lead_q)}")
 
 
+def _same(a, b) -> bool:
+    """Sizes (or tuples of sizes) equal for every value their symbols may take. Decided without adding
+    a guard (dynamo has finished; a guard added now could be lost): "not provably equal" is not a match."""
+    if isinstance(a, tuple) or isinstance(b, tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    return statically_known_true(a == b)
+
+
 def _require_static_shapes(*nodes) -> None:
-    """Masks are evaluated and shapes compared at compile time: symbolic sizes would need guards
-    fxopt cannot add after dynamo has finished (dynamic shapes are a later issue)."""
+    """Hand-written attention: masks are evaluated and shapes compared at compile time, which symbolic
+    sizes would turn into guards. F.scaled_dot_product_attention calls are matched with symbolic sizes."""
     for node in nodes:
         v = meta(node)
         if isinstance(v, torch.Tensor) and any(not isinstance(d, int) for d in v.shape):
-            raise NotAttention(f"symbolic (dynamic) shapes ({node.name}: {list(v.shape)}): attention is matched "
-                               "for static shapes only for now")
+            raise NotAttention(f"symbolic (dynamic) shapes ({node.name}: {list(v.shape)}): hand-written attention "
+                               "is matched for static shapes only (F.scaled_dot_product_attention calls are "
+                               "matched with symbolic sizes)")
 
 
 def match_site(softmax: fx.Node, values: ConstantValues) -> Match:
@@ -293,7 +309,6 @@ def _requires_grad(node) -> bool:
 def match_sdpa(node: fx.Node, values: ConstantValues) -> Match:
     """An existing F.scaled_dot_product_attention call, as a Match of the same fused op."""
     q, k, v = node.args[:3]
-    _require_static_shapes(q, k, v)
     mask = arg(node, 3, "attn_mask")
     dropout_p = arg(node, 4, "dropout_p", 0.0)
     is_causal = arg(node, 5, "is_causal", False)
@@ -304,12 +319,15 @@ def match_sdpa(node: fx.Node, values: ConstantValues) -> Match:
     if not all(isinstance(t, fx.Node) for t in (q, k, v)):
         raise NotAttention("SDPA operands are not tensors of the graph")
     d = shape(q)[-1]
+    if not isinstance(d, int):
+        raise NotAttention(f"symbolic head dim {d}: the kernels compile for one head dim")
     m = Match(q=q, k=k, k_transposed=None, v=v, scale=1.0 / math.sqrt(d) if scale is None else float(scale),
               facts=MaskFacts(), out=node, recognised=["scaled_dot_product_attention"])
     if is_causal:
         tq, tk = shape(q)[-2], shape(k)[-2]
-        if tq != tk:
-            raise NotAttention("SDPA is_causal with query and key lengths that differ (SDPA aligns top-left)")
+        if not _same(tq, tk):
+            raise NotAttention(f"SDPA is_causal with query and key lengths that may differ ({tq}, {tk}; SDPA "
+                               "aligns top-left, the kernel bottom-right)")
         m.facts.causal, m.facts.described = True, "causal (is_causal=True)"
     if mask is not None:
         if dtype(mask) == torch.bool:

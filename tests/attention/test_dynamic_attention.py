@@ -1,0 +1,92 @@
+"""F.scaled_dot_product_attention under symbolic sizes (dynamic=True): matched and fused with batch and
+sequence symbolic (the head dim must be static), one compilation for every size, forward and
+gradients equal eager; what cannot be proven without a guard stays unfused with the reason."""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxopt
+from fxopt.backend import compile_dynamo_graph
+
+
+class Recording:
+    """A backend that counts compilations and keeps one Report."""
+
+    def __init__(self):
+        self.calls, self.rep = 0, fxopt.Report()
+
+    def __call__(self, gm, inputs):
+        self.calls += 1
+        return compile_dynamo_graph(gm, inputs, fxopt.Options(), self.rep)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, d=32, heads=2, kv_heads=2, mask=False):
+        super().__init__()
+        self.heads, self.kv_heads, self.hd, self.mask = heads, kv_heads, d // heads, mask
+        self.q = nn.Linear(d, d)
+        self.kv = nn.Linear(d, 2 * kv_heads * self.hd)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x, bias=None):
+        B, T, _ = x.shape
+        q = self.q(x).view(B, T, self.heads, self.hd).transpose(1, 2)
+        k, v = self.kv(x).view(B, T, 2, self.kv_heads, self.hd).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=bias is None,
+                                           enable_gqa=self.heads != self.kv_heads)
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+def _check_sizes(model, sizes, with_bias=False):
+    torch.manual_seed(0)
+    backend = Recording()
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    for b, t in sizes:
+        x = torch.randn(b, t, model.q.in_features, requires_grad=True)
+        extra = (torch.randn(b, 1, t, t),) if with_bias else ()
+        out, ref = compiled(x, *extra), model(x, *extra)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+        go = torch.randn_like(ref)
+        params = (x, model.q.weight, model.kv.weight)
+        for got, want in zip(torch.autograd.grad(out, params, go), torch.autograd.grad(ref, params, go)):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    return backend
+
+
+def test_causal_sdpa_is_fused_once_for_every_batch_and_length():
+    backend = _check_sizes(SelfAttention(), [(2, 8), (3, 5), (2, 11), (4, 17)])
+    assert backend.calls == 1
+    assert [s.fused for s in backend.rep.attention] == [True]
+    wrappers = {g.name: g.wrapper_source for g in backend.rep.graphs}
+    assert "fxopt_ops.flash_attention(" in wrappers["forward"]
+    assert "fxopt_ops.flash_attention_backward(" in wrappers["backward"]
+    assert all(g.symbols for g in backend.rep.graphs)  # the graphs really are symbolic
+
+
+def test_grouped_query_sdpa_with_symbolic_lengths():
+    backend = _check_sizes(SelfAttention(d=64, heads=4, kv_heads=2), [(2, 8), (3, 13)])
+    site = backend.rep.attention[0]
+    assert site.fused and site.kv_groups == 2
+
+
+def test_additive_mask_input_with_symbolic_sizes_is_read_by_the_kernel():
+    backend = _check_sizes(SelfAttention(), [(2, 8), (3, 6)], with_bias=True)
+    assert backend.rep.attention[0].fused and "additive" in backend.rep.attention[0].mask
+
+
+def _cross(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_causal_with_lengths_not_provably_equal_stays_unfused_and_exact():
+    """q and k lengths are separate symbols: SDPA aligns top-left, the kernel bottom-right; they agree
+    only when the lengths are equal, which fxopt cannot prove without adding a guard."""
+    backend = Recording()
+    compiled = torch.compile(_cross, backend=backend)
+    for tq, tk in [(4, 9), (6, 11)]:
+        q, k, v = torch.randn(1, 2, tq, 16), torch.randn(1, 2, tk, 16), torch.randn(1, 2, tk, 16)
+        for t in (q, k, v):
+            torch._dynamo.mark_dynamic(t, 2)  # the lengths symbolic, the head dim static
+        torch.testing.assert_close(compiled(q, k, v), _cross(q, k, v), rtol=1e-5, atol=1e-6)
+    site = backend.rep.attention[0]
+    assert not site.fused and "may differ" in site.reason
