@@ -12,6 +12,7 @@ import operator
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 _FUNCTIONS = {
     torch.matmul: "matmul", operator.matmul: "matmul", torch.bmm: "matmul",
@@ -68,6 +69,16 @@ def meta(value):
 def shape(value) -> tuple[int, ...] | None:
     v = meta(value)
     return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def provably_equal(a, b) -> bool:
+    """Sizes (or tuples of sizes) equal for every value their symbols may take. Decided without adding
+    a guard (dynamo has finished; a guard added now could be lost): "not provably equal" is not a match."""
+    if isinstance(a, tuple) or isinstance(b, tuple):
+        return len(a) == len(b) and all(provably_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    return statically_known_true(a == b)
 
 
 def dtype(value) -> torch.dtype | None:

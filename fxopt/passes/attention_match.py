@@ -18,12 +18,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..analysis.attention_masks import MaskFacts, MaskStep, NotAttention, mask_facts
 from ..analysis.constant_values import ConstantValues
 from ..analysis.torch_ops import (
-    arg, dtype, is_identity_dropout, meta, op_of, shape, swaps_last_two, upcast_source,
+    arg, dtype, is_identity_dropout, meta, op_of, provably_equal, shape, swaps_last_two, upcast_source,
 )
 
 HEAD_DIMS = (16, 256)  # head dims the kernels handle (inclusive)
@@ -225,7 +224,7 @@ def _check_operands(m: Match) -> None:
     d = q.shape[-1]
     if not isinstance(d, int):
         raise NotAttention(f"symbolic head dim {d}: the kernels compile for one head dim")
-    if not _same(k_shape[-1], d) or not _same(v.shape[-1], d):
+    if not provably_equal(k_shape[-1], d) or not provably_equal(v.shape[-1], d):
         raise NotAttention(f"head dims differ (q {d}, k {k_shape[-1]}, v {v.shape[-1]}); the kernel needs one")
     if not HEAD_DIMS[0] <= d <= HEAD_DIMS[1]:
         raise NotAttention(f"head dim {d} is outside the kernels' range {HEAD_DIMS[0]}..{HEAD_DIMS[1]}")
@@ -235,25 +234,15 @@ def _check_operands(m: Match) -> None:
     if q.device.type not in ("cuda", "cpu"):
         raise NotAttention(f"device {q.device} (fxopt runs attention on cuda, or on the cpu)")
     lead_q, lead_k = tuple(q.shape[:-2]), tuple(k_shape[:-2])
-    if not _same(lead_q, lead_k):
+    if not provably_equal(lead_q, lead_k):
         heads_q, heads_k = (lead_q[1], lead_k[1]) if q.dim() == 4 else (None, None)
-        if (isinstance(heads_q, int) and isinstance(heads_k, int) and _same(lead_q[0], lead_k[0])
-                and heads_q % heads_k == 0 and _same(tuple(v.shape[:-2]), lead_k)):
+        if (isinstance(heads_q, int) and isinstance(heads_k, int) and provably_equal(lead_q[0], lead_k[0])
+                and heads_q % heads_k == 0 and provably_equal(tuple(v.shape[:-2]), lead_k)):
             m.kv_groups = heads_q // heads_k
         else:
             raise NotAttention(f"batch/head dims of q {list(lead_q)} and k {list(lead_k)} do not line up")
-    elif not _same(tuple(v.shape[:-2]), lead_q):
+    elif not provably_equal(tuple(v.shape[:-2]), lead_q):
         raise NotAttention(f"batch/head dims of v {list(v.shape[:-2])} differ from q's {list(lead_q)}")
-
-
-def _same(a, b) -> bool:
-    """Sizes (or tuples of sizes) equal for every value their symbols may take. Decided without adding
-    a guard (dynamo has finished; a guard added now could be lost): "not provably equal" is not a match."""
-    if isinstance(a, tuple) or isinstance(b, tuple):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if isinstance(a, int) and isinstance(b, int):
-        return a == b
-    return statically_known_true(a == b)
 
 
 def _require_static_shapes(*nodes) -> None:
@@ -325,7 +314,7 @@ def match_sdpa(node: fx.Node, values: ConstantValues) -> Match:
               facts=MaskFacts(), out=node, recognised=["scaled_dot_product_attention"])
     if is_causal:
         tq, tk = shape(q)[-2], shape(k)[-2]
-        if not _same(tq, tk):
+        if not provably_equal(tq, tk):
             raise NotAttention(f"SDPA is_causal with query and key lengths that may differ ({tq}, {tk}; SDPA "
                                "aligns top-left, the kernel bottom-right)")
         m.facts.causal, m.facts.described = True, "causal (is_causal=True)"

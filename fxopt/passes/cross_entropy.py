@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..analysis.torch_ops import LOW_FLOATS, arg, dtype, meta, shape, upcast_source
+from ..analysis.torch_ops import LOW_FLOATS, arg, dtype, meta, provably_equal, shape, upcast_source
 from ..losses.cross_entropy_op import REDUCTIONS, cross_entropy_op
 from ..pass_manager import PassContext, PassResult
 from .graph_edit import erase_unused
@@ -165,14 +165,15 @@ def _check_tensors(site: LossSite, loss_input: fx.Node) -> None:
         raise NotFusable(f"target dtype {t.dtype} (the fused op reads int64 class indices)")
     if x.dtype not in DTYPES:
         raise NotFusable(f"logits dtype {x.dtype}: the fused op takes one of fp32, bf16, fp16")
-    if not all(isinstance(d, int) for d in (*x.shape, *t.shape)):
-        raise NotFusable("symbolic (dynamic) shapes")
+    symbolic = not all(isinstance(d, int) for d in (*x.shape, *t.shape))
+    if symbolic and (x.dim() != 2 or site.class_dim != 1 or not isinstance(x.shape[1], int)):
+        raise NotFusable("symbolic (dynamic) shapes other than [rows, classes] logits with a static class count")
     if x.device.type not in ("cuda", "cpu") or t.device != x.device:
         raise NotFusable(f"logits on {x.device}, target on {t.device}")
     loss_shape = shape(loss_input)
     if len(loss_shape) < 2:
         raise NotFusable("unbatched input (one row of classes and a 0-d target)")
-    if tuple(t.shape) != loss_shape[:1] + loss_shape[2:]:
+    if not provably_equal(tuple(t.shape), loss_shape[:1] + loss_shape[2:]):
         raise NotFusable(f"target {list(t.shape)} does not match input {list(loss_shape)} without its class dim")
     if x.dim() > 2 or site.class_dim != x.dim() - 1:
         _check_rows_are_a_view(x, site.class_dim)

@@ -1,0 +1,62 @@
+"""The fused cross-entropy under symbolic sizes: [rows, classes] logits with a symbolic row count (and
+a static class count) are fused, one compilation serving every row count; other symbolic layouts stay
+ATen with the reason."""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxopt
+from fxopt.backend import compile_dynamo_graph
+
+
+class Recording:
+    def __init__(self):
+        self.calls, self.rep = 0, fxopt.Report()
+
+    def __call__(self, gm, inputs):
+        self.calls += 1
+        return compile_dynamo_graph(gm, inputs, fxopt.Options(), self.rep)
+
+
+class Head(nn.Module):
+    """An LM head and its loss, as model code writes them: logits [B, T, V] viewed as [B*T, V]."""
+
+    def __init__(self, d=16, vocab=37):
+        super().__init__()
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, h, targets):
+        logits = self.lm_head(h)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+
+
+def test_lm_loss_with_symbolic_batch_and_length_is_fused_once():
+    torch.manual_seed(0)
+    model, backend = Head(), Recording()
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    for b, t in [(2, 5), (3, 7), (2, 13)]:
+        h = torch.randn(b, t, 16, requires_grad=True)  # fp32: the fused op takes fp32/bf16/fp16
+        targets = torch.randint(0, 37, (b, t))
+        targets[0, 0] = -1  # an ignored position
+        loss, ref = compiled(h, targets), model(h, targets)
+        torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+        params = (h, model.lm_head.weight)
+        for got, want in zip(torch.autograd.grad(loss, params), torch.autograd.grad(ref, params)):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    assert backend.calls == 1
+    assert any("fxopt_ops.cross_entropy(" in g.wrapper_source for g in backend.rep.graphs)
+    assert any("fxopt_ops.cross_entropy_backward(" in g.wrapper_source for g in backend.rep.graphs)
+    assert all(g.symbols for g in backend.rep.graphs)
+
+
+def _per_position(logits, targets):
+    return F.cross_entropy(logits, targets, reduction="none")  # logits [B, V, T]: classes in dim 1
+
+
+def test_symbolic_logits_with_classes_not_last_stay_aten_and_exact():
+    backend = Recording()
+    compiled = torch.compile(_per_position, backend=backend, dynamic=True)
+    for b, t in [(2, 5), (3, 6)]:
+        logits, targets = torch.randn(b, 11, t), torch.randint(0, 11, (b, t))
+        torch.testing.assert_close(compiled(logits, targets), _per_position(logits, targets), rtol=1e-5, atol=1e-6)
+    assert any("symbolic" in reason for _, reason in backend.rep.fallbacks), backend.rep.fallbacks
