@@ -10,7 +10,7 @@ import threading
 
 import torch
 import torch.fx as fx
-from torch._functorch.aot_autograd import aot_module_simplified
+from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from . import pipeline
@@ -78,15 +78,18 @@ def _guarded(compiled, guards):
 
 
 def _aot(gm, example_inputs, compiler):
-    return aot_module_simplified(
-        gm, example_inputs,
+    """Through dynamo's own aot_autograd backend helper, not aot_module_simplified directly: it keeps
+    the counters DDP's graph splitter reads (without them a split graph's backward fails: "expected
+    same # of fw and bw compiles"), hides the backward compiler and the compiled graph from dynamo,
+    and flattens list inputs."""
+    return aot_autograd(
         fw_compiler=functools.partial(compiler, graph_name="forward"),
         bw_compiler=functools.partial(compiler, graph_name="backward"),
         inference_compiler=functools.partial(compiler, graph_name="inference"),
         decompositions=decomposition_table(),
         partition_fn=min_cut_rematerialization_partition,
         keep_inference_input_mutations=True,
-    )
+    )(gm, example_inputs)
 
 
 def fxopt_backend(gm: fx.GraphModule, example_inputs, **options):

@@ -24,6 +24,7 @@ from collections import OrderedDict
 import torch
 import torch.fx as fx
 
+from .analysis.op_classes import is_collective
 from .compile import choose_target
 from .cudagraph_io import Outputs, static_buffer
 from .options import Environment
@@ -53,6 +54,9 @@ def refusal_reason(gm: fx.GraphModule, target: str, profile: bool = False) -> st
         if torch.Tag.nondeterministic_seeded in tags or "rngprims" in str(n.target):
             return (f"random op {n.target} ({n.name}): fxopt does not capture random ops yet (a seeded run "
                     f"would not repeat eager's numbers); dropout in training: model.eval() or p=0 avoids it")
+        if is_collective(n):
+            return (f"collective {n.target} ({n.name}): fxopt does not capture communication into CUDA graphs "
+                    f"(the process group's streams and work objects live outside the graph)")
         if n.target in SYNC_OPS or torch.Tag.data_dependent_output in tags:
             return f"{n.target} ({n.name}) reads a GPU value on the CPU (a sync), which capture cannot record"
         if torch.Tag.dynamic_output_shape in tags:

@@ -5,7 +5,8 @@ view) and dies at the last node that reads it or any view of it. Graph inputs ar
 wrapper allocates; graph outputs (and views of them) live to the end, and are marked so the planner
 never lets later buffers reuse their memory. An ATen op whose schema says its output may alias an
 input (views, and the rarer `alias`-annotated ops) extends its input's buffer rather than owning one,
-so a buffer returned through such an op is an output too.
+so a buffer returned through such an op is an output too. The input of an asynchronous collective
+lives until the wait on its result (the communication may still read it).
 
 With symbolic sizes (dynamic shapes) a buffer's bytes are a sympy expression of the size symbols;
 memory/size_plans.py evaluates them per distinct size.
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from .op_classes import is_view
+from .op_classes import is_collective, is_view
 from .symbolic import sizes, strides
 
 
@@ -86,8 +87,24 @@ def buffer_intervals(gm: fx.GraphModule) -> list[Interval]:
             if n.op == "output":
                 iv.last_use, iv.is_output = end, True
             else:
-                iv.last_use = max(iv.last_use, position[n])
+                iv.last_use = max(iv.last_use, _read_until(n, position))
     return sorted(owners.values(), key=lambda iv: (iv.first_use, iv.name))
+
+
+def _read_until(node: fx.Node, position: dict) -> int:
+    """Until when `node` reads its inputs: its own position, or for an asynchronous collective
+    (all_gather, reduce_scatter, ... issued now, finished by a wait_tensor later) the position of the
+    last wait on its result: the communication may read the input until then."""
+    if not is_collective(node) or "wait_tensor" in str(node.target):
+        return position[node]
+    todo, last = list(node.users), position[node]
+    while todo:
+        u = todo.pop()
+        if u.op == "call_function" and u.target is operator.getitem:
+            todo.extend(u.users)
+        elif "wait_tensor" in str(u.target):
+            last = max(last, position[u])
+    return last
 
 
 def _same_layout(a, b) -> bool:

@@ -65,11 +65,24 @@ def is_view(node: fx.Node) -> bool:
     return node.op == "call_function" and isinstance(t, torch._ops.OpOverload) and t.is_view
 
 
+COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "c10d", "_dtensor")
+
+
+def is_collective(node: fx.Node) -> bool:
+    """A distributed collective (all_reduce, all_gather, reduce_scatter, wait_tensor, ...) as DDP and
+    FSDP2 put them in graphs: stays an ATen call, in its place (collectives must run in the same order on
+    every rank)."""
+    t = node.target
+    return node.op == "call_function" and isinstance(t, torch._ops.OpOverload) and t.namespace in COLLECTIVE_NAMESPACES
+
+
 def classify(node: fx.Node) -> str:
-    """pointwise | view | reduction | matmul | random | creation | fxopt | other."""
+    """pointwise | view | reduction | matmul | random | creation | collective | fxopt | other."""
     t = node.target
     if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
         return "other"
+    if is_collective(node):
+        return "collective"
     if t.namespace == "fxopt":
         return "fxopt"  # fxopt's own fused ops (attention): already a kernel, not a fallback
     if t in POINTWISE_OPS:
@@ -99,6 +112,7 @@ FALLBACK_REASONS = {
     "reduction": "reduction: stays an ATen call (reduction fusion is not built yet)",
     "random": "random op: stays an ATen call so it draws from torch's generator",
     "creation": "creation op: stays an ATen call (allocates its own output)",
+    "collective": "collective communication: stays an ATen call, in its place (never reordered)",
     "other": "no Triton lowering for this op yet",
 }
 

@@ -1,0 +1,69 @@
+"""Collectives in compiled graphs (what DDP and FSDP2 put there), checked in one process with torch's
+"fake" process group: they stay ATen calls in their order with the reason shown, the input of an
+asynchronous collective stays alive (and unplanned over) until its wait, and CUDA graphs refuse them."""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import fxopt
+from fxopt.analysis.liveness import buffer_intervals
+from fxopt.cudagraphs import refusal_reason
+from fxopt.memory.validate import validate_plan
+
+
+@pytest.fixture
+def fake_group():
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def _reduce_then_gather(x):
+    y = torch.sigmoid(x) * 2
+    gathered = funcol.all_gather_tensor(y + 1, 0, dist.group.WORLD)  # issued here, waited at its first use
+    unrelated = torch.sin(x) * 3 + y  # runs while the gather is in flight
+    reduced = funcol.all_reduce(unrelated, "sum", dist.group.WORLD)
+    return gathered * 2, reduced + 1
+
+
+def test_collectives_stay_aten_calls_in_order_with_the_reason(fake_group):
+    rep = fxopt.explain(_reduce_then_gather, torch.randn(4, 8))
+    calls = [line.split("_c10d_functional.")[1].split(".")[0] for line in rep.graphs[0].wrapper_source.splitlines()
+             if "_c10d_functional." in line and "wait_tensor" not in line]
+    assert calls == ["all_gather_into_tensor", "all_reduce"]  # the program's order
+    reasons = [r for n, r in rep.fallbacks if "all_" in n or "wait" in n]
+    assert reasons and all("collective communication" in r and "never reordered" in r for r in reasons)
+
+
+def test_async_collective_input_lives_until_its_wait(fake_group):
+    """Traced graphs wait right after issuing; a graph that overlaps communication (the wait moved to
+    the result's first use, as a scheduler would) has the gather in flight while other ops run: its
+    input must not die at the gather."""
+    gm = make_fx(_reduce_then_gather)(torch.randn(4, 8))
+    gather = next(n for n in gm.graph.nodes if "all_gather" in str(n.target))
+    wait = next(u for u in gather.users if "wait_tensor" in str(u.target))
+    min(wait.users, key=lambda u: list(gm.graph.nodes).index(u)).prepend(wait)  # wait at first use
+    nodes = list(gm.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    assert position[wait] > position[gather] + 1  # something runs between issue and wait
+    intervals = {iv.name: iv for iv in buffer_intervals(gm)}
+    assert intervals[gather.args[0].name].last_use >= position[wait]
+
+
+def test_applied_plan_never_reuses_a_gather_input_before_its_wait(fake_group):
+    x = torch.randn(4, 8)
+    rep = fxopt.explain(_reduce_then_gather, x, memory_plan="apply")
+    plan = rep.graphs[0].memory_plan
+    validate_plan(plan)
+    out = torch.compile(_reduce_then_gather, backend=fxopt.backend(memory_plan="apply"), dynamic=False)(x)
+    for got, want in zip(out, _reduce_then_gather(x)):
+        torch.testing.assert_close(got, want)
+
+
+def test_cuda_graphs_refuse_graphs_with_collectives(fake_group):
+    gm = make_fx(_reduce_then_gather)(torch.randn(4, 8))
+    reason = refusal_reason(gm, "cuda")
+    assert reason is not None and "collective" in reason
