@@ -1,8 +1,8 @@
-"""fxopt under DistributedDataParallel, without GPUs: two processes, the gloo backend on the CPU, fused
-kernels in the Triton interpreter. Dynamo's DDP optimizer splits the model's graph at bucket
-boundaries and hands fxopt one graph per bucket; losses and parameters must follow eager DDP step by
-step, and functional collectives inside a compiled function must give eager's results with the arena
-plan applied."""
+"""fxopt under DDP and FSDP2, without GPUs: two processes, the gloo backend on the CPU, fused kernels in
+the Triton interpreter. Dynamo's DDP optimizer splits the model's graph at bucket boundaries and hands
+fxopt one graph per bucket; FSDP2 (`fully_shard` per block) compiles each block on its own. Losses and
+parameters must follow the eager run step by step, and functional collectives inside a compiled
+function must give eager's results with the arena plan applied."""
 from __future__ import annotations
 
 import copy
@@ -65,6 +65,67 @@ def _ddp_steps(rank):
             pair.append(loss.item())
         losses.append(pair)
     worst = max((a - b).abs().max().item() for a, b in zip(ddp.parameters(), ref.parameters()))
+    return {"losses": losses, "param_diff": worst, "graphs": len(graphs), "kernels": len(rep.kernels)}
+
+
+class Block(nn.Module):
+    def __init__(self, d=64):
+        super().__init__()
+        self.lin, self.norm = nn.Linear(d, d), nn.LayerNorm(d)
+
+    def forward(self, x):
+        return self.norm(F.gelu(self.lin(x)) + x)
+
+
+class Stack(nn.Module):
+    def __init__(self, d=64):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d) for _ in range(3))
+        self.head = nn.Linear(d, 4)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _fsdp2_steps(rank):
+    import fxopt
+    from fxopt.backend import compile_dynamo_graph
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    torch.manual_seed(0)
+    model = Stack()
+    ref = copy.deepcopy(model)
+    for m in (model, ref):
+        for block in m.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(m, mesh=mesh)
+    rep, graphs = fxopt.Report(), []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return compile_dynamo_graph(gm, example_inputs, fxopt.Options(), rep)
+
+    for block in model.blocks:
+        block.compile(backend=backend)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    torch.manual_seed(1 + rank)
+    losses = []
+    for _ in range(3):
+        x = torch.randn(8, 64)
+        pair = []
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            loss = m(x).square().mean()
+            loss.backward()
+            o.step()
+            pair.append(loss.item())
+        losses.append(pair)
+    worst = max((a.full_tensor() - b.full_tensor()).abs().max().item()
+                for a, b in zip(model.parameters(), ref.parameters()))
     return {"losses": losses, "param_diff": worst, "graphs": len(graphs), "kernels": len(rep.kernels)}
 
 
@@ -135,3 +196,12 @@ def test_ddp_training_follows_eager_ddp_with_split_graphs():
 def test_functional_collectives_in_a_compiled_graph_with_the_arena_applied():
     for rank, r in run_on_two_ranks(_collectives).items():
         assert r["diff"] < 1e-5, (rank, r)
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
+def test_fsdp2_blocks_compiled_by_fxopt_follow_eager_fsdp2():
+    for rank, r in run_on_two_ranks(_fsdp2_steps).items():
+        assert r["graphs"] >= 1 and r["kernels"] > 0, r
+        for compiled_loss, eager_loss in r["losses"]:
+            assert compiled_loss == pytest.approx(eager_loss, rel=1e-5, abs=1e-6), (rank, r["losses"])
+        assert r["param_diff"] < 1e-5, (rank, r)
