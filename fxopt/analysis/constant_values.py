@@ -80,6 +80,18 @@ class ConstantValues:
         self._constant: dict[fx.Node, bool] = {}
         self._value: dict[fx.Node, object] = {}
 
+    @classmethod
+    def for_body(cls, body: fx.GraphModule, operands, outer: "ConstantValues") -> "ConstantValues":
+        """The values of a higher-order op's body (a torch.utils.checkpoint region): its placeholders are
+        the op's operands, so a body placeholder is a constant buffer when its operand is one of the outer
+        graph, with the outer graph's input index (guards watch the outer input)."""
+        values = cls(body, None)
+        placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+        pairs = [(p, o) for p, o in zip(placeholders, operands) if isinstance(o, fx.Node)]
+        values.index = {p: outer.index[o] for p, o in pairs if o in outer.index}
+        values.buffers = {p: outer.buffers[o] for p, o in pairs if o in outer.buffers and outer.is_constant(o)}
+        return values
+
     def is_constant(self, value) -> bool:
         if not isinstance(value, fx.Node):
             return not isinstance(value, (list, tuple)) or all(self.is_constant(v) for v in value)

@@ -111,29 +111,56 @@ def _kernel_name(m: Match) -> str:
     return "fxopt flash attention (Triton kernels under TRITON_INTERPRET=1, else torch ops on the CPU)"
 
 
-def _sites_in_subgraphs(gm: fx.GraphModule) -> list[AttentionSite]:
-    """Attention inside higher-order-op bodies (torch.utils.checkpoint regions, torch.cond branches):
-    listed as not fused, with the reason, so no site goes unreported."""
+CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
+
+
+def _checkpoint_bodies(gm: fx.GraphModule):
+    """(body name, body module, its operands) of each torch.utils.checkpoint region dynamo captured as
+    a tag_activation_checkpoint call: attention inside is matched like attention outside, and aot_autograd
+    still recomputes the region (the fused op included) in the backward."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is CHECKPOINT and node.args and node.args[0].op == "get_attr":
+            body = getattr(gm, node.args[0].target, None)
+            if isinstance(body, fx.GraphModule):
+                yield node.args[0].target, body, node.args[1:]
+
+
+def _sites_in_subgraphs(gm: fx.GraphModule, matched: set[str]) -> list[AttentionSite]:
+    """Attention inside other higher-order-op bodies (torch.cond branches, ...): listed as not fused,
+    with the reason, so no site goes unreported."""
     sites = []
     for name, sub in gm.named_modules():
-        if not name or not isinstance(sub, fx.GraphModule):
+        if not name or name in matched or not isinstance(sub, fx.GraphModule):
             continue
         for node in sub.graph.nodes:
             if node.op in ("call_function", "call_method") and is_candidate(node):
                 sites.append(AttentionSite(
                     node=f"{name}.{node.name}", source=_source_line(node), fused=False,
-                    reason=f"inside the subgraph '{name}' of a higher-order op (a torch.utils.checkpoint region?): "
+                    reason=f"inside the subgraph '{name}' of a higher-order op other than torch.utils.checkpoint: "
                            "attention is not matched inside those yet; it runs as written"))
     return sites
 
 
 class FuseAttention:
-    """Pre-autograd pass: hand-written attention and SDPA calls -> torch.ops.fxopt.flash_attention."""
+    """Pre-autograd pass: hand-written attention and SDPA calls -> torch.ops.fxopt.flash_attention, in
+    the graph and inside its torch.utils.checkpoint regions."""
 
     name = "fuse_attention"
 
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         values = ConstantValues(gm, ctx.example_inputs)
+        fused = self._fuse_in(gm, values, ctx, prefix="")
+        matched = set()
+        for name, body, operands in _checkpoint_bodies(gm):
+            n = self._fuse_in(body, ConstantValues.for_body(body, operands, values), ctx, prefix=f"{name}.")
+            if n:
+                body.recompile()
+            fused += n
+            matched.add(name)
+        ctx.attention.extend(_sites_in_subgraphs(gm, matched))
+        return PassResult(gm, fused > 0, {"fused": fused, "unfused": sum(not s.fused for s in ctx.attention)})
+
+    def _fuse_in(self, gm: fx.GraphModule, values: ConstantValues, ctx: PassContext, prefix: str) -> int:
         fused = 0
         for node in list(gm.graph.nodes):
             if node.graph is not gm.graph or node.op not in ("call_function", "call_method"):
@@ -141,22 +168,21 @@ class FuseAttention:
             kind = op_of(node)
             if kind not in ("softmax", "sdpa") or (kind == "softmax" and not is_candidate(node)):
                 continue
-            site = AttentionSite(node=node.name, source=_source_line(node), fused=False)
+            site = AttentionSite(node=prefix + node.name, source=_source_line(node), fused=False)
             try:
                 m = match_site(node, values) if kind == "softmax" else match_sdpa(node, values)
             except NotAttention as why:
                 site.reason = str(why)
                 ctx.attention.append(site)
                 continue
-            site.node, site.fused, site.causal, site.scale = m.out.name, True, m.facts.causal, m.scale
+            site.node, site.fused, site.causal, site.scale = prefix + m.out.name, True, m.facts.causal, m.scale
             site.mask, site.kv_groups, site.kernel = m.facts.described, m.kv_groups, _kernel_name(m)
             site.recognised = list(dict.fromkeys(m.recognised))
             self._guard(ctx, values, m, site)
             rewrite(gm, m)
             ctx.attention.append(site)
             fused += 1
-        ctx.attention.extend(_sites_in_subgraphs(gm))
-        return PassResult(gm, fused > 0, {"fused": fused, "unfused": sum(not s.fused for s in ctx.attention)})
+        return fused
 
     @staticmethod
     def _guard(ctx: PassContext, values: ConstantValues, m: Match, site: AttentionSite) -> None:

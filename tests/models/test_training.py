@@ -20,8 +20,8 @@ What each test proves:
   and says why; compiled and eager draw the same masks from the same seed.
 - test_checkpointed_blocks_grads_match_eager: torch.utils.checkpoint (use_reentrant=False) around each
   block compiles, and its gradients equal eager's; with dropout inside the regions the recomputation
-  replays the same masks. Attention inside a checkpoint region is listed as not fused, with the reason
-  (test_checkpointed_attention_is_matched is a strict xfail until it is matched).
+  replays the same masks. Attention inside a checkpoint region is fused and recomputed in the backward
+  (test_checkpointed_attention_is_matched_and_recomputed).
 - test_grads_match_float64_reference: every parameter's gradient after one step is as close to a float64
   eager copy as eager fp32's own gradient is.
 """
@@ -305,11 +305,10 @@ def test_checkpointed_blocks_grads_match_eager():
         assert g == pytest.approx(r, rel=1e-5)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "missing feature: attention written inside a torch.utils.checkpoint region (dynamo's "
-    "tag_activation_checkpoint subgraph) is not matched; it is listed in rep.attention as not fused, with "
-    "the reason (test_checkpointed_attention_is_listed_with_a_reason); numerics are right"))
-def test_checkpointed_attention_is_matched():
+def test_checkpointed_attention_is_matched_and_recomputed():
+    """Attention inside torch.utils.checkpoint regions (dynamo's tag_activation_checkpoint bodies) is
+    fused like attention outside; the backward recomputes the region, fused op included, instead of
+    saving its activations (test_checkpointed_blocks_grads_match_eager checks the numbers)."""
     torch.manual_seed(0)
     config = GPT2Config(gradient_checkpointing=True)
     rep = fxopt.explain(GPT2LMHeadModel(config).train(), *gpt2_batch(config))
@@ -317,15 +316,11 @@ def test_checkpointed_attention_is_matched():
     ce = [p for p in rep.pre_autograd if p.name == "fuse_cross_entropy"]
     assert ce and ce[0].stats.get("fused", 0) == 1  # the loss, outside the regions, is fused
     assert len(rep.attention) == config.n_layer, [str(s) for s in rep.attention]
-    assert all(site.fused for site in rep.attention)
-
-
-def test_checkpointed_attention_is_listed_with_a_reason():
-    torch.manual_seed(0)
-    config = GPT2Config(gradient_checkpointing=True)
-    rep = fxopt.explain(GPT2LMHeadModel(config).train(), *gpt2_batch(config))
-    assert len(rep.attention) == config.n_layer, [str(s) for s in rep.attention]
-    assert all(not s.fused and "checkpoint" in s.reason for s in rep.attention)
+    assert all(site.fused and site.node.startswith("wrap_body_") for site in rep.attention)
+    wrappers = {g.name: g.wrapper_source for g in rep.graphs}
+    assert wrappers["forward"].count("fxopt_ops.flash_attention(") == config.n_layer
+    assert wrappers["backward"].count("fxopt_ops.flash_attention(") == config.n_layer  # recomputed
+    assert wrappers["backward"].count("fxopt_ops.flash_attention_backward(") == config.n_layer
 
 
 def test_checkpointed_dropout_recompute_is_consistent():
