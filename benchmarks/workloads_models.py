@@ -25,7 +25,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .workloads import nbytes, randn, tensors, workload
-from .workloads_attention import GPTBlock, _gradients, attention_flops
+from . import workloads_attention as attn  # the module, not its names: importing workloads_attention
+# first imports workloads, which imports this module while workloads_attention is half-initialised
 
 
 # ---------------------------------------------------------------- a Llama block, as HF writes it
@@ -126,12 +127,12 @@ def _block_sdpa(block, x):
 def _block_train(block, x, dy):
     """Forward and backward: (output, dx, every parameter's gradient)."""
     out = block(x)
-    return (out, *_gradients(out, (x, *block.parameters()), dy))
+    return (out, *attn._gradients(out, (x, *block.parameters()), dy))
 
 
 def _block_train_sdpa(block, x, dy):
     out = block(x, use_sdpa=True)
-    return (out, *_gradients(out, (x, *block.parameters()), dy))
+    return (out, *attn._gradients(out, (x, *block.parameters()), dy))
 
 
 def _linear_flops(block, x) -> int:
@@ -144,7 +145,7 @@ def _attention_flops(block, x) -> int:
     attn = getattr(block, "attn", None) or block.self_attn
     n_head = attn.n_head
     q_like = torch.empty(B, n_head, T, C // n_head, device="meta")
-    return attention_flops(q_like, q_like, causal=True)
+    return attn.attention_flops(q_like, q_like, causal=True)
 
 
 def _forward_flops(inputs) -> int:
@@ -169,7 +170,7 @@ def _gpt(device, dtype, quick, B, T, train=False):
     d_model, n_head = (128, 4) if quick else (1024, 16)
     T = 64 if quick and T > 64 else T
     B = min(B, 2) if quick else B
-    block = GPTBlock(d_model, n_head, max_len=T).to(device=device, dtype=dtype)
+    block = attn.GPTBlock(d_model, n_head, max_len=T).to(device=device, dtype=dtype)
     block.train(False).requires_grad_(train)
     x = randn(B, T, d_model, device=device, dtype=dtype).requires_grad_(train)
     return block, x

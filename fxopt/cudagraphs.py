@@ -230,10 +230,12 @@ class _Entry:
 class GraphedCallable:
     """The boxed callable aot_autograd gets: the compiled graph, replayed as CUDA graphs."""
 
-    _boxed_call = True
-
     def __init__(self, fn, name: str, record: GraphReport, mutated: set[int], backend=None,
                  warmup: int = WARMUP_CALLS, max_graphs: int = MAX_GRAPHS):
+        # an instance attribute: dynamo's aot_autograd helper wraps the compiled backward with
+        # functools.wraps, which copies the instance's __dict__ (a class attribute would be lost and
+        # aot_autograd would call this unboxed)
+        self._boxed_call = True
         self.fn, self.name, self.record, self.mutated = fn, name, record, mutated
         self.backend = backend if backend is not None else CudaGraphs()
         self.warmup, self.cache = warmup, SignatureCache(max_graphs)

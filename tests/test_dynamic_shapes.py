@@ -189,8 +189,9 @@ def test_gpt_block_one_compilation_serves_batch_and_sequence_pairs():
             assert list(plan.sizes.values()) == list(values)
             assert validate_plan(plan) == [], (gr.name, values)
         assert gr.memory_plan.sizes == gr.symbols  # the reported plan says which sizes it is for
-    # attention matching refuses symbolic shapes: the site stays as written, with the reason
-    assert rep.attention and all(not s.fused and "symbolic" in s.reason for s in rep.attention)
+    # every attention site is reported, fused or with the reason (this tiny model's head dim 8 is below
+    # the kernels' range; symbolic attention is tests/attention/test_dynamic_attention.py)
+    assert rep.attention and all(s.fused or s.reason for s in rep.attention)
     assert "symbolic sizes" in str(rep)
 
 

@@ -77,9 +77,13 @@ def _describe_buffers(buffers) -> str:
 def mask_facts(steps: list[MaskStep], values, score_shape, requires_grad) -> MaskFacts:
     """Fold the mask steps of one site into MaskFacts, or raise NotAttention with the reason."""
     facts = MaskFacts()
-    keep = torch.ones(score_shape, dtype=torch.bool)
+    symbolic = not all(isinstance(d, int) for d in score_shape)
+    keep = torch.ones(() if symbolic else score_shape, dtype=torch.bool)
     constant_steps = []
     for step in steps:
+        if values.is_constant(step.tensor) and symbolic:
+            raise NotAttention("a compile-time mask with symbolic (dynamic) sizes: it cannot be evaluated once "
+                               "for every size")
         if values.is_constant(step.tensor):
             keep = keep & _keep_of_step(step, values, score_shape)
             constant_steps.append(step)

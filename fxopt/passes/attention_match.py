@@ -245,20 +245,10 @@ def _check_operands(m: Match) -> None:
         raise NotAttention(f"batch/head dims of v {list(v.shape[:-2])} differ from q's {list(lead_q)}")
 
 
-def _require_static_shapes(*nodes) -> None:
-    """Hand-written attention: masks are evaluated and shapes compared at compile time, which symbolic
-    sizes would turn into guards. F.scaled_dot_product_attention calls are matched with symbolic sizes."""
-    for node in nodes:
-        v = meta(node)
-        if isinstance(v, torch.Tensor) and any(not isinstance(d, int) for d in v.shape):
-            raise NotAttention(f"symbolic (dynamic) shapes ({node.name}: {list(v.shape)}): hand-written attention "
-                               "is matched for static shapes only (F.scaled_dot_product_attention calls are "
-                               "matched with symbolic sizes)")
-
-
 def match_site(softmax: fx.Node, values: ConstantValues) -> Match:
-    """The Match of a hand-written attention site around `softmax`, or NotAttention(reason)."""
-    _require_static_shapes(softmax)
+    """The Match of a hand-written attention site around `softmax`, or NotAttention(reason). With symbolic
+    sizes a mask is matched only when it is computed per call (read by the kernel; a buffer sliced to
+    the sequence length is), never evaluated at compile time."""
     dim = arg(softmax, 1, "dim")
     rank = len(shape(softmax) or ())
     if not isinstance(dim, int) or dim % max(rank, 1) != rank - 1:

@@ -1,6 +1,10 @@
-"""F.scaled_dot_product_attention under symbolic sizes (dynamic=True): matched and fused with batch and
-sequence symbolic (the head dim must be static), one compilation for every size, forward and
-gradients equal eager; what cannot be proven without a guard stays unfused with the reason."""
+"""Attention under symbolic sizes (dynamic=True): F.scaled_dot_product_attention calls, and hand-written
+attention whose mask is computed per call (a causal buffer sliced to the length), are fused with batch
+and sequence symbolic (the head dim must be static), one compilation for every size, forward and
+gradients equal eager; what cannot be proven without a guard, or a mask that would have to be
+evaluated at compile time, stays unfused with the reason."""
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -90,3 +94,41 @@ def test_causal_with_lengths_not_provably_equal_stays_unfused_and_exact():
         torch.testing.assert_close(compiled(q, k, v), _cross(q, k, v), rtol=1e-5, atol=1e-6)
     site = backend.rep.attention[0]
     assert not site.fused and "may differ" in site.reason
+
+
+class HandWritten(nn.Module):
+    """nanoGPT's attention: a registered tril buffer sliced to the length, masked_fill with -inf."""
+
+    def __init__(self, d=32, heads=2, max_len=32, fill=float("-inf")):
+        super().__init__()
+        self.heads, self.hd, self.fill = heads, d // heads, fill
+        self.q = nn.Linear(d, d)
+        self.kv = nn.Linear(d, 2 * d)
+        self.proj = nn.Linear(d, d)
+        self.register_buffer("bias", torch.tril(torch.ones(max_len, max_len, dtype=torch.bool)).view(1, 1, max_len, max_len))
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q = self.q(x).view(B, T, self.heads, self.hd).transpose(1, 2)
+        k, v = (t.view(B, T, self.heads, self.hd).transpose(1, 2) for t in self.kv(x).split(C, dim=2))
+        att = q @ k.transpose(-2, -1) * (1.0 / math.sqrt(self.hd))
+        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, self.fill)
+        y = torch.softmax(att, dim=-1) @ v
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+def test_hand_written_attention_with_a_sliced_buffer_mask_is_fused_for_every_length():
+    """The slice depends on the length, so the mask is computed per call and read by the kernel
+    (no compile-time causal fact, no guard): exact for every size."""
+    backend = _check_sizes(HandWritten(), [(2, 8), (3, 5), (2, 17)])
+    assert backend.calls <= 2  # dynamo may call the backend twice on the very first call
+    site = backend.rep.attention[-1]
+    assert site.fused and "read by the kernel" in site.mask and not site.causal
+
+
+def test_hand_written_finite_fill_under_symbolic_sizes_stays_unfused_and_exact():
+    """HF's where(mask, scores, finfo.min): with a per-call mask a fully masked row would differ from
+    eager, so it is not fused; the results are eager's."""
+    backend = _check_sizes(HandWritten(fill=torch.finfo(torch.float32).min), [(2, 8), (3, 5)])
+    site = backend.rep.attention[-1]
+    assert not site.fused and "not -inf" in site.reason
