@@ -223,8 +223,10 @@ def _load(gm: fx.GraphModule, kernels: dict[str, Kernel], record: GraphReport, e
 
 
 def _launched(kernels: dict[str, Kernel]) -> list[Kernel]:
-    """Every Triton function the wrapper launches (split reductions launch a prologue kernel too)."""
-    return [p for k in kernels.values() for p in ([k.prologue] if k.prologue else []) + [k]]
+    """Every Triton function the wrapper launches (split reductions launch a prologue kernel too; a
+    symbolic row's kernel has a persistent alternative)."""
+    return [p for k in kernels.values()
+            for p in ([k.prologue] if k.prologue else []) + [k] + ([k.alternative] if k.alternative else [])]
 
 
 def _precompile(module, kernels: dict[str, Kernel]) -> None:

@@ -99,9 +99,10 @@ def sum_outer(x):
     return (x * 2).sum(0)
 
 
-# rows shorter than, equal to and longer than the looped kernel's 4096-element block; odd counts;
-# a column sum over more rows than its 64-row step
-SIZES = [(3, 5), (7, 9), (2, 4100), (70, 3)]
+# rows that fit in registers (the persistent alternative: 5, 9, 4100) and one that does not (9000: the
+# looped kernel, over more than one 4096-element block); odd counts; a column sum over more rows than
+# its 64-row step
+SIZES = [(3, 5), (7, 9), (2, 4100), (70, 3), (2, 9000)]
 
 
 @pytest.mark.parametrize("fn", [softmax, layernorm, rmsnorm, sum_inner, sum_outer])
@@ -114,6 +115,11 @@ def test_reductions_with_symbolic_rows_and_lengths(fn):
     _assert_no_narrowing(backend.report)
     assert all(k.kind == "reduction" and "looped" in k.schedule for k in backend.report.kernels
                if k.kind == "reduction"), [k.schedule for k in backend.report.kernels]
+    rows = [k for k in backend.report.kernels if "persistent when the row fits" in (k.schedule or "")]
+    if fn is not sum_outer:  # a row reduction: both kernels, chosen per call in the wrapper
+        assert rows and all(f"def {k.name}_persistent(" in k.source for k in rows)
+        wrapper = "".join(g.wrapper_source for g in backend.report.graphs)
+        assert "if triton.next_power_of_2(" in wrapper
 
 
 def test_static_row_length_stays_persistent_under_symbolic_rows():

@@ -33,6 +33,10 @@ class Kernel:
     prologue: "Kernel | None" = None
     symbols: dict[str, int] = field(default_factory=dict)  # size symbols it takes -> example values
     setup: list[str] = field(default_factory=list)  # wrapper lines run before the launch (per-call configs)
+    # a symbolic row: the persistent kernel launched instead when `alternative_when` (Python source over
+    # the size symbols) holds at call time
+    alternative: "Kernel | None" = None
+    alternative_when: str = ""
 
     @property
     def symbolic(self) -> bool:
@@ -40,7 +44,8 @@ class Kernel:
 
     def full_source(self) -> str:
         """Every Triton function this kernel launches (a split reduction's partial kernel first)."""
-        return (self.prologue.source + "\n\n" if self.prologue is not None else "") + self.source
+        alternative = "\n\n" + self.alternative.source if self.alternative is not None else ""
+        return (self.prologue.source + "\n\n" if self.prologue is not None else "") + self.source + alternative
 
     def warmup_args(self) -> list:
         """Arguments for JITFunction.warmup: pointer dtypes, then the real integer arguments."""

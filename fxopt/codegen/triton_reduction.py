@@ -10,7 +10,8 @@ row values ([XBLOCK, RBLOCK], shape S of the group) or row scalars ([XBLOCK, 1],
   values are recomputed from the inputs in each pass, and row outputs are stored in the earliest pass
   that has what they need.
 
-Symbolic row length (dynamic shapes): the kernel is always the looped variant, and the wrapper picks
+Symbolic row length (dynamic shapes): a looped kernel and a persistent alternative are generated, and
+the wrapper launches the persistent one when the call's row fits in registers; for the looped one it picks
 its block sizes per call from the actual length (RBLOCK = next power of two up to 4096, XBLOCK rows
 sharing ~2048 lanes), so a short row runs the loop once and a long one walks it: any length is
 served, masked at the tail. A static row length with symbolic rows stays persistent when it fits.
@@ -169,15 +170,39 @@ class ReductionEmitter(PointwiseEmitter):
         ints = ["xnumel", "rnumel"] + [s.name for s in self.syms]
         source = self._function(self.name, kind, body, ["in", "out"], ints, ["XBLOCK", "RBLOCK"])
         grid, consts, setup = cdiv_source(self.xnumel, xblock), {"XBLOCK": xblock, "RBLOCK": rblock}, []
+        alternative = None
         if is_symbolic(self.rnumel) and not column:
             grid, consts, warps, setup = self._per_call_config()
-            kind = "looped (block sizes per call)"
-        return Kernel(self.name, "reduction", source, self.ops, grid=grid,
+            alternative = self._persistent_alternative(prelude, ints)
+            kind = "looped (block sizes per call), persistent when the row fits"
+        kernel = self._kernel(self.name, source, grid, consts, warps, kind, setup)
+        if alternative is not None:
+            kernel.alternative = alternative
+            kernel.alternative_when = f"triton.next_power_of_2({pexpr(self.rnumel)}) <= {PERSISTENT_MAX}"
+        return kernel
+
+    def _kernel(self, name, source, grid, consts, warps, kind, setup) -> Kernel:
+        return Kernel(name, "reduction", source, self.ops, grid=grid,
                       int_args=[self.xnumel, self.rnumel, *self.syms], constexprs=consts,
                       num_warps=warps, outputs=[o.meta["val"] for o in self.output_nodes],
                       input_dtypes=self._input_dtypes(),
                       inputs=[p.meta["val"] for p in self.placeholders], notes={"reduction": kind},
                       symbols=self._examples(self.syms), setup=setup)
+
+    def _persistent_alternative(self, prelude: list[str], ints: list[str]) -> Kernel:
+        """The persistent kernel of a symbolic row, launched when the call's row fits in registers
+        (next power of two <= PERSISTENT_MAX): RBLOCK is that power of two (one compiled variant per
+        power met), XBLOCK and warps as _config picks them for a static row."""
+        self.suffix = ""
+        name = f"{self.name}_persistent"
+        source = self._function(name, "persistent", prelude + self._persistent(), ["in", "out"], ints,
+                                ["XBLOCK", "RBLOCK"])
+        r, x = f"{name}_RBLOCK", f"{name}_XBLOCK"
+        setup = [f"{r} = triton.next_power_of_2({pexpr(self.rnumel)})",
+                 f"{x} = max(1, min(triton.next_power_of_2({pexpr(self.xnumel)}), 2048 // {r}))"]
+        warps = f"max(2, min(8, {x} * {r} // 1024))"
+        return self._kernel(name, source, f"triton.cdiv({pexpr(self.xnumel)}, {x})", {"XBLOCK": x, "RBLOCK": r},
+                            warps, "persistent (row length per call)", setup)
 
     def _per_call_config(self):
         """(grid, constexprs, num_warps, wrapper lines) of a row whose length is known only per call:

@@ -304,6 +304,13 @@ def _launch(n: fx.Node, k: Kernel, names, mode: str, slots=None, arena: str = "a
     scratch = [f"ws_{n.name}_{i}" for i in range(len(k.workspaces))]
     for name, (shape, dtype) in zip(scratch, k.workspaces):
         lines.append(f"{name} = torch.empty({shape}, dtype={dtype}, device={device})  # per-chunk partials")
+    if k.alternative is not None:  # a symbolic row: persistent when this call's row fits in registers
+        a = k.alternative
+        launch = lambda kk: f"{kk.name}[{kk.grid_source()}]({args}, {', '.join(outs)}{kk.launch_suffix()})"  # noqa: E731
+        lines.append(f"if {k.alternative_when}:")
+        lines += ["    " + line for line in a.setup] + ["    " + launch(a), "else:"]
+        lines += ["    " + line for line in k.setup] + ["    " + launch(k)]
+        return lines
     lines += k.setup  # per-call block sizes (symbolic row lengths)
     if k.prologue is not None:
         p = k.prologue
