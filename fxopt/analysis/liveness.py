@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from .op_classes import is_collective, is_view
+from .op_classes import is_collective, is_view, out_variant
 from .symbolic import sizes, strides
 
 
@@ -30,7 +30,8 @@ class Interval:
     first_use: int  # position of the node that writes it
     last_use: int  # position of the last node that reads it (or a view of it)
     is_output: bool = False
-    kernel: bool = False  # written by a fused kernel launch (the wrapper allocates it; ATen allocates the rest)
+    kernel: bool = False  # written by a fused kernel launch (the wrapper allocates it)
+    placeable: bool = False  # the wrapper can allocate it (kernel outputs, and ATen calls with an out= overload)
 
 
 def tensor_bytes(val):
@@ -71,12 +72,14 @@ def buffer_intervals(gm: fx.GraphModule) -> list[Interval]:
         if n.op == "call_module" and isinstance(n.meta.get("val"), tuple):
             for u in n.users:  # a multi-output kernel writes one buffer per getitem
                 owners[u] = Interval(u.name, tensor_bytes(u.meta.get("val")), position[n], position[n],
-                                     kernel=True)
+                                     kernel=True, placeable=True)
         elif n.op == "call_module" or (n.op == "call_function" and not _aliases_input(n)
                                       and n.target is not operator.getitem):
             size = tensor_bytes(n.meta.get("val"))
             if size:
-                owners[n] = Interval(n.name, size, position[n], position[n], kernel=n.op == "call_module")
+                kernel = n.op == "call_module"
+                owners[n] = Interval(n.name, size, position[n], position[n], kernel=kernel,
+                                     placeable=kernel or out_variant(n) is not None)
     end = len(nodes) - 1
     for n in nodes:
         for a in n.all_input_nodes:

@@ -65,6 +65,16 @@ def is_view(node: fx.Node) -> bool:
     return node.op == "call_function" and isinstance(t, torch._ops.OpOverload) and t.is_view
 
 
+# ATen calls whose result the wrapper can place itself (memory_plan="apply"): op -> its out= overload.
+# The matmuls: the largest activations of a transformer that are not fused kernels' outputs.
+OUT_VARIANTS = {aten.mm.default: aten.mm.out, aten.addmm.default: aten.addmm.out, aten.bmm.default: aten.bmm.out}
+
+
+def out_variant(node: fx.Node):
+    """The out= overload the wrapper calls for this node when the plan places its result, or None."""
+    return OUT_VARIANTS.get(node.target) if node.op == "call_function" else None
+
+
 COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "c10d", "_dtensor")
 
 

@@ -22,6 +22,7 @@ import torch
 import torch.fx as fx
 
 from ..analysis.liveness import tensor_bytes
+from ..analysis.op_classes import out_variant
 from ..analysis.symbolic import expr, hint, pexpr, ptuple, shape_env_of, sizes, strides, symbol_bindings
 from ..report import BufferRecord, MemoryPlan
 from .kernel import Kernel
@@ -130,21 +131,24 @@ def _last_uses(gm: fx.GraphModule) -> dict[fx.Node, list[fx.Node]]:
 
 def _arena_slots(gm: fx.GraphModule, kernels: dict[str, Kernel], plan: MemoryPlan | None,
                  mode: str) -> tuple[dict[str, tuple[BufferRecord, object]], torch.device | None]:
-    """The planned buffers the wrapper places in the arena: kernel outputs named in the plan whose
-    compiled layout spans exactly the planned bytes, on one device (the first such output's)."""
+    """The planned buffers the wrapper places in the arena: kernel outputs and out=-capable ATen results
+    named in the plan whose compiled layout spans exactly the planned bytes, on one device (the first
+    such output's)."""
     if plan is None or mode != "triton" or not plan.buffers:
         return {}, None
     records = {b.name: b for b in plan.buffers}
     slots, device = {}, None
     for n in gm.graph.nodes:
-        if n.op != "call_module":
+        if out_variant(n) is not None and isinstance(n.meta.get("val"), torch.Tensor):
+            named = [(n.name, n.meta["val"])]  # an ATen call the wrapper makes through its out= overload
+        elif n.op != "call_module":
             continue
-        val, k = n.meta["val"], kernels[n.target]
-        if isinstance(val, tuple) and len(val) > 1:
+        elif isinstance(n.meta["val"], tuple) and len(n.meta["val"]) > 1:
+            k = kernels[n.target]
             outs = {u.args[1]: u.name for u in n.users}
             named = [(outs[i], o) for i, o in enumerate(k.outputs) if i in outs]
         else:
-            named = [(n.name, k.outputs[0])]
+            named = [(n.name, kernels[n.target].outputs[0])]
         for name, o in named:
             rec = records.get(name)
             if rec is None or rec.nbytes != tensor_bytes(o) or rec.nbytes == 0:
@@ -206,7 +210,7 @@ def generate_wrapper(gm: fx.GraphModule, kernels: dict[str, Kernel], graph: str,
             body.append(f"{arena}_bytes, {arena}_at = PLANS.offsets({', '.join(f'{s.name}={s.name}' for s in bindings)})"
                         f"  # the plan for these sizes (made at their first call)")
         body.append(f"{arena} = torch.empty({nbytes}, dtype=torch.uint8, device={_dev(arena_device)})"
-                    f"  # the memory plan's arena ({plan.strategy}): {len(slots)} kernel outputs are views of it")
+                    f"  # the memory plan's arena ({plan.strategy}): {len(slots)} intermediates are views of it")
     for position, n in enumerate(gm.graph.nodes):
         if n.op == "call_module":
             launch = _launch(n, kernels[n.target], names, mode, slots, arena, replaced)
@@ -217,7 +221,11 @@ def generate_wrapper(gm: fx.GraphModule, kernels: dict[str, Kernel], graph: str,
         elif n.op == "call_function":
             args = [format_value(a, names) for a in n.args]
             args += [f"{k}={format_value(v, names)}" for k, v in n.kwargs.items()]
-            body += _timed([f"{n.name} = {_callee(n.target)}({', '.join(args)})"], n.name, profile)
+            if n.name in slots:  # the plan places this ATen result: its out= overload writes the arena view
+                body.append(_arena_view(n.name, slots[n.name], arena, replaced))
+                body += _timed([f"{_callee(out_variant(n))}({', '.join(args + [f'out={n.name}'])})"], n.name, profile)
+            else:
+                body += _timed([f"{n.name} = {_callee(n.target)}({', '.join(args)})"], n.name, profile)
         elif n.op == "get_attr":
             continue  # constants are module globals, set when the wrapper is loaded
         elif n.op == "output":
@@ -274,6 +282,14 @@ def _in_place_of(name: str, replaced) -> str:
     return f", in place of {dying[0]}" if dying else ""
 
 
+def _arena_view(name: str, slot, arena: str, replaced) -> str:
+    """`name = arena[a:b].view(dtype).as_strided(size, stride)`: a planned buffer's place in the arena."""
+    rec, o = slot
+    return (f"{name} = {arena}[{_span(rec, arena)}].view({o.dtype}).as_strided({ptuple(sizes(o))}, "
+            f"{ptuple(strides(o))})  # planned: {rec.nbytes} bytes, alive nodes {rec.first_use}-{rec.last_use}"
+            f"{_in_place_of(name, replaced)}")
+
+
 def _launch(n: fx.Node, k: Kernel, names, mode: str, slots=None, arena: str = "arena",
             replaced=None) -> list[str]:
     """Allocate the group's outputs (planned ones as arena views) and launch its kernel (or call its
@@ -293,10 +309,7 @@ def _launch(n: fx.Node, k: Kernel, names, mode: str, slots=None, arena: str = "a
     lines = []
     for name, o in zip(outs, k.outputs):
         if slots and name in slots:
-            rec = slots[name][0]
-            lines.append(f"{name} = {arena}[{_span(rec, arena)}].view({o.dtype}).as_strided("
-                         f"{ptuple(sizes(o))}, {ptuple(strides(o))})  # planned: {rec.nbytes} bytes, alive nodes "
-                         f"{rec.first_use}-{rec.last_use}{_in_place_of(name, replaced)}")
+            lines.append(_arena_view(name, slots[name], arena, replaced))
             continue
         lines.append(f"{name} = empty_strided({ptuple(sizes(o))}, {ptuple(strides(o))}, dtype={o.dtype}, "
                      f"device={_dev(o.device)})")

@@ -21,9 +21,10 @@ class AppliedPlan(MemoryPlan):
 
 def memory_plan(gm: fx.GraphModule, applied: bool = False) -> MemoryPlan:
     """Plan the intermediates of the final graph (graph outputs are allocated on their own).
-    applied: plan only the buffers the wrapper allocates (fused kernels' outputs), with in-place reuse,
-    for Options(memory_plan="apply"); ATen calls allocate their own results (out= is not used yet)."""
-    inner = [iv for iv in buffer_intervals(gm) if not iv.is_output and (iv.kernel or not applied)]
+    applied: plan only the buffers the wrapper allocates (fused kernels' outputs, and the results of
+    ATen calls it makes through their out= overload: op_classes.OUT_VARIANTS), with in-place reuse, for
+    Options(memory_plan="apply"); other ATen calls allocate their own results."""
+    inner = [iv for iv in buffer_intervals(gm) if not iv.is_output and (iv.placeable or not applied)]
     return plan_intervals(inner, inplace_pairs(gm, inner) if applied else None)
 
 
@@ -45,7 +46,7 @@ def plan_intervals(inner: list[Interval], pairs: list[tuple[str, str]] | None) -
     slots: dict[str, Interval] = {}
     for iv in inner:  # one interval per slot: the chain's first birth to its last use
         r = root[iv.name]
-        s = slots.setdefault(r, Interval(r, iv.nbytes, iv.first_use, iv.last_use, kernel=True))
+        s = slots.setdefault(r, Interval(r, iv.nbytes, iv.first_use, iv.last_use, kernel=True, placeable=True))
         s.first_use, s.last_use = min(s.first_use, iv.first_use), max(s.last_use, iv.last_use)
     placed, strategy = plan(list(slots.values()))
     offset = {p.interval.name: p.offset for p in placed}

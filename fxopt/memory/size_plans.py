@@ -37,7 +37,8 @@ class SizePlans:
         if got is not None:
             self.plans.move_to_end(values)
             return got
-        concrete = [Interval(iv.name, int(nb(*values)), iv.first_use, iv.last_use, iv.is_output, iv.kernel)
+        concrete = [Interval(iv.name, int(nb(*values)), iv.first_use, iv.last_use, iv.is_output, iv.kernel,
+                             iv.placeable)
                     for iv, nb in zip(self.intervals, self._bytes)]
         got = plan_intervals(concrete, self.pairs)
         got.sizes = {s.name: v for s, v in zip(self.symbols, values)}
@@ -63,5 +64,5 @@ class SizePlans:
 def size_plans(gm, applied: bool, symbols: list[sympy.Symbol]) -> SizePlans:
     """The per-size planner of a symbolic graph (what memory_plan does for a static one)."""
     from ..analysis.liveness import buffer_intervals, inplace_pairs
-    inner = [iv for iv in buffer_intervals(gm) if not iv.is_output and (iv.kernel or not applied)]
+    inner = [iv for iv in buffer_intervals(gm) if not iv.is_output and (iv.placeable or not applied)]
     return SizePlans(inner, symbols, inplace_pairs(gm, inner) if applied else None)

@@ -245,3 +245,24 @@ def test_profiling_wrappers_apply_the_plan_too():
     assert "with region(" in g.wrapper_source and "= arena[" in g.wrapper_source
     prof = fxopt.profile(_reuse, *args, warmup=1, repeat=1, memory_plan="apply")
     assert {r.kind for r in prof.rows} >= {"pointwise", "matmul"}
+
+
+def test_matmul_results_are_written_into_the_arena_through_out(monkeypatch):
+    """ATen matmuls the plan places are called through their out= overload on an arena view; the
+    results (and, with poison, every read after a region dies) are those of the default path."""
+    args = _mlp_inputs()
+    applied = fxopt.explain(_mlp, *args, memory_plan="apply")
+    wrappers = "".join(g.wrapper_source for g in applied.graphs)
+    assert "aten.mm.out(" in wrappers
+    for g in applied.graphs:
+        assert validate_plan(g.memory_plan) == [], g.name
+        for line in g.wrapper_source.splitlines():
+            if "aten.mm.out(" in line:
+                name = line.split("out=")[1].rstrip(")")
+                assert f"{name} = arena[" in g.wrapper_source  # the out= target is an arena view
+    monkeypatch.setenv("FXOPT_POISON_FREED", "1")
+    torch._dynamo.reset()
+    got = _step(torch.compile(_mlp, backend=fxopt.backend(memory_plan="apply"), dynamic=False), args)
+    torch._dynamo.reset()
+    want = _step(torch.compile(_mlp, backend="fxopt", dynamic=False), args)
+    _assert_equal(got, want)
