@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One batched device run for what the CPU cannot show (about 8-9 minutes on an H200), in the order a
+# short device budget should spend it. From the repository root:
+#     bash benchmarks/gpu_checks.sh            # writes every log under $OUT (default /tmp/fxopt-gpu)
+# Each step prints its last lines; copy the tables into benchmarks/results/ with the date and commit.
+set -u
+. benchmarks/gpu_env.sh
+export TRITON_INTERPRET=0
+OUT=${OUT:-/tmp/fxopt-gpu}
+mkdir -p "$OUT"
+P="-p no:warnings -p no:logging -p no:cacheprovider"
+
+echo "== 1. every CUDA test but the CUDA-graph ones"
+timeout 200 python -m pytest -q tests -k "cuda or gpu" --deselect tests/test_cudagraphs_gpu.py $P > "$OUT/tests.txt" 2>&1
+tail -3 "$OUT/tests.txt"
+
+echo "== 2. CUDA graphs on the GPU (own process: a failed capture must not disturb the other tests)"
+timeout 90 python -m pytest -q tests/test_cudagraphs_gpu.py -m gpu -k cuda --tb=short $P > "$OUT/cudagraphs.txt" 2>&1
+tail -5 "$OUT/cudagraphs.txt"
+
+echo "== 3. dynamic vs static reductions (the persistent alternative for symbolic rows)"
+for d in "" "--dynamic"; do
+    timeout 90 python -m benchmarks.run --no-first-call --backends fxopt --workloads softmax,rmsnorm,ln_gelu,chain $d \
+        2>>"$OUT/dynamic.err" | tail -5
+done
+
+echo "== 4. launch-bound block with and without CUDA graphs, training blocks (after the launch-cost work)"
+timeout 240 python -m benchmarks.run --no-first-call --workloads gpt_block_b1,gpt_block_b1_cg,gpt_block_train,llama_block_mixed \
+    --backends eager,inductor,fxopt 2>"$OUT/blocks.err" | tail -14
+
+echo "== 5. allocator behaviour with matmuls placed through out= (memory_plan=\"apply\")"
+timeout 120 python -m benchmarks.allocator_stats --workloads gpt_block,gpt_block_train 2>"$OUT/alloc.err" | tail -9
