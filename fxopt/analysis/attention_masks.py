@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from .sliced_masks import sliced_causal
+
 # A masked score must vanish after exp(): -inf does exactly; so does any value at or below fp16's
 # lowest finite value (-65504), as long as the row keeps one unmasked score (true for causal rows).
 MASKED_AT_MOST = -65504.0
@@ -55,7 +57,11 @@ def _scalar(value) -> float | None:
 
 def _keep_of_step(step: MaskStep, values, score_shape) -> torch.Tensor:
     """Where a constant mask step keeps the score, broadcast to the scores' shape."""
-    tensor = torch.as_tensor(values.value(step.tensor)).cpu()
+    return _keep(step, values.value(step.tensor), score_shape)
+
+
+def _keep(step: MaskStep, value, score_shape) -> torch.Tensor:
+    tensor = torch.as_tensor(value).cpu()
     if step.kind == "fill":
         if step.value > MASKED_AT_MOST:
             raise NotAttention(f"masked scores are filled with {step.value:g}, not -inf or a value <= "
@@ -84,6 +90,12 @@ def mask_facts(steps: list[MaskStep], values, score_shape, requires_grad) -> Mas
         if values.is_constant(step.tensor) and symbolic:
             raise NotAttention("a compile-time mask with symbolic (dynamic) sizes: it cannot be evaluated once "
                                "for every size")
+        sliced = sliced_causal(step.tensor, lambda v, s: _keep(step, v, s), values, score_shape) if symbolic else None
+        if sliced is not None:  # a causal buffer sliced to the length: causal for every length
+            facts.causal = True
+            facts.buffers = tuple(dict.fromkeys(facts.buffers + sliced))
+            facts.described = f"causal (from {_describe_buffers(facts.buffers)}, sliced to the length)"
+            continue
         if values.is_constant(step.tensor):
             keep = keep & _keep_of_step(step, values, score_shape)
             constant_steps.append(step)

@@ -117,18 +117,43 @@ class HandWritten(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 
-def test_hand_written_attention_with_a_sliced_buffer_mask_is_fused_for_every_length():
-    """The slice depends on the length, so the mask is computed per call and read by the kernel
-    (no compile-time causal fact, no guard): exact for every size."""
+def test_hand_written_attention_with_a_sliced_causal_buffer_is_causal_for_every_length():
+    """bias[:, :, :T, :T] of a tril buffer: every top-left square of it is causal, so the kernel gets the
+    causal fact (block skipping, no mask read) for every length, and the buffer is guarded."""
     backend = _check_sizes(HandWritten(), [(2, 8), (3, 5), (2, 17)])
     assert backend.calls <= 2  # dynamo may call the backend twice on the very first call
     site = backend.rep.attention[-1]
-    assert site.fused and "read by the kernel" in site.mask and not site.causal
+    assert site.fused and site.causal and "sliced to the length" in site.mask, site
 
 
-def test_hand_written_finite_fill_under_symbolic_sizes_stays_unfused_and_exact():
-    """HF's where(mask, scores, finfo.min): with a per-call mask a fully masked row would differ from
-    eager, so it is not fused; the results are eager's."""
+def test_finite_fill_of_a_sliced_causal_buffer_is_causal_too():
+    """HF's finfo.min instead of -inf: a causal mask leaves every row a key, so exp() drops the fill."""
     backend = _check_sizes(HandWritten(fill=torch.finfo(torch.float32).min), [(2, 8), (3, 5)])
     site = backend.rep.attention[-1]
-    assert not site.fused and "not -inf" in site.reason
+    assert site.fused and site.causal, site
+
+
+def test_a_sliced_buffer_that_is_not_causal_is_read_per_call():
+    """An anti-causal (triu) buffer: not the causal fact; with a -inf fill the kernel reads the mask."""
+    model = HandWritten()
+    model.bias.copy_(torch.triu(torch.ones(32, 32, dtype=torch.bool)).view(1, 1, 32, 32))
+    backend = _check_sizes(model, [(2, 8), (3, 5)])
+    site = backend.rep.attention[-1]
+    assert site.fused and not site.causal and "read by the kernel" in site.mask, site
+
+
+def test_changing_the_sliced_buffer_after_compiling_raises():
+    from fxopt.errors import FxoptError
+
+    model = HandWritten()
+    compiled = torch.compile(model, backend=Recording(), dynamic=True)
+    compiled(torch.randn(2, 8, 32))
+    compiled(torch.randn(3, 5, 32))
+    with torch.no_grad():
+        model.bias[..., 0, 1] = True  # no longer causal
+    try:
+        compiled(torch.randn(2, 7, 32))
+    except FxoptError as e:
+        assert "bias" in str(e)
+    else:
+        raise AssertionError("a changed causal buffer must not be used as causal")
