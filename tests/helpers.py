@@ -29,6 +29,19 @@ def assert_close_to_reference(out, ref64, dtype):
     torch.testing.assert_close(out.double().cpu(), ref64.double().cpu(), rtol=rtol, atol=atol, equal_nan=True)
 
 
+class CountingBackend:
+    """A torch.compile backend that compiles through fxopt into one Report and counts dynamo's calls
+    (how tests prove that one compilation served several sizes)."""
+
+    def __init__(self, **options):
+        self.options, self.report, self.calls = fxopt.Options(**options), fxopt.Report(), 0
+
+    def __call__(self, gm, example_inputs):
+        from fxopt.backend import compile_dynamo_graph
+        self.calls += 1
+        return compile_dynamo_graph(gm, example_inputs, self.options, self.report)
+
+
 def compile_fxopt(fn, **options):
     """torch.compile through the configured backend (fresh dynamo state is the fixture's job)."""
     return torch.compile(fn, backend=fxopt.backend(**options) if options else "fxopt", dynamic=False)

@@ -9,27 +9,17 @@ dynamo guard `T != max_len` on the slice `bias[:, :, :T, :T]` and compile once m
 the model code, the same under Inductor)."""
 import torch
 
-import fxopt
+from helpers import CountingBackend
 from benchmarks.workloads_attention import GPTBlock
-from fxopt.backend import compile_dynamo_graph
 
 PAIRS = [(2, 16), (64, 16), (17, 333), (4, 1024), (2, 4096), (33, 50)]
-
-
-class Counting:
-    def __init__(self):
-        self.calls, self.report = 0, fxopt.Report()
-
-    def __call__(self, gm, inputs):
-        self.calls += 1
-        return compile_dynamo_graph(gm, inputs, fxopt.Options(), self.report)
 
 
 def test_gpt_block_serves_batch_2_to_64_and_length_16_to_4096_with_one_compilation(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     torch.manual_seed(0)
     block = GPTBlock(32, 2, max_len=8192).eval()
-    backend = Counting()
+    backend = CountingBackend()
     compiled = torch.compile(block, backend=backend, dynamic=True)
     with torch.no_grad():
         compiled(torch.randn(*PAIRS[0], 32))

@@ -13,27 +13,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import fxopt
-from fxopt.backend import compile_dynamo_graph
+from helpers import CountingBackend
 from fxopt.memory.validate import validate_plan
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from tiny_gpt import GPTConfig, lm_loss, make  # noqa: E402
 
 
-class Counting:
-    """A backend that compiles through fxopt into one Report and counts dynamo's calls."""
-
-    def __init__(self, **options):
-        self.options, self.report, self.calls = fxopt.Options(**options), fxopt.Report(), 0
-
-    def __call__(self, gm, inputs):
-        self.calls += 1
-        return compile_dynamo_graph(gm, inputs, self.options, self.report)
-
-
 def _compiled(fn, **options):
-    backend = Counting(**options)
+    backend = CountingBackend(**options)
     return torch.compile(fn, backend=backend, dynamic=True), backend
 
 

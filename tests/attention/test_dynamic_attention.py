@@ -9,25 +9,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import fxopt
-from fxopt.backend import compile_dynamo_graph
-
-
-class Recording:
-    """A backend that counts compilations and keeps one Report."""
-
-    def __init__(self):
-        self.calls, self.rep = 0, fxopt.Report()
-
-    def __call__(self, gm, inputs):
-        self.calls += 1
-        return compile_dynamo_graph(gm, inputs, fxopt.Options(), self.rep)
+from helpers import CountingBackend
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, d=32, heads=2, kv_heads=2, mask=False):
+    def __init__(self, d=32, heads=2, kv_heads=2):
         super().__init__()
-        self.heads, self.kv_heads, self.hd, self.mask = heads, kv_heads, d // heads, mask
+        self.heads, self.kv_heads, self.hd = heads, kv_heads, d // heads
         self.q = nn.Linear(d, d)
         self.kv = nn.Linear(d, 2 * kv_heads * self.hd)
         self.proj = nn.Linear(d, d)
@@ -43,7 +31,7 @@ class SelfAttention(nn.Module):
 
 def _check_sizes(model, sizes, with_bias=False):
     torch.manual_seed(0)
-    backend = Recording()
+    backend = CountingBackend()
     compiled = torch.compile(model, backend=backend, dynamic=True)
     for b, t in sizes:
         x = torch.randn(b, t, model.q.in_features, requires_grad=True)
@@ -60,22 +48,22 @@ def _check_sizes(model, sizes, with_bias=False):
 def test_causal_sdpa_is_fused_once_for_every_batch_and_length():
     backend = _check_sizes(SelfAttention(), [(2, 8), (3, 5), (2, 11), (4, 17)])
     assert backend.calls == 1
-    assert [s.fused for s in backend.rep.attention] == [True]
-    wrappers = {g.name: g.wrapper_source for g in backend.rep.graphs}
+    assert [s.fused for s in backend.report.attention] == [True]
+    wrappers = {g.name: g.wrapper_source for g in backend.report.graphs}
     assert "fxopt_ops.flash_attention(" in wrappers["forward"]
     assert "fxopt_ops.flash_attention_backward(" in wrappers["backward"]
-    assert all(g.symbols for g in backend.rep.graphs)  # the graphs really are symbolic
+    assert all(g.symbols for g in backend.report.graphs)  # the graphs really are symbolic
 
 
 def test_grouped_query_sdpa_with_symbolic_lengths():
     backend = _check_sizes(SelfAttention(d=64, heads=4, kv_heads=2), [(2, 8), (3, 13)])
-    site = backend.rep.attention[0]
+    site = backend.report.attention[0]
     assert site.fused and site.kv_groups == 2
 
 
 def test_additive_mask_input_with_symbolic_sizes_is_read_by_the_kernel():
     backend = _check_sizes(SelfAttention(), [(2, 8), (3, 6)], with_bias=True)
-    assert backend.rep.attention[0].fused and "additive" in backend.rep.attention[0].mask
+    assert backend.report.attention[0].fused and "additive" in backend.report.attention[0].mask
 
 
 def _cross(q, k, v):
@@ -85,14 +73,14 @@ def _cross(q, k, v):
 def test_causal_with_lengths_not_provably_equal_stays_unfused_and_exact():
     """q and k lengths are separate symbols: SDPA aligns top-left, the kernel bottom-right; they agree
     only when the lengths are equal, which fxopt cannot prove without adding a guard."""
-    backend = Recording()
+    backend = CountingBackend()
     compiled = torch.compile(_cross, backend=backend)
     for tq, tk in [(4, 9), (6, 11)]:
         q, k, v = torch.randn(1, 2, tq, 16), torch.randn(1, 2, tk, 16), torch.randn(1, 2, tk, 16)
         for t in (q, k, v):
             torch._dynamo.mark_dynamic(t, 2)  # the lengths symbolic, the head dim static
         torch.testing.assert_close(compiled(q, k, v), _cross(q, k, v), rtol=1e-5, atol=1e-6)
-    site = backend.rep.attention[0]
+    site = backend.report.attention[0]
     assert not site.fused and "may differ" in site.reason
 
 
@@ -122,14 +110,14 @@ def test_hand_written_attention_with_a_sliced_causal_buffer_is_causal_for_every_
     causal fact (block skipping, no mask read) for every length, and the buffer is guarded."""
     backend = _check_sizes(HandWritten(), [(2, 8), (3, 5), (2, 17)])
     assert backend.calls <= 2  # dynamo may call the backend twice on the very first call
-    site = backend.rep.attention[-1]
+    site = backend.report.attention[-1]
     assert site.fused and site.causal and "sliced to the length" in site.mask, site
 
 
 def test_finite_fill_of_a_sliced_causal_buffer_is_causal_too():
     """HF's finfo.min instead of -inf: a causal mask leaves every row a key, so exp() drops the fill."""
     backend = _check_sizes(HandWritten(fill=torch.finfo(torch.float32).min), [(2, 8), (3, 5)])
-    site = backend.rep.attention[-1]
+    site = backend.report.attention[-1]
     assert site.fused and site.causal, site
 
 
@@ -138,7 +126,7 @@ def test_a_sliced_buffer_that_is_not_causal_is_read_per_call():
     model = HandWritten()
     model.bias.copy_(torch.triu(torch.ones(32, 32, dtype=torch.bool)).view(1, 1, 32, 32))
     backend = _check_sizes(model, [(2, 8), (3, 5)])
-    site = backend.rep.attention[-1]
+    site = backend.report.attention[-1]
     assert site.fused and not site.causal and "read by the kernel" in site.mask, site
 
 
@@ -146,7 +134,7 @@ def test_changing_the_sliced_buffer_after_compiling_raises():
     from fxopt.errors import FxoptError
 
     model = HandWritten()
-    compiled = torch.compile(model, backend=Recording(), dynamic=True)
+    compiled = torch.compile(model, backend=CountingBackend(), dynamic=True)
     compiled(torch.randn(2, 8, 32))
     compiled(torch.randn(3, 5, 32))
     with torch.no_grad():

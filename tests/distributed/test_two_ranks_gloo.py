@@ -36,26 +36,13 @@ class MLP(nn.Module):
         return self.head(x)
 
 
-def _ddp_steps(rank):
-    import fxopt
-    from fxopt.backend import compile_dynamo_graph
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    torch.manual_seed(0)
-    model = MLP()
-    ddp, ref = DDP(model, bucket_cap_mb=1), DDP(copy.deepcopy(model), bucket_cap_mb=1)
-    rep, graphs = fxopt.Report(), []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return compile_dynamo_graph(gm, example_inputs, fxopt.Options(), rep)
-
-    compiled = torch.compile(ddp, backend=backend)
-    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (ddp, ref))
-    torch.manual_seed(1 + rank)  # each rank its own data: the all-reduce matters
+def _steps_side_by_side(compiled, model, ref, width: int, rank: int) -> list[list[float]]:
+    """3 SGD steps of the compiled model and of its eager twin on the same data: [[compiled, eager], ...]."""
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    torch.manual_seed(1 + rank)  # each rank its own data: the gradient all-reduce matters
     losses = []
     for _ in range(3):
-        x = torch.randn(8, 512)
+        x = torch.randn(8, width)
         pair = []
         for m, o in ((compiled, opt), (ref, ref_opt)):
             o.zero_grad()
@@ -64,8 +51,20 @@ def _ddp_steps(rank):
             o.step()
             pair.append(loss.item())
         losses.append(pair)
+    return losses
+
+
+def _ddp_steps(rank):
+    from helpers import CountingBackend
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = MLP()
+    ddp, ref = DDP(model, bucket_cap_mb=1), DDP(copy.deepcopy(model), bucket_cap_mb=1)
+    backend = CountingBackend()
+    losses = _steps_side_by_side(torch.compile(ddp, backend=backend), ddp, ref, 512, rank)
     worst = max((a - b).abs().max().item() for a, b in zip(ddp.parameters(), ref.parameters()))
-    return {"losses": losses, "param_diff": worst, "graphs": len(graphs), "kernels": len(rep.kernels)}
+    return {"losses": losses, "param_diff": worst, "graphs": backend.calls, "kernels": len(backend.report.kernels)}
 
 
 class Block(nn.Module):
@@ -90,8 +89,7 @@ class Stack(nn.Module):
 
 
 def _fsdp2_steps(rank):
-    import fxopt
-    from fxopt.backend import compile_dynamo_graph
+    from helpers import CountingBackend
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -103,30 +101,13 @@ def _fsdp2_steps(rank):
         for block in m.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(m, mesh=mesh)
-    rep, graphs = fxopt.Report(), []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return compile_dynamo_graph(gm, example_inputs, fxopt.Options(), rep)
-
+    backend = CountingBackend()
     for block in model.blocks:
         block.compile(backend=backend)
-    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
-    torch.manual_seed(1 + rank)
-    losses = []
-    for _ in range(3):
-        x = torch.randn(8, 64)
-        pair = []
-        for m, o in ((model, opt), (ref, ref_opt)):
-            o.zero_grad()
-            loss = m(x).square().mean()
-            loss.backward()
-            o.step()
-            pair.append(loss.item())
-        losses.append(pair)
+    losses = _steps_side_by_side(model, model, ref, 64, rank)
     worst = max((a.full_tensor() - b.full_tensor()).abs().max().item()
                 for a, b in zip(model.parameters(), ref.parameters()))
-    return {"losses": losses, "param_diff": worst, "graphs": len(graphs), "kernels": len(rep.kernels)}
+    return {"losses": losses, "param_diff": worst, "graphs": backend.calls, "kernels": len(backend.report.kernels)}
 
 
 def _overlap(x):

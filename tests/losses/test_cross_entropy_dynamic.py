@@ -5,17 +5,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import fxopt
-from fxopt.backend import compile_dynamo_graph
-
-
-class Recording:
-    def __init__(self):
-        self.calls, self.rep = 0, fxopt.Report()
-
-    def __call__(self, gm, inputs):
-        self.calls += 1
-        return compile_dynamo_graph(gm, inputs, fxopt.Options(), self.rep)
+from helpers import CountingBackend
 
 
 class Head(nn.Module):
@@ -32,7 +22,7 @@ class Head(nn.Module):
 
 def test_lm_loss_with_symbolic_batch_and_length_is_fused_once():
     torch.manual_seed(0)
-    model, backend = Head(), Recording()
+    model, backend = Head(), CountingBackend()
     compiled = torch.compile(model, backend=backend, dynamic=True)
     for b, t in [(2, 5), (3, 7), (2, 13)]:
         h = torch.randn(b, t, 16, requires_grad=True)  # fp32: the fused op takes fp32/bf16/fp16
@@ -44,9 +34,9 @@ def test_lm_loss_with_symbolic_batch_and_length_is_fused_once():
         for got, want in zip(torch.autograd.grad(loss, params), torch.autograd.grad(ref, params)):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
     assert backend.calls == 1
-    assert any("fxopt_ops.cross_entropy(" in g.wrapper_source for g in backend.rep.graphs)
-    assert any("fxopt_ops.cross_entropy_backward(" in g.wrapper_source for g in backend.rep.graphs)
-    assert all(g.symbols for g in backend.rep.graphs)
+    assert any("fxopt_ops.cross_entropy(" in g.wrapper_source for g in backend.report.graphs)
+    assert any("fxopt_ops.cross_entropy_backward(" in g.wrapper_source for g in backend.report.graphs)
+    assert all(g.symbols for g in backend.report.graphs)
 
 
 def _per_position(logits, targets):
@@ -54,9 +44,9 @@ def _per_position(logits, targets):
 
 
 def test_symbolic_logits_with_classes_not_last_stay_aten_and_exact():
-    backend = Recording()
+    backend = CountingBackend()
     compiled = torch.compile(_per_position, backend=backend, dynamic=True)
     for b, t in [(2, 5), (3, 6)]:
         logits, targets = torch.randn(b, 11, t), torch.randint(0, 11, (b, t))
         torch.testing.assert_close(compiled(logits, targets), _per_position(logits, targets), rtol=1e-5, atol=1e-6)
-    assert any("symbolic" in reason for _, reason in backend.rep.fallbacks), backend.rep.fallbacks
+    assert any("symbolic" in reason for _, reason in backend.report.fallbacks), backend.report.fallbacks

@@ -8,9 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
-import fxopt
-from fxopt.backend import compile_dynamo_graph
-from helpers import assert_close_to_reference, to64
+from helpers import CountingBackend, assert_close_to_reference, to64
 from test_fuse_property import _build, programs
 
 SIZE_SETS = [{4: 4, 6: 6}, {4: 3, 6: 9}, {4: 7, 6: 5}, {4: 2, 6: 33}]
@@ -18,15 +16,6 @@ SIZE_SETS = [{4: 4, 6: 6}, {4: 3, 6: 9}, {4: 7, 6: 5}, {4: 2, 6: 33}]
 
 def _resize(shape, sizes):
     return tuple(sizes.get(d, d) for d in shape)
-
-
-class Counting:
-    def __init__(self):
-        self.calls, self.report = 0, fxopt.Report()
-
-    def __call__(self, gm, example_inputs):
-        self.calls += 1
-        return compile_dynamo_graph(gm, example_inputs, fxopt.Options(), self.report)
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -38,7 +27,7 @@ def test_random_pointwise_programs_serve_every_size_from_one_compilation(prog, s
     fn = _build(source)
     g = torch.Generator().manual_seed(seed)
     torch._dynamo.reset()
-    backend = Counting()
+    backend = CountingBackend()
     compiled = torch.compile(fn, backend=backend, dynamic=True)
     calls_after_first = None
     for i in order:
