@@ -70,6 +70,15 @@ def is_module_buffer(node: fx.Node, example) -> bool:
     return from_buffers and real and not isinstance(example, torch.nn.Parameter) and not example.requires_grad
 
 
+def _call(node: fx.Node, value_of):
+    """Run a call node on the values `value_of` gives its arguments."""
+    args = fx.node.map_arg(node.args, value_of)
+    kwargs = fx.node.map_arg(node.kwargs, value_of)
+    if node.op == "call_method":
+        return getattr(args[0], node.target)(*args[1:], **kwargs)
+    return node.target(*args, **kwargs)
+
+
 class ConstantValues:
     def __init__(self, gm: fx.GraphModule, example_inputs):
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -126,11 +135,17 @@ class ConstantValues:
             for part in node.target.split("."):
                 obj = getattr(obj, part)
             return obj
-        args = fx.node.map_arg(node.args, self.value)
-        kwargs = fx.node.map_arg(node.kwargs, self.value)
-        if node.op == "call_method":
-            return getattr(args[0], node.target)(*args[1:], **kwargs)
-        return node.target(*args, **kwargs)
+        return _call(node, self.value)
+
+    def value_with(self, node: fx.Node, override: dict):
+        """`node`'s value with the nodes in `override` standing for given values (which may make a
+        non-constant node computable: sliced_masks evaluates a sliced mask on its whole buffer)."""
+        if node in override:
+            return override[node]
+        if self.is_constant(node):
+            return self.value(node)
+        override[node] = _call(node, lambda a: self.value_with(a, override))
+        return override[node]
 
     def buffers_used(self, node: fx.Node) -> list[fx.Node]:
         """The buffer placeholders a constant node's value comes from (what a guard must watch)."""

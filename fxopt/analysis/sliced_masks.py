@@ -76,21 +76,6 @@ def _sliced_getitem(node: fx.Node, values) -> fx.Node | None:
     return found[0] if len(found) == 1 else None
 
 
-def _evaluate(node: fx.Node, values, override: dict):
-    """`node`'s value with the nodes in `override` replaced; constants come from `values`."""
-    if node in override:
-        return override[node]
-    if values.is_constant(node):
-        return values.value(node)
-    args = fx.node.map_arg(node.args, lambda a: _evaluate(a, values, override))
-    kwargs = fx.node.map_arg(node.kwargs, lambda a: _evaluate(a, values, override))
-    if node.op == "call_method":
-        return getattr(args[0], node.target)(*args[1:], **kwargs)
-    value = node.target(*args, **kwargs)
-    override[node] = value
-    return value
-
-
 def sliced_causal(tensor: fx.Node, keep_of, values, score_shape) -> tuple | None:
     """(buffer placeholders the fact reads) when the mask node `tensor` is a causal buffer sliced to the
     symbolic length, else None. keep_of(value, shape) -> bool tensor of the scores it keeps."""
@@ -107,7 +92,7 @@ def sliced_causal(tensor: fx.Node, keep_of, values, score_shape) -> tuple | None
     length = whole.shape[-1]
     if whole.dim() < 2 or whole.shape[-2] != length or length > MAX_CHECKED:
         return None
-    full = _evaluate(tensor, values, {g: whole})
+    full = values.value_with(tensor, {g: whole})
     keep = keep_of(full, (*whole.shape[:-2], length, length))
     causal = torch.ones(length, length, dtype=torch.bool).tril()
     if not bool((keep == causal).all()):

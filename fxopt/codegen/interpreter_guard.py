@@ -14,6 +14,8 @@ import contextlib
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from .fast_launch import fast_kernel
+
 
 def _patched_namespaces() -> list:
     spaces = [tl, tl.core, tl.math, tl.tensor, tl.core.dtype]
@@ -63,7 +65,4 @@ def launcher(kernel, grid: tuple, device, who: str):
     if device.type == "cuda" and interpreted:
         raise ValueError(f"{who}: cuda tensors need the Triton compiler, but triton was imported with "
                          "TRITON_INTERPRET=1 (the interpreter); unset it for GPU runs")
-    if interpreted:
-        return GuardedKernel(kernel)[grid]
-    from .fast_launch import fast_kernel
-    return fast_kernel(kernel)[grid]
+    return GuardedKernel(kernel)[grid] if interpreted else fast_kernel(kernel)[grid]
