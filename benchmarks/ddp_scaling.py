@@ -1,0 +1,318 @@
+"""fxopt under DistributedDataParallel on several GPUs (issue 10): same losses as eager DDP, throughput
+scaling from one GPU to N, and whether the gradient all-reduce overlaps the backward kernels.
+
+    python -m benchmarks.ddp_scaling                      # every visible GPU (2 on nvidia-h200-x2), NCCL
+    python -m benchmarks.ddp_scaling --device cpu --quick # two gloo ranks on the CPU, interpreter: a smoke test
+
+The model is a stack of GPT-2 blocks (benchmarks.workloads_attention.GPTBlock, hand-written causal
+attention) trained with AdamW on a regression loss; each rank draws its own batch, so the gradient
+all-reduce matters. Three parts, each in processes of their own (one per rank):
+
+  losses      fp32 (TF32 off): eager DDP and fxopt DDP from the same initial weights on the same data,
+              loss by loss; the largest relative difference is printed.
+  throughput  fp32 parameters with bf16 compute (autocast for eager and Inductor, precision="bf16" for
+              fxopt) at a fixed per-GPU batch: step time (forward, backward, all-reduce, optimizer) on one
+              GPU without DDP and on N GPUs with DDP; scaling = N-GPU tokens/s over one-GPU tokens/s.
+  overlap     a torch.profiler trace of fxopt DDP steps on rank 0: the share of NCCL kernel time that
+              runs while a compute kernel runs on another stream (0% = fully exposed communication).
+
+Dynamo's DDP optimizer splits each model's graph at DDP's bucket boundaries (torch._dynamo.config.
+optimize_ddp), so the all-reduce of a bucket can start while the backward of the next graph runs.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+from .workloads_attention import GPTBlock
+
+BACKENDS = ("eager", "inductor", "fxopt")
+
+
+class GPTStack(nn.Module):
+    def __init__(self, n_blocks: int, d_model: int, n_head: int, max_len: int):
+        super().__init__()
+        self.blocks = nn.ModuleList(GPTBlock(d_model, n_head, max_len) for _ in range(n_blocks))
+        self.ln_f = nn.LayerNorm(d_model)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.ln_f(x)
+
+
+def _shapes(args) -> dict:
+    if args.quick:
+        return dict(n_blocks=2, d_model=64, n_head=2, B=2, T=32)
+    return dict(n_blocks=args.blocks, d_model=1024, n_head=16, B=args.batch, T=1024)
+
+
+def _model(cfg, device) -> GPTStack:
+    torch.manual_seed(0)
+    return GPTStack(cfg["n_blocks"], cfg["d_model"], cfg["n_head"], cfg["T"]).to(device)
+
+
+def _batch(cfg, device, step: int, rank: int):
+    g = torch.Generator(device="cpu").manual_seed(1000 * step + rank)
+    x = torch.randn(cfg["B"], cfg["T"], cfg["d_model"], generator=g).to(device)
+    return x, torch.randn(x.shape, generator=g).to(device)
+
+
+def _compiled(backend: str, model, precision: str | None, device: str):
+    """The training callable `backend` runs: model(x) -> loss, compiled and in mixed precision as asked."""
+    import fxopt
+
+    def loss_fn(m, x, target):
+        return (m(x) - target).square().mean()
+
+    torch._dynamo.reset()
+    if backend == "fxopt":
+        fn = torch.compile(model, backend=fxopt.backend(precision=precision))
+        return lambda x, t: loss_fn(fn, x, t)
+    fn = model if backend == "eager" else torch.compile(model)
+    if precision is None:
+        return lambda x, t: loss_fn(fn, x, t)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+    def autocast_loss(x, t):
+        with torch.autocast(device, dtype=dtype):
+            out = fn(x)
+        return (out.float() - t).square().mean()
+    return autocast_loss
+
+
+def _train(step_fn, params, cfg, device, rank, steps: int, first: int = 0) -> list[float]:
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    losses = []
+    for i in range(first, first + steps):
+        x, target = _batch(cfg, device, i, rank)
+        opt.zero_grad(set_to_none=True)
+        loss = step_fn(x, target)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return [float(v) for v in losses]
+
+
+def _wrap(model, world: int, device: str):
+    if world == 1:
+        return model
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    return DDP(model, device_ids=[torch.cuda.current_device()] if device == "cuda" else None)
+
+
+# ---------------------------------------------------------------- the three parts, run on every rank
+
+def job_losses(rank, world, cfg, device, args) -> dict:
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    out = {}
+    for backend in ("eager", "fxopt"):
+        model = _wrap(_model(cfg, device), world, device)
+        step = _compiled(backend, model, None, device)
+        out[backend] = _train(step, model.parameters(), cfg, device, rank, args.loss_steps)
+    rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(out["fxopt"], out["eager"]))
+    return {**out, "max_rel_diff": rel}
+
+
+def _time_steps(step_fn, params, cfg, device, rank, steps: int) -> float:
+    """Mean seconds per training step after warm-up (compilation) steps."""
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    batches = [_batch(cfg, device, i, rank) for i in range(4)]
+
+    def one(i):
+        x, target = batches[i % len(batches)]
+        opt.zero_grad(set_to_none=True)
+        step_fn(x, target).backward()
+        opt.step()
+    for i in range(3):
+        one(i)
+    _sync(device)
+    if dist.is_initialized():
+        dist.barrier()
+    start = time.perf_counter()
+    for i in range(steps):
+        one(i)
+    _sync(device)
+    return (time.perf_counter() - start) / steps
+
+
+def job_throughput(rank, world, cfg, device, args) -> dict:
+    out = {}
+    for backend in args.backends:
+        model = _wrap(_model(cfg, device), world, device)
+        step = _compiled(backend, model, args.precision, device)
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        seconds = _time_steps(step, model.parameters(), cfg, device, rank, args.steps)
+        peak = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else None
+        out[backend] = {"ms": seconds * 1e3, "tokens_per_s": world * cfg["B"] * cfg["T"] / seconds,
+                        "peak_mib": peak}
+        del model, step
+        _empty(device)
+    return out
+
+
+def job_overlap(rank, world, cfg, device, args) -> dict:
+    """Profile 3 fxopt DDP steps; on rank 0 measure how much NCCL kernel time overlaps compute kernels."""
+    from torch.profiler import ProfilerActivity, profile
+    model = _wrap(_model(cfg, device), world, device)
+    step = _compiled("fxopt", model, args.precision, device)
+    _time_steps(step, model.parameters(), cfg, device, rank, 1)  # compile and warm up
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        _time_steps(step, model.parameters(), cfg, device, rank, 3)
+    if rank != 0 or device != "cuda":
+        return {}
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
+    return overlap_of(prof.events())
+
+
+def overlap_of(events) -> dict:
+    """NCCL kernel time, and how much of it runs while some other (compute) kernel runs."""
+    kernels = [(e.time_range.start, e.time_range.end, "nccl" in e.name.lower()) for e in events
+               if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
+    comm = [(s, e) for s, e, is_nccl in kernels if is_nccl]
+    compute = _union([(s, e) for s, e, is_nccl in kernels if not is_nccl])
+    total = sum(e - s for s, e in comm)
+    hidden = sum(max(0, min(e, ce) - max(s, cs)) for s, e in comm for cs, ce in compute)
+    return {"nccl_kernels": len(comm), "nccl_ms": total / 1e3, "overlapped_ms": hidden / 1e3,
+            "overlap_pct": 100 * hidden / total if total else None}
+
+
+def _union(intervals):
+    merged = []
+    for s, e in sorted(intervals):
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    return merged
+
+
+def _sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _empty(device):
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------- processes
+
+JOBS = {"losses": job_losses, "throughput": job_throughput, "overlap": job_overlap}
+
+
+def _worker(rank, world, port, job_name, cfg, device, args, queue):
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        if device == "cuda":
+            torch.cuda.set_device(rank)
+        if world > 1:
+            dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world)
+        try:
+            queue.put((rank, JOBS[job_name](rank, world, cfg, device, args)))
+        finally:
+            if world > 1:
+                dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 (the parent prints it and goes on with the other parts)
+        queue.put((rank, {"error": traceback.format_exc()[-3000:]}))
+
+
+def run_ranks(job_name: str, world: int, cfg, device, args) -> dict:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, job_name, cfg, device, args, queue))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(queue.get(timeout=args.timeout) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
+    return results
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--world", type=int, default=0, help="ranks (default: every GPU; 2 on the CPU)")
+    p.add_argument("--blocks", type=int, default=4)
+    p.add_argument("--batch", type=int, default=8, help="per-GPU batch (sequences of 1024 tokens)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per backend")
+    p.add_argument("--loss-steps", type=int, default=5)
+    p.add_argument("--precision", default="bf16", help="throughput and overlap parts (bf16, fp16 or none)")
+    p.add_argument("--backends", default=",".join(BACKENDS))
+    p.add_argument("--parts", default="losses,throughput,overlap")
+    p.add_argument("--trace", default="", help="write rank 0's chrome trace of the overlap part here")
+    p.add_argument("--quick", action="store_true", help="tiny shapes (a CPU smoke test)")
+    p.add_argument("--timeout", type=int, default=900)
+    args = p.parse_args(argv)
+    args.backends = args.backends.split(",")
+    args.precision = None if args.precision == "none" else args.precision
+    if args.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    world = args.world or (torch.cuda.device_count() if args.device == "cuda" else 2)
+    cfg = _shapes(args)
+    if world < 2:
+        print(f"needs two ranks or more; {world} available", file=sys.stderr)
+        return 2
+    print(f"# ddp_scaling world={world} device={args.device} {cfg} precision={args.precision} "
+          f"torch {torch.__version__} commit {os.environ.get('BENCH_COMMIT', '?')}")
+    results, failed = {}, False
+    for part in args.parts.split(","):
+        worlds = (1, world) if part == "throughput" else (world,)
+        for w in worlds:
+            got = run_ranks(part, w, cfg, args.device, args)
+            errors = [r["error"] for r in got.values() if "error" in r]
+            if errors:
+                failed = True
+                print(f"## {part} world={w} FAILED\n{errors[0]}", file=sys.stderr)
+                continue
+            results[f"{part}/{w}"] = got
+    print(json.dumps(results, indent=1, default=str))
+    _print_table(results, world)
+    return 1 if failed else 0
+
+
+def _print_table(results, world):
+    if f"losses/{world}" in results:
+        r = results[f"losses/{world}"][0]
+        print(f"\nlosses (rank 0) eager {['%.6f' % v for v in r['eager']]}\n"
+              f"               fxopt {['%.6f' % v for v in r['fxopt']]}\n"
+              f"max relative difference over ranks: "
+              f"{max(v['max_rel_diff'] for v in results[f'losses/{world}'].values()):.2e}")
+    one, many = results.get("throughput/1", {}).get(0), results.get(f"throughput/{world}", {}).get(0)
+    if one and many:
+        print(f"\n| backend | 1 GPU ms/step | {world} GPUs ms/step | tokens/s 1 GPU | tokens/s {world} GPUs "
+              f"| scaling | peak MiB (1 / {world}) |\n|---|---|---|---|---|---|---|")
+        for b in many:
+            a, c = one[b], many[b]
+            peak = f"{a['peak_mib']:.0f} / {c['peak_mib']:.0f}" if a["peak_mib"] else "-"
+            print(f"| {b} | {a['ms']:.2f} | {c['ms']:.2f} | {a['tokens_per_s']:.0f} | {c['tokens_per_s']:.0f} "
+                  f"| {c['tokens_per_s'] / a['tokens_per_s']:.2f}x | {peak} |")
+    if results.get(f"overlap/{world}", {}).get(0):
+        print(f"\noverlap (rank 0, 3 fxopt DDP steps): {results[f'overlap/{world}'][0]}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
