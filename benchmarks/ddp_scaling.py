@@ -3,6 +3,8 @@ scaling from one GPU to N, and whether the gradient all-reduce overlaps the back
 
     python -m benchmarks.ddp_scaling                      # every visible GPU (2 on nvidia-h200-x2), NCCL
     python -m benchmarks.ddp_scaling --device cpu --quick # two gloo ranks on the CPU, interpreter: a smoke test
+    python -m benchmarks.ddp_scaling --share-gpu --parts losses   # two gloo ranks on one GPU: the
+                                                          # compiled kernels checked under DDP, no scaling
 
 The model is a stack of GPT-2 blocks (benchmarks.workloads_attention.GPTBlock, hand-written causal
 attention) trained with AdamW on a regression loss; each rank draws its own batch, so the gradient
@@ -220,9 +222,10 @@ def _worker(rank, world, port, job_name, cfg, device, args, queue):
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         if device == "cuda":
-            torch.cuda.set_device(rank)
+            torch.cuda.set_device(0 if args.share_gpu else rank)
         if world > 1:
-            dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world)
+            nccl = device == "cuda" and not args.share_gpu  # NCCL refuses two ranks on one GPU
+            dist.init_process_group("nccl" if nccl else "gloo", rank=rank, world_size=world)
         try:
             queue.put((rank, JOBS[job_name](rank, world, cfg, device, args)))
         finally:
@@ -264,6 +267,8 @@ def main(argv=None) -> int:
     p.add_argument("--backends", default=",".join(BACKENDS))
     p.add_argument("--parts", default="losses,throughput,overlap")
     p.add_argument("--trace", default="", help="write rank 0's chrome trace of the overlap part here")
+    p.add_argument("--share-gpu", action="store_true",
+                   help="every rank on GPU 0 through gloo (checks results where only one GPU is lent)")
     p.add_argument("--quick", action="store_true", help="tiny shapes (a CPU smoke test)")
     p.add_argument("--timeout", type=int, default=900)
     args = p.parse_args(argv)
@@ -271,7 +276,8 @@ def main(argv=None) -> int:
     args.precision = None if args.precision == "none" else args.precision
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    world = args.world or (torch.cuda.device_count() if args.device == "cuda" else 2)
+    on_gpus = args.device == "cuda" and not args.share_gpu
+    world = args.world or (torch.cuda.device_count() if on_gpus else 2)
     cfg = _shapes(args)
     if world < 2:
         print(f"needs two ranks or more; {world} available", file=sys.stderr)

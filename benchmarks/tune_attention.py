@@ -104,6 +104,11 @@ def default_config(package: str, module: str, name: str, **known) -> dict | None
     return dict(fn(**args))
 
 
+def forced(default: dict | None, args) -> dict | None:
+    """The kernel's default config with --set's keys laid over it (candidates inherit them)."""
+    return {**default, **args.forced} if default is not None and args.forced else default
+
+
 def with_defaults(candidates: list[dict], default: dict | None) -> list[dict]:
     """Candidates laid over the kernel's default config. Keys the default does not have (the kernel
     names its tiles differently) are dropped, with a note, and duplicates removed."""
@@ -208,9 +213,10 @@ def sweep_forward(case: Case, device: str, dtype, args):
     reference = [sdpa()]
     rate = tflops_rate(forward_flops(case))
     time_sdpa(case, sdpa, rate, "TFLOP/s", device, args)
-    default = default_config(args.package, "flash_forward", "forward_config", **known_shape(case, device, dtype))
+    default = forced(default_config(args.package, "flash_forward", "forward_config", **known_shape(case, device, dtype)),
+                     args)
     candidates = QUICK_FORWARD if args.quick else forward_candidates(case.D, args.full)
-    for cfg in [None] + with_defaults(candidates, default):
+    for cfg in [default if args.forced else None] + with_defaults(candidates, default):
         run = lambda cfg=cfg: flash_forward(q, k, v, scale=scale, causal=case.causal, config=cfg)[:1]  # noqa: E731
         name = f"default ({label(default)})" if cfg is None and default else label(cfg)
         try_config(case, name, run, reference, rate, "TFLOP/s", device, args)
@@ -229,9 +235,10 @@ def sweep_backward(case: Case, device: str, dtype, args):
     time_sdpa(case, sdpa_bwd, rate, "TFLOP/s", device, args)
     q, k, v = (t.detach() for t in (q, k, v))
     out, lse = flash_forward(q, k, v, scale=scale, causal=case.causal)
-    default = default_config(args.package, "flash_backward", "backward_config", **known_shape(case, device, dtype))
+    default = forced(default_config(args.package, "flash_backward", "backward_config", **known_shape(case, device, dtype)),
+                     args)
     candidates = QUICK_BACKWARD if args.quick else backward_candidates(case.D, args.full)
-    for cfg in [None] + with_defaults(candidates, default):
+    for cfg in [default if args.forced else None] + with_defaults(candidates, default):
         run = lambda cfg=cfg: flash_backward(dout, q, k, v, out, lse, scale=scale, causal=case.causal,  # noqa: E731
                                              config=cfg)
         name = f"default ({label(default)})" if cfg is None and default else label(cfg)
@@ -277,6 +284,8 @@ def parse_args(argv=None):
                    help="default bf16 on cuda, fp16 on cpu (the interpreter computes tl.dot on bf16 wrongly)")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warmup, ms (default 25)")
     p.add_argument("--rep", type=int, default=100, help="do_bench rep, ms (default 100)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="force a config key in the default and every candidate, e.g. TMA=False (repeatable)")
     p.add_argument("--package", default="fxopt.attention",
                    help="package holding flash_forward.py, flash_backward.py, flash_decode.py "
                         "(default fxopt.attention; another for a copy under test)")
@@ -284,6 +293,10 @@ def parse_args(argv=None):
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp16")
     args.which = [w.strip() for w in args.which.split(",") if w.strip()]
+    args.forced = {}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        args.forced[key] = {"True": True, "False": False}.get(value) if value in ("True", "False") else int(value)
     for w in args.which:
         if w not in SWEEPS:
             p.error(f"unknown --which {w!r}; known: {', '.join(SWEEPS)}")

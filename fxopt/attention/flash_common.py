@@ -35,6 +35,12 @@ _FORWARD_GPU = {
     128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
     256: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
 }
+# The same through TMA descriptors (flash_forward_tma.py), which hold no pointer tiles in registers.
+_FORWARD_GPU_TMA = {
+    64: dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
+    128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
+    256: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
+}
 # Backward: the dK/dV kernel keeps a key block (K, V, dK, dV) in registers and streams query blocks;
 # the dQ kernel keeps a query block (Q, dO, dQ) and streams key blocks.
 _BACKWARD_GPU = {
@@ -65,12 +71,15 @@ def forward_config(head_dim: int, causal: bool, dtype, seq_q: int, seq_k: int, d
     """Default launch parameters for flash_forward (a fresh dict). With a mask, its [BLOCK_M, BLOCK_N]
     tile is pipelined through shared memory next to K and V: BLOCK_N at most 64 keeps all three in
     an H200's 227 KB (128 x 128 tiles, 3 stages, need 352 KB)."""
+    tma = device_type == "cuda" and dtype != torch.float32 and not has_mask
     if device_type == "cpu":
         cfg = dict(_FORWARD_CPU)
     else:
-        cfg = dict(_by_head_dim(_FORWARD_GPU_FP32 if dtype == torch.float32 else _FORWARD_GPU, head_dim))
+        table = _FORWARD_GPU_FP32 if dtype == torch.float32 else _FORWARD_GPU_TMA if tma else _FORWARD_GPU
+        cfg = dict(_by_head_dim(table, head_dim))
         if has_mask:
             cfg["BLOCK_N"] = min(cfg["BLOCK_N"], 64)
+    cfg["TMA"] = tma
     return _fit_blocks(cfg, {"BLOCK_M": seq_q, "BLOCK_N": seq_k})
 
 

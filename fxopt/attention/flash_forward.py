@@ -34,6 +34,7 @@ from .flash_common import (
     LN2, LOG2E, check_attention_inputs, dot_precision, forward_config, key_ranges, launcher, load_tile, mask_in_base2,
     mask_arguments, resolve_config, store_rows, store_tile, tile_ptrs, visible,
 )
+from .flash_forward_tma import flash_forward_tma, tma_applies
 
 __all__ = ["flash_forward", "forward_config"]
 
@@ -46,7 +47,8 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool
     h // (H // Hkv)); any strides; float16, bfloat16 or float32. `mask`: None or an additive float
     tensor expanded to [B, H, Tq, Tk] (any strides, 0 where it broadcasts). `causal`: query i sees
     key j iff j <= i + Tk - Tq. `config`: overrides of `forward_config`'s BLOCK_M, BLOCK_N, num_warps,
-    num_stages. out: [B, H, Tq, D] in q's dtype, contiguous; lse: float32 [B, H, Tq], contiguous,
+    num_stages and TMA (read q, k, v through TMA descriptors where flash_forward_tma.tma_applies; the
+    default on CUDA devices for 16-bit inputs without a mask). out: [B, H, Tq, D] in q's dtype, contiguous; lse: float32 [B, H, Tq], contiguous,
     the natural-log log-sum-exp of each row's scaled, masked scores.
     """
     check_attention_inputs("flash_forward", q, k, v, mask, causal, scale)
@@ -54,6 +56,8 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool
     kv_heads, seq_k = k.shape[1], k.shape[2]
     defaults = forward_config(head_dim, causal, q.dtype, seq_q, seq_k, q.device.type, has_mask=mask is not None)
     cfg = resolve_config(config, defaults, "flash_forward")
+    if cfg.pop("TMA") and scale > 0 and tma_applies(q, k, v, mask):
+        return flash_forward_tma(q, k, v, scale=scale, causal=causal, cfg=cfg)
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     block_d = triton.next_power_of_2(head_dim)
 

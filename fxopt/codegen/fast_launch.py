@@ -40,12 +40,15 @@ def current_stream() -> int:
 
 
 def specialisation(args) -> tuple:
-    """What Triton specialises a launch on, per argument: a pointer's dtype and 16-byte alignment; an
-    int's divisibility by 16, being 1, and whether it fits in 32 bits; the type of anything else."""
+    """What Triton specialises a launch on, per argument: a pointer's dtype and 16-byte alignment; a
+    tensor descriptor's dtype and tile; an int's divisibility by 16, being 1, and whether it fits in
+    32 bits; the type of anything else."""
     key = []
     for a in args:
         if isinstance(a, torch.Tensor):
             key.append((a.dtype, a.data_ptr() % 16 == 0))
+        elif hasattr(a, "block_shape") and hasattr(a, "base"):  # a TMA TensorDescriptor: compiled for its tile
+            key.append(("desc", a.base.dtype, tuple(a.block_shape), getattr(a, "padding", None)))
         elif isinstance(a, int) and not isinstance(a, bool):  # i32 or i64 by magnitude, as Triton types it
             key.append((a % 16 == 0, a == 1, -2**31 <= a < 2**31))
         else:

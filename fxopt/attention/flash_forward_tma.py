@@ -1,0 +1,140 @@
+"""Flash-attention forward on Hopper-class GPUs, reading q, k and v through TMA tensor descriptors.
+
+The same schedule as flash_forward.py (online softmax in base 2, causal blocks above the diagonal
+skipped, a mask-free loop then the diagonal and ragged-end blocks, heaviest query blocks first), with
+the tiles moved by the GPU's tensor memory accelerator instead of per-thread pointer loads:
+- a tile's copy is one instruction for the whole block, so no registers hold [BLOCK_N, D] pointer
+  tensors or bounds masks, and the pipeliner overlaps the copies of the next key blocks with the
+  current block's matrix products;
+- rows past the end of a sequence come back as zeros and stores past it are dropped by the copy
+  engine itself, so ragged lengths need no load or store masks (scores of the zero keys are still
+  masked to -inf, as in the pointer kernel);
+- the score scale is folded into the exponent's fused multiply-add (exp2(s * c - max)) in the
+  mask-free loop instead of scaling the whole tile first.
+
+Descriptors are 4-D ([B, H, T, D] with the tensor's own strides), so the transposed views model code
+makes (`x.view(B, T, H, D).transpose(1, 2)`) are read in place. What TMA needs, `tma_applies` checks:
+a CUDA device of compute capability 9.0 or newer, 16-bit inputs, no additive mask, a power-of-two head
+dim, unit stride on the head dim and 16-byte aligned base pointers and strides. Everything else takes
+the pointer kernel, which serves every case.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .flash_common import LN2, key_ranges, launcher, store_rows, visible
+
+try:  # triton >= 3.4
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older triton
+    TensorDescriptor = None
+
+__all__ = ["tma_applies", "flash_forward_tma"]
+
+
+def tma_applies(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> bool:
+    """Whether the TMA kernel can read these inputs (see the module docstring); False means the
+    pointer kernel runs, never an error."""
+    if TensorDescriptor is None or mask is not None or q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] < 9:
+        return False  # (on the CPU the Triton interpreter emulates the descriptors: tests use it)
+    head_dim = q.shape[-1]
+    if head_dim & (head_dim - 1) or head_dim > 256:
+        return False
+    return all(_tma_readable(t) for t in (q, k, v))
+
+
+def _tma_readable(t: Tensor) -> bool:
+    elem = t.element_size()
+    return (t.numel() > 0 and t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all((s * elem) % 16 == 0 for s in t.stride()[:-1]))
+
+
+def _descriptor(t: Tensor, rows: int) -> "TensorDescriptor":
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, t.shape[-1]])
+
+
+def flash_forward_tma(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool, cfg: dict) -> tuple[Tensor, Tensor]:
+    """flash_forward's (out, lse) for inputs `tma_applies` accepted; cfg: BLOCK_M, BLOCK_N, num_warps,
+    num_stages (already resolved)."""
+    batch, heads, seq_q, head_dim = q.shape
+    kv_heads, seq_k = k.shape[1], k.shape[2]
+    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    out = torch.empty(batch, heads, seq_q, head_dim, device=q.device, dtype=q.dtype)
+    lse = torch.empty(batch, heads, seq_q, device=q.device, dtype=torch.float32)
+    grid = (triton.cdiv(seq_q, block_m), batch * heads)
+    launcher(_flash_forward_tma_kernel, grid, q.device)(
+        _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(out, block_m), lse,
+        heads, heads // kv_heads, seq_q, seq_k, scale * 1.4426950408889634,
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
+        EVEN_M=seq_q % block_m == 0, EVEN_N=seq_k % block_n == 0,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out, lse
+
+
+@triton.jit
+def _flash_forward_tma_kernel(
+        q_desc, k_desc, v_desc, o_desc, Lse, num_heads, group_size, seq_q, seq_k, qk_scale,
+        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+        EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
+    """BLOCK_M query rows of one (batch, head) against every key they may see: out rows and lse."""
+    block_m = tl.program_id(0)
+    if CAUSAL:  # heaviest query blocks first
+        block_m = tl.num_programs(0) - 1 - block_m
+    bh = tl.program_id(1)
+    batch = bh // num_heads
+    head = bh % num_heads
+    kv_head = head // group_size
+    m0 = block_m * BLOCK_M
+    causal_shift = seq_k - seq_q
+
+    q = q_desc.load([batch, head, m0, 0]).reshape(BLOCK_M, HEAD_DIM)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    mask_free_end, end = key_ranges(m0, seq_k, causal_shift, BLOCK_M, BLOCK_N, CAUSAL)
+    acc, row_sum, row_max = _tma_key_blocks(
+        acc, row_sum, row_max, q, k_desc, v_desc, batch, kv_head, m0, 0, mask_free_end, seq_q, seq_k,
+        causal_shift, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, False, False)
+    if CAUSAL or not EVEN_N:
+        acc, row_sum, row_max = _tma_key_blocks(
+            acc, row_sum, row_max, q, k_desc, v_desc, batch, kv_head, m0, mask_free_end, end, seq_q, seq_k,
+            causal_shift, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL)
+
+    out = (acc / row_sum[:, None]).to(o_desc.dtype)
+    o_desc.store([batch, head, m0, 0], out.reshape(1, 1, BLOCK_M, HEAD_DIM))
+    rows = tl.arange(0, BLOCK_M)
+    store_rows(Lse + bh.to(tl.int64) * seq_q + m0 + rows, (row_max + tl.log2(row_sum)) * LN2, m0 + rows, seq_q, EVEN_M)
+
+
+@triton.jit
+def _tma_key_blocks(
+        acc, row_sum, row_max, q, k_desc, v_desc, batch, kv_head, m0, key_lo, key_hi, seq_q, seq_k,
+        causal_shift, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        MASKED: tl.constexpr, MASK_CAUSAL: tl.constexpr):
+    """The online-softmax update over key blocks [key_lo, key_hi); MASKED blocks get the elementwise
+    causal / ragged-end mask, the others none."""
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    for n0 in range(key_lo, key_hi, BLOCK_N):
+        n0 = tl.multiple_of(n0, BLOCK_N)
+        k = k_desc.load([batch, kv_head, n0, 0]).reshape(BLOCK_N, HEAD_DIM)
+        s = tl.dot(q, tl.trans(k))
+        if MASKED:
+            s = tl.where(visible(m0 + rows[:, None], n0 + cols[None, :], seq_q, seq_k, causal_shift, MASK_CAUSAL),
+                         s * qk_scale, float("-inf"))
+            new_max = tl.maximum(row_max, tl.max(s, 1))
+            p = tl.exp2(s - new_max[:, None])
+        else:
+            new_max = tl.maximum(row_max, tl.max(s, 1) * qk_scale)
+            p = tl.exp2(s * qk_scale - new_max[:, None])
+        rescale = tl.exp2(row_max - new_max)
+        row_sum = row_sum * rescale + tl.sum(p, 1)
+        v = v_desc.load([batch, kv_head, n0, 0]).reshape(BLOCK_N, HEAD_DIM)
+        acc = tl.dot(p.to(v.dtype), v, acc * rescale[:, None])
+        row_max = new_max
+    return acc, row_sum, row_max

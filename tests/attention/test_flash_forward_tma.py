@@ -1,0 +1,75 @@
+"""The TMA-descriptor forward (flash_forward_tma.py) against a float64 reference, in the Triton
+interpreter (which emulates tensor descriptors) on float16 CPU tensors; bfloat16 and the real copy
+engine are checked on the GPU by the test marked `gpu`. Which kernel runs is asserted too: TMA where
+the inputs allow it, the pointer kernel where they do not (a mask, float32, a head dim of 80, a
+misaligned view)."""
+import pytest
+import torch
+
+from fxopt.attention import flash_forward_tma as tma_module
+from fxopt.attention.flash_forward import flash_forward
+from fxopt.attention.flash_forward_tma import tma_applies
+
+from .test_flash_kernels import check_forward, make_qkv, padding_mask
+
+TMA = dict(TMA=True, BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1)
+
+
+@pytest.fixture
+def tma_calls(monkeypatch):
+    """Counts launches of the TMA kernel."""
+    calls = []
+    real = tma_module.flash_forward_tma
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+    monkeypatch.setattr("fxopt.attention.flash_forward.flash_forward_tma", counting)
+    return calls
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seq_q,seq_k", [(64, 64), (40, 40), (24, 56), (1, 37)])
+def test_tma_forward_matches_float64(seq_q, seq_k, causal, tma_calls):
+    """Even and ragged lengths (zero-filled tiles past the end, dropped stores), Tq < Tk bottom-right
+    causal, a single decode row; GQA 4 query heads on 2 kv heads; [B, T, H, D] views read in place."""
+    q, k, v = make_qkv(2, 4, 2, seq_q, seq_k, 32, torch.float16, transposed=True, seed=seq_q + seq_k)
+    check_forward(q, k, v, causal=causal, config=TMA)
+    assert len(tma_calls) == 1
+
+
+def test_tma_forward_head_dim_64_contiguous(tma_calls):
+    q, k, v = make_qkv(1, 2, 2, 48, 48, 64, torch.float16, seed=3)
+    check_forward(q, k, v, causal=True, config=dict(TMA, BLOCK_N=32))
+    assert len(tma_calls) == 1
+
+
+def test_inputs_tma_cannot_read_take_the_pointer_kernel(tma_calls):
+    q, k, v = make_qkv(1, 2, 2, 32, 32, 32, torch.float16, seed=4)
+    mask = padding_mask(1, 2, 32, 32, [20]).to(torch.float16)
+    check_forward(q, k, v, causal=False, mask=mask, config=TMA)  # additive mask
+    check_forward(*(t.float() for t in (q, k, v)), causal=True, config=TMA)  # float32
+    q80, k80, v80 = make_qkv(1, 2, 2, 32, 32, 80, torch.float16, seed=5)
+    check_forward(q80, k80, v80, causal=True, config=TMA)  # head dim not a power of two
+    wide = torch.randn(1, 2, 32, 33).to(torch.float16)[..., 1:]  # rows of 66 bytes: strides not 16-byte multiples
+    check_forward(wide, k, v, causal=False, config=TMA)
+    assert tma_calls == []
+    assert not tma_applies(wide, k, v, None) and tma_applies(q, k, v, None)
+
+
+def test_negative_scale_takes_the_pointer_kernel(tma_calls):
+    """The mask-free loop takes max(s) * scale as the row max, right only for a positive scale."""
+    q, k, v = make_qkv(1, 2, 2, 32, 32, 32, torch.float16, seed=6)
+    out, _ = flash_forward(q, k, v, scale=-0.2, causal=False, config=TMA)
+    check_forward(q, k, v, causal=False, scale=-0.2, config=TMA)
+    assert tma_calls == []
+
+
+@pytest.mark.gpu
+def test_gpu_tma_forward_bf16_is_the_default_and_matches_float64():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs a CUDA device of compute capability 9.0 or newer")
+    for causal, (seq_q, seq_k) in ((True, (256, 256)), (True, (200, 300)), (False, (129, 1000))):
+        q, k, v = (t.cuda() for t in make_qkv(2, 8, 2, seq_q, seq_k, 128, torch.bfloat16, transposed=True, seed=9))
+        assert tma_applies(q, k, v, None)
+        check_forward(q, k, v, causal=causal)
