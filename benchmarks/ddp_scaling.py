@@ -107,24 +107,50 @@ def _train(step_fn, params, cfg, device, rank, steps: int, first: int = 0) -> li
     return [float(v) for v in losses]
 
 
-def _wrap(model, world: int, device: str):
+def _wrap(model, world: int, device: str, args):
+    """DDP around `model` on more than one rank (buckets of --bucket-mb, gradients all-reduced in bf16
+    with --comm-hook bf16: DDP's own bf16_compress_hook, a user's choice fxopt leaves alone)."""
     if world == 1:
         return model
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
-    return DDP(model, device_ids=[torch.cuda.current_device()] if device == "cuda" else None)
+    ddp = DDP(model, device_ids=[torch.cuda.current_device()] if device == "cuda" else None,
+              bucket_cap_mb=args.bucket_mb)
+    if args.comm_hook == "bf16":
+        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    return ddp
 
 
 # ---------------------------------------------------------------- the three parts, run on every rank
 
 def job_losses(rank, world, cfg, device, args) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    out = {}
+    out, params = {}, {}
     for backend in ("eager", "fxopt"):
-        model = _wrap(_model(cfg, device), world, device)
+        model = _wrap(_model(cfg, device), world, device, args)
         step = _compiled(backend, model, None, device)
         out[backend] = _train(step, model.parameters(), cfg, device, rank, args.loss_steps)
+        params[backend] = [p.detach().clone() for p in model.parameters()]
     rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(out["fxopt"], out["eager"]))
-    return {**out, "max_rel_diff": rel}
+    worst = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+                for a, b in zip(params["fxopt"], params["eager"]))
+    return {**out, "max_rel_diff": rel, "param_rel_diff": worst}
+
+
+def job_allreduce(rank, world, cfg, device, args) -> dict:
+    """The interconnect's share of a step: all-reducing one gradient's worth of bytes (every fp32
+    parameter of the model, as DDP's buckets do), with nothing else running."""
+    n = sum(p.numel() for p in _model(cfg, "meta").parameters())
+    grads = torch.ones(n, device=device)
+    for _ in range(3):
+        dist.all_reduce(grads)
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        dist.all_reduce(grads)
+    _sync(device)
+    ms = (time.perf_counter() - start) / args.steps * 1e3
+    return {"bytes": 4 * n, "ms": ms, "bus_gbs": 4 * n * 2 * (world - 1) / world / ms / 1e6}
 
 
 def _time_steps(step_fn, params, cfg, device, rank, steps: int) -> float:
@@ -152,7 +178,7 @@ def _time_steps(step_fn, params, cfg, device, rank, steps: int) -> float:
 def job_throughput(rank, world, cfg, device, args) -> dict:
     out = {}
     for backend in args.backends:
-        model = _wrap(_model(cfg, device), world, device)
+        model = _wrap(_model(cfg, device), world, device, args)
         step = _compiled(backend, model, args.precision, device)
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -168,7 +194,7 @@ def job_throughput(rank, world, cfg, device, args) -> dict:
 def job_overlap(rank, world, cfg, device, args) -> dict:
     """Profile 3 fxopt DDP steps; on rank 0 measure how much NCCL kernel time overlaps compute kernels."""
     from torch.profiler import ProfilerActivity, profile
-    model = _wrap(_model(cfg, device), world, device)
+    model = _wrap(_model(cfg, device), world, device, args)
     step = _compiled("fxopt", model, args.precision, device)
     _time_steps(step, model.parameters(), cfg, device, rank, 1)  # compile and warm up
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
@@ -215,7 +241,8 @@ def _empty(device):
 
 # ---------------------------------------------------------------- processes
 
-JOBS = {"losses": job_losses, "throughput": job_throughput, "overlap": job_overlap}
+JOBS = {"losses": job_losses, "allreduce": job_allreduce, "throughput": job_throughput,
+        "throughput_n": job_throughput, "overlap": job_overlap}
 
 
 def _worker(rank, world, port, job_name, cfg, device, args, queue):
@@ -225,7 +252,8 @@ def _worker(rank, world, port, job_name, cfg, device, args, queue):
             torch.cuda.set_device(0 if args.share_gpu else rank)
         if world > 1:
             nccl = device == "cuda" and not args.share_gpu  # NCCL refuses two ranks on one GPU
-            dist.init_process_group("nccl" if nccl else "gloo", rank=rank, world_size=world)
+            dist.init_process_group("nccl" if nccl else "gloo", rank=rank, world_size=world,
+                                    device_id=torch.device("cuda", rank) if nccl else None)
         try:
             queue.put((rank, JOBS[job_name](rank, world, cfg, device, args)))
         finally:
@@ -265,7 +293,10 @@ def main(argv=None) -> int:
     p.add_argument("--loss-steps", type=int, default=5)
     p.add_argument("--precision", default="bf16", help="throughput and overlap parts (bf16, fp16 or none)")
     p.add_argument("--backends", default=",".join(BACKENDS))
-    p.add_argument("--parts", default="losses,throughput,overlap")
+    p.add_argument("--parts", default="losses,allreduce,throughput,overlap",
+                   help="throughput: 1 GPU and N; throughput_n: N only")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb")
+    p.add_argument("--comm-hook", default="none", choices=("none", "bf16"))
     p.add_argument("--trace", default="", help="write rank 0's chrome trace of the overlap part here")
     p.add_argument("--share-gpu", action="store_true",
                    help="every rank on GPU 0 through gloo (checks results where only one GPU is lent)")
@@ -301,23 +332,34 @@ def main(argv=None) -> int:
 
 
 def _print_table(results, world):
+    """Losses side by side; the interconnect alone; per backend the step time on one GPU and on N,
+    the scaling, and how much of the all-reduce the backward hid: 1 - (t_N - t_1) / t_allreduce."""
     if f"losses/{world}" in results:
-        r = results[f"losses/{world}"][0]
+        ranks = results[f"losses/{world}"]
+        r = ranks[0]
         print(f"\nlosses (rank 0) eager {['%.6f' % v for v in r['eager']]}\n"
-              f"               fxopt {['%.6f' % v for v in r['fxopt']]}\n"
-              f"max relative difference over ranks: "
-              f"{max(v['max_rel_diff'] for v in results[f'losses/{world}'].values()):.2e}")
-    one, many = results.get("throughput/1", {}).get(0), results.get(f"throughput/{world}", {}).get(0)
-    if one and many:
-        print(f"\n| backend | 1 GPU ms/step | {world} GPUs ms/step | tokens/s 1 GPU | tokens/s {world} GPUs "
-              f"| scaling | peak MiB (1 / {world}) |\n|---|---|---|---|---|---|---|")
-        for b in many:
-            a, c = one[b], many[b]
-            peak = f"{a['peak_mib']:.0f} / {c['peak_mib']:.0f}" if a["peak_mib"] else "-"
-            print(f"| {b} | {a['ms']:.2f} | {c['ms']:.2f} | {a['tokens_per_s']:.0f} | {c['tokens_per_s']:.0f} "
-                  f"| {c['tokens_per_s'] / a['tokens_per_s']:.2f}x | {peak} |")
+              f"losses (rank 0) fxopt {['%.6f' % v for v in r['fxopt']]}\n"
+              f"max relative difference over ranks: losses {max(v['max_rel_diff'] for v in ranks.values()):.2e}, "
+              f"parameters after the steps {max(v['param_rel_diff'] for v in ranks.values()):.2e}")
+    comm = results.get(f"allreduce/{world}", {}).get(0)
+    if comm:
+        print(f"\nall-reduce of the fp32 gradients alone: {comm['bytes'] / 2**20:.0f} MiB in {comm['ms']:.2f} ms "
+              f"(bus {comm['bus_gbs']:.0f} GB/s)")
+    one = results.get("throughput/1", {}).get(0, {})
+    many = results.get(f"throughput/{world}", {}).get(0) or results.get(f"throughput_n/{world}", {}).get(0)
+    if many:
+        print(f"\n| backend | 1 GPU ms/step | {world} GPUs ms/step | tokens/s {world} GPUs | scaling "
+              f"| all-reduce hidden | peak MiB (1 / {world}) |\n|---|---|---|---|---|---|---|")
+        for b, c in many.items():
+            a = one.get(b)
+            scaling = f"{c['tokens_per_s'] / a['tokens_per_s']:.2f}x" if a else "-"
+            hidden = f"{100 * (1 - (c['ms'] - a['ms']) / comm['ms']):.0f}%" if a and comm else "-"
+            peak = f"{a['peak_mib'] if a else float('nan'):.0f} / {c['peak_mib']:.0f}" if c["peak_mib"] else "-"
+            print(f"| {b} | {a['ms'] if a else float('nan'):.2f} | {c['ms']:.2f} | {c['tokens_per_s']:.0f} "
+                  f"| {scaling} | {hidden} | {peak} |")
     if results.get(f"overlap/{world}", {}).get(0):
-        print(f"\noverlap (rank 0, 3 fxopt DDP steps): {results[f'overlap/{world}'][0]}")
+        print(f"\nNCCL kernels vs compute kernels on rank 0 (3 fxopt DDP steps; an NCCL kernel's time includes "
+              f"waiting for the other rank): {results[f'overlap/{world}'][0]}")
 
 
 if __name__ == "__main__":
