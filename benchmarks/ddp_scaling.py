@@ -248,6 +248,7 @@ JOBS = {"losses": job_losses, "allreduce": job_allreduce, "throughput": job_thro
 def _worker(rank, world, port, job_name, cfg, device, args, queue):
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        torch._dynamo.config.optimize_ddp = args.optimize_ddp
         if device == "cuda":
             torch.cuda.set_device(0 if args.share_gpu else rank)
         if world > 1:
@@ -296,6 +297,9 @@ def main(argv=None) -> int:
     p.add_argument("--parts", default="losses,allreduce,throughput,overlap",
                    help="throughput: 1 GPU and N; throughput_n: N only")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb")
+    p.add_argument("--optimize-ddp", default="ddp_optimizer", type=lambda v: False if v == "off" else v,
+                   help="torch._dynamo.config.optimize_ddp: ddp_optimizer (split the graph at bucket "
+                        "boundaries, the default) or off (one graph; buckets all-reduced after the backward)")
     p.add_argument("--comm-hook", default="none", choices=("none", "bf16"))
     p.add_argument("--trace", default="", help="write rank 0's chrome trace of the overlap part here")
     p.add_argument("--share-gpu", action="store_true",
