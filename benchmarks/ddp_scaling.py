@@ -153,8 +153,10 @@ def job_allreduce(rank, world, cfg, device, args) -> dict:
     return {"bytes": 4 * n, "ms": ms, "bus_gbs": 4 * n * 2 * (world - 1) / world / ms / 1e6}
 
 
-def _time_steps(step_fn, params, cfg, device, rank, steps: int) -> float:
-    """Mean seconds per training step after warm-up (compilation) steps."""
+def _time_steps(step_fn, params, cfg, device, rank, steps: int, profiler=None) -> float:
+    """Mean seconds per training step after 3 warm-up (compilation) steps; with `profiler`, the timed
+    steps run inside it (the batches are made before, so the trace holds training steps only)."""
+    import contextlib
     opt = torch.optim.AdamW(params, lr=1e-4)
     batches = [_batch(cfg, device, i, rank) for i in range(4)]
 
@@ -168,11 +170,13 @@ def _time_steps(step_fn, params, cfg, device, rank, steps: int) -> float:
     _sync(device)
     if dist.is_initialized():
         dist.barrier()
-    start = time.perf_counter()
-    for i in range(steps):
-        one(i)
-    _sync(device)
-    return (time.perf_counter() - start) / steps
+    with profiler if profiler is not None else contextlib.nullcontext():
+        start = time.perf_counter()
+        for i in range(steps):
+            one(i)
+        _sync(device)
+        seconds = (time.perf_counter() - start) / steps
+    return seconds
 
 
 def job_throughput(rank, world, cfg, device, args) -> dict:
@@ -192,19 +196,22 @@ def job_throughput(rank, world, cfg, device, args) -> dict:
 
 
 def job_overlap(rank, world, cfg, device, args) -> dict:
-    """Profile 3 fxopt DDP steps; on rank 0 measure how much NCCL kernel time overlaps compute kernels."""
+    """Profile 3 fxopt DDP steps; on rank 0: how much NCCL kernel time overlaps compute kernels, and
+    the busiest GPU kernels and host operations."""
     from torch.profiler import ProfilerActivity, profile
     model = _wrap(_model(cfg, device), world, device, args)
     step = _compiled("fxopt", model, args.precision, device)
-    _time_steps(step, model.parameters(), cfg, device, rank, 1)  # compile and warm up
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with profile(activities=activities) as prof:
-        _time_steps(step, model.parameters(), cfg, device, rank, 3)
+    prof = profile(activities=activities)
+    ms = 1e3 * _time_steps(step, model.parameters(), cfg, device, rank, 3, profiler=prof)
     if rank != 0 or device != "cuda":
         return {}
     if args.trace:
         prof.export_chrome_trace(args.trace)
-    return overlap_of(prof.events())
+    averages = prof.key_averages()
+    print(averages.table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60), flush=True)
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60), flush=True)
+    return {"ms_per_step_profiled": ms, **overlap_of(prof.events())}
 
 
 def overlap_of(events) -> dict:
