@@ -5,6 +5,9 @@ TRITON_INTERPRET=1); the same tests run on CUDA when a GPU is present."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -224,14 +227,27 @@ class BufferMaskAttention(torch.nn.Module):
 
 
 def test_causal_buffer_changed_in_place_is_caught(device):
+    if device == "cuda":  # a device-side assertion ends the CUDA context: see it happen in a child process
+        code = ("import torch, pytest\n"
+                "from tests.attention.test_match_spellings import _change_causal_buffer_after_compiling\n"
+                "_change_causal_buffer_after_compiling('cuda')\ntorch.cuda.synchronize()\n")
+        env = {**os.environ, "TRITON_INTERPRET": "0"}
+        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                             cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        assert run.returncode != 0 and "device-side assert" in run.stderr, run.stderr[-2000:]
+        return
+    with pytest.raises(FxoptError, match="buffer .*changed after compilation"):
+        _change_causal_buffer_after_compiling(device)
+
+
+def _change_causal_buffer_after_compiling(device):
     mod = BufferMaskAttention().to(device)
     q, k, v = qkv(device)
     compiled = compile_fxopt(mod)
     torch.testing.assert_close(compiled(q, k, v), mod(q, k, v), rtol=1e-4, atol=1e-5)
     mod.bias.zero_()
     mod.bias[:, 0] = True  # no longer causal: the compiled kernel would be wrong
-    with pytest.raises(FxoptError, match="buffer .*changed after compilation"):
-        compiled(q, k, v)
+    compiled(q, k, v)
 
 
 def test_buffer_rewritten_with_the_same_values_is_accepted(device):
