@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The attention batch of a device run (about 6 minutes on an H200): GPU correctness of the flash
-# kernels (TMA forward included), a forward config sweep (TMA by default; the causal hd128 case also
-# through the pointer kernel), then the attention workloads against Inductor and SDPA.
+# kernels (TMA forward and backward included), a forward config sweep (TMA by default; the causal hd128
+# case also through the pointer kernel), the backward sweep through TMA and through pointers (TMA is
+# off by default there until this sweep says otherwise), then the attention workloads against
+# Inductor and SDPA.
 #     bash benchmarks/gpu_attention.sh      # logs under $OUT (default /tmp/fxopt-gpu)
 set -u
 . benchmarks/gpu_env.sh
@@ -20,6 +22,12 @@ sed -n '/# best config/,$p' "$OUT/tune_fwd.txt"
 timeout 90 python -m benchmarks.tune_attention --which fwd --cases "fwd causal hd128" --set TMA=False \
     --warmup 10 --rep 40 > "$OUT/tune_fwd_pointer.txt" 2>&1
 sed -n '/# best config/,$p' "$OUT/tune_fwd_pointer.txt"
+
+echo "== 2b. backward sweep: TMA, then the pointer kernels"
+timeout 150 python -m benchmarks.tune_attention --which bwd --set TMA=True --warmup 10 --rep 40 > "$OUT/tune_bwd_tma.txt" 2>&1
+sed -n '/# best config/,$p' "$OUT/tune_bwd_tma.txt"
+timeout 150 python -m benchmarks.tune_attention --which bwd --warmup 10 --rep 40 > "$OUT/tune_bwd.txt" 2>&1
+sed -n '/# best config/,$p' "$OUT/tune_bwd.txt"
 
 echo "== 3. attention workloads vs Inductor and SDPA"
 timeout 200 python -m benchmarks.run --workloads attn_causal,attn_full,attn_causal_bwd,gpt_block \

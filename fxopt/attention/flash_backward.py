@@ -31,6 +31,8 @@ from .flash_common import (
     load_rows, load_tile, mask_arguments, mask_in_base2, resolve_config, store_rows, store_tile, tile_ptrs,
     visible,
 )
+from .flash_backward_tma import flash_backward_tma
+from .flash_forward_tma import tma_applies, tma_readable
 
 __all__ = ["flash_backward", "backward_config"]
 
@@ -41,7 +43,8 @@ def flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     """Gradients (dq, dk, dv) of flash_forward's out, given dout (any strides) and the forward's out
     and lse; shapes and dtypes of q, k, v, contiguous. The mask gets no gradient. `config`:
     overrides of `backward_config`'s DKDV_BLOCK_M, DKDV_BLOCK_N, DQ_BLOCK_M, DQ_BLOCK_N, num_warps,
-    num_stages."""
+    num_stages and TMA (dK/dV and dQ through TMA descriptors where the inputs allow it,
+    flash_backward_tma.py; off by default)."""
     check_attention_inputs("flash_backward", q, k, v, mask, causal, scale)
     _check_saved(dout, out, lse, q)
     batch, heads, seq_q, head_dim = q.shape
@@ -51,7 +54,6 @@ def flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     block_d = triton.next_power_of_2(head_dim)
     lse = lse.contiguous()
     delta = torch.empty_like(lse)
-    dq, dk, dv = (torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v))
     shared = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, EVEN_D=head_dim == block_d,
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     attention = dict(CAUSAL=causal, HAS_MASK=mask is not None, DOT_PRECISION=dot_precision(q.dtype), **shared)
@@ -61,6 +63,9 @@ def flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     launcher(_delta_kernel, (triton.cdiv(seq_q, block_m), batch * heads), q.device)(
         out, dout, delta, *out.stride(), *dout.stride(), heads, seq_q,
         BLOCK_M=block_m, EVEN_M=seq_q % block_m == 0, **shared)
+    if cfg.pop("TMA") and tma_applies(q, k, v, mask) and tma_readable(dout):
+        return flash_backward_tma(dout, q, k, v, lse, delta, scale=scale, causal=causal, cfg=cfg)
+    dq, dk, dv = (torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v))
 
     block_m, block_n = cfg["DKDV_BLOCK_M"], cfg["DKDV_BLOCK_N"]
     launcher(_dkdv_kernel, (triton.cdiv(seq_k, block_n), batch * kv_heads), q.device)(

@@ -91,6 +91,7 @@ def backward_config(head_dim: int, causal: bool, dtype, seq_q: int, seq_k: int, 
         cfg = dict(_BACKWARD_CPU)
     else:
         cfg = dict(_by_head_dim(_BACKWARD_GPU_FP32 if dtype == torch.float32 else _BACKWARD_GPU, head_dim))
+    cfg["TMA"] = False  # flash_backward_tma.py: interpreter-tested, off until measured on a GPU
     return _fit_blocks(cfg, {"DKDV_BLOCK_M": seq_q, "DKDV_BLOCK_N": seq_k, "DQ_BLOCK_M": seq_q, "DQ_BLOCK_N": seq_k})
 
 

@@ -32,7 +32,7 @@ try:  # triton >= 3.4
 except ImportError:  # pragma: no cover - older triton
     TensorDescriptor = None
 
-__all__ = ["tma_applies", "flash_forward_tma"]
+__all__ = ["tma_applies", "tma_readable", "descriptor", "flash_forward_tma"]
 
 
 def tma_applies(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> bool:
@@ -45,16 +45,16 @@ def tma_applies(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> bool:
     head_dim = q.shape[-1]
     if head_dim & (head_dim - 1) or head_dim > 256:
         return False
-    return all(_tma_readable(t) for t in (q, k, v))
+    return all(tma_readable(t) for t in (q, k, v))
 
 
-def _tma_readable(t: Tensor) -> bool:
+def tma_readable(t: Tensor) -> bool:
     elem = t.element_size()
     return (t.numel() > 0 and t.stride(-1) == 1 and t.data_ptr() % 16 == 0
             and all((s * elem) % 16 == 0 for s in t.stride()[:-1]))
 
 
-def _descriptor(t: Tensor, rows: int) -> "TensorDescriptor":
+def descriptor(t: Tensor, rows: int) -> "TensorDescriptor":
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, t.shape[-1]])
 
 
@@ -68,7 +68,7 @@ def flash_forward_tma(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: 
     lse = torch.empty(batch, heads, seq_q, device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(seq_q, block_m), batch * heads)
     launcher(_flash_forward_tma_kernel, grid, q.device)(
-        _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(out, block_m), lse,
+        descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(out, block_m), lse,
         heads, heads // kv_heads, seq_q, seq_k, scale * 1.4426950408889634,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
         EVEN_M=seq_q % block_m == 0, EVEN_N=seq_k % block_n == 0,

@@ -1,8 +1,8 @@
-"""The TMA-descriptor forward (flash_forward_tma.py) against a float64 reference, in the Triton
-interpreter (which emulates tensor descriptors) on float16 CPU tensors; bfloat16 and the real copy
-engine are checked on the GPU by the test marked `gpu`. Which kernel runs is asserted too: TMA where
-the inputs allow it, the pointer kernel where they do not (a mask, float32, a head dim of 80, a
-misaligned view)."""
+"""The TMA-descriptor forward and backward (flash_forward_tma.py, flash_backward_tma.py) against a
+float64 reference, in the Triton interpreter (which emulates tensor descriptors) on float16 CPU
+tensors; bfloat16 and the real copy engine are checked on the GPU by the tests marked `gpu`. Which
+kernel runs is asserted too: TMA where the inputs allow it, the pointer kernel where they do not (a
+mask, float32, a head dim of 80, a misaligned view)."""
 import pytest
 import torch
 
@@ -10,9 +10,11 @@ from fxopt.attention import flash_forward_tma as tma_module
 from fxopt.attention.flash_forward import flash_forward
 from fxopt.attention.flash_forward_tma import tma_applies
 
-from .test_flash_kernels import check_forward, make_qkv, padding_mask
+from .test_flash_kernels import check_backward, check_forward, make_qkv, padding_mask
 
 TMA = dict(TMA=True, BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1)
+TMA_BACKWARD = dict(TMA=True, DKDV_BLOCK_M=16, DKDV_BLOCK_N=32, DQ_BLOCK_M=32, DQ_BLOCK_N=16, num_warps=4,
+                    num_stages=1)
 
 
 @pytest.fixture
@@ -63,6 +65,49 @@ def test_negative_scale_takes_the_pointer_kernel(tma_calls):
     out, _ = flash_forward(q, k, v, scale=-0.2, causal=False, config=TMA)
     check_forward(q, k, v, causal=False, scale=-0.2, config=TMA)
     assert tma_calls == []
+
+
+@pytest.fixture
+def tma_backward_calls(monkeypatch):
+    calls = []
+    from fxopt.attention import flash_backward_tma as module
+    real = module.flash_backward_tma
+
+    def counting(*args, **kwargs):
+        calls.append(args[1].shape)
+        return real(*args, **kwargs)
+    monkeypatch.setattr("fxopt.attention.flash_backward.flash_backward_tma", counting)
+    return calls
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seq_q,seq_k", [(64, 64), (37, 37), (20, 45)])
+def test_tma_backward_matches_float64_autograd(seq_q, seq_k, causal, tma_backward_calls):
+    """dq, dk, dv through descriptors: ragged lengths on both axes, Tq < Tk, GQA 4 on 2 (dK/dV summed
+    over the group), transposed q, k, v and dout."""
+    q, k, v = make_qkv(2, 4, 2, seq_q, seq_k, 32, torch.float16, transposed=True, seed=seq_q * seq_k)
+    dout = torch.randn(2, seq_q, 4, 32, generator=torch.Generator().manual_seed(5)).to(torch.float16).transpose(1, 2)
+    check_backward(q, k, v, causal=causal, dout=dout, config=TMA_BACKWARD)
+    assert len(tma_backward_calls) == 1
+
+
+def test_tma_backward_is_off_by_default_and_skips_masks(tma_backward_calls):
+    q, k, v = make_qkv(1, 2, 2, 32, 32, 32, torch.float16, seed=8)
+    check_backward(q, k, v, causal=True)  # the default config: pointer kernels
+    mask = padding_mask(1, 2, 32, 32, [20]).to(torch.float16)
+    check_backward(q, k, v, causal=False, mask=mask, config=TMA_BACKWARD)
+    assert tma_backward_calls == []
+
+
+@pytest.mark.gpu
+def test_gpu_tma_backward_bf16_matches_float64():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs a CUDA device of compute capability 9.0 or newer")
+    config = dict(TMA=True, DKDV_BLOCK_M=64, DKDV_BLOCK_N=64, DQ_BLOCK_M=64, DQ_BLOCK_N=64, num_warps=4,
+                  num_stages=2)
+    for causal, (seq_q, seq_k) in ((True, (256, 256)), (True, (200, 300)), (False, (129, 1000))):
+        q, k, v = (t.cuda() for t in make_qkv(2, 8, 2, seq_q, seq_k, 128, torch.bfloat16, transposed=True, seed=9))
+        check_backward(q, k, v, causal=causal, config=config)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,178 @@
+"""Flash-attention backward on Hopper-class GPUs, reading the streamed tiles through TMA descriptors.
+
+The schedule and the mathematics are flash_backward.py's (dK/dV per key block streaming the query
+blocks of every query head of its group; dQ per query block streaming key blocks; P recomputed from
+the saved log-sum-exp); only the tile copies change, as in flash_forward_tma.py: q, k, v, dO and the
+dq, dk, dv stores go through 4-D tensor descriptors (zero fill past the ends, stores past the ends
+dropped), so no registers hold pointer tiles. Per-row values (lse, delta) stay pointer loads.
+
+Rows and columns a descriptor zero-fills contribute nothing: a zero dO row gives dP = 0 and, with
+delta = 0 there, dS = 0; a zero q row gives dK += dS^T 0. The causal diagonal and ragged ends are
+still masked to -inf exactly as in the pointer kernels, so P is 0 wherever eager's softmax is.
+
+Off by default (flash_common.backward_config's TMA): interpreter-tested, not yet measured on a GPU.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .flash_common import LOG2E, key_ranges, launcher, load_rows, visible
+from .flash_forward_tma import descriptor
+
+__all__ = ["flash_backward_tma"]
+
+
+def flash_backward_tma(dout, q, k, v, lse, delta, *, scale: float, causal: bool, cfg: dict) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) for inputs the TMA path accepts (the caller checked tma_applies and dout); `delta`
+    already computed; cfg resolved (DKDV_/DQ_ blocks, num_warps, num_stages)."""
+    batch, heads, seq_q, head_dim = q.shape
+    kv_heads, seq_k = k.shape[1], k.shape[2]
+    dq, dk, dv = (torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v))
+    shared = dict(HEAD_DIM=head_dim, CAUSAL=causal, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+    block_m, block_n = cfg["DKDV_BLOCK_M"], cfg["DKDV_BLOCK_N"]
+    launcher(_dkdv_tma_kernel, (triton.cdiv(seq_k, block_n), batch * kv_heads), q.device)(
+        descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(dout, block_m),
+        descriptor(dk, block_n), descriptor(dv, block_n), lse, delta,
+        kv_heads, heads // kv_heads, seq_q, seq_k, scale, scale * LOG2E.value,
+        BLOCK_M=block_m, BLOCK_N=block_n, EVEN_M=seq_q % block_m == 0, **shared)
+
+    block_m, block_n = cfg["DQ_BLOCK_M"], cfg["DQ_BLOCK_N"]
+    launcher(_dq_tma_kernel, (triton.cdiv(seq_q, block_m), batch * heads), q.device)(
+        descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(dout, block_m),
+        descriptor(dq, block_m), lse, delta,
+        heads, heads // kv_heads, seq_q, seq_k, scale, scale * LOG2E.value,
+        BLOCK_M=block_m, BLOCK_N=block_n, EVEN_N=seq_k % block_n == 0, **shared)
+    return dq, dk, dv
+
+
+@triton.jit
+def _dkdv_tma_kernel(
+        q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta,
+        num_kv_heads, group_size, seq_q, seq_k, sm_scale, qk_scale,
+        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+        EVEN_M: tl.constexpr):
+    """dK and dV for BLOCK_N keys of one (batch, kv head), summed over the query heads of its group."""
+    n0 = tl.program_id(0) * BLOCK_N
+    bkv = tl.program_id(1)
+    batch = bkv // num_kv_heads
+    kv_head = bkv % num_kv_heads
+    causal_shift = seq_k - seq_q
+    k = k_desc.load([batch, kv_head, n0, 0]).reshape(BLOCK_N, HEAD_DIM)
+    v = v_desc.load([batch, kv_head, n0, 0]).reshape(BLOCK_N, HEAD_DIM)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    first, mask_free_lo, ragged_lo = _query_ranges_tma(n0, seq_q, causal_shift, BLOCK_M, BLOCK_N, CAUSAL)
+    for g in range(group_size):
+        head = kv_head * group_size + g
+        rows_head = (batch * num_kv_heads * group_size + head).to(tl.int64) * seq_q  # lse, delta: [B, H, Tq]
+        if CAUSAL:
+            dk, dv = _accumulate_dkdv_tma(dk, dv, k, v, q_desc, do_desc, Lse + rows_head, Delta + rows_head, batch,
+                                          head, n0, first, mask_free_lo, seq_q, seq_k, causal_shift, qk_scale,
+                                          HEAD_DIM, BLOCK_M, BLOCK_N, True, True)
+        dk, dv = _accumulate_dkdv_tma(dk, dv, k, v, q_desc, do_desc, Lse + rows_head, Delta + rows_head, batch,
+                                      head, n0, mask_free_lo, ragged_lo, seq_q, seq_k, causal_shift, qk_scale,
+                                      HEAD_DIM, BLOCK_M, BLOCK_N, False, False)
+        if not EVEN_M:
+            dk, dv = _accumulate_dkdv_tma(dk, dv, k, v, q_desc, do_desc, Lse + rows_head, Delta + rows_head, batch,
+                                          head, n0, ragged_lo, seq_q, seq_q, seq_k, causal_shift, qk_scale,
+                                          HEAD_DIM, BLOCK_M, BLOCK_N, True, False)
+    dk_desc.store([batch, kv_head, n0, 0], (dk * sm_scale).to(dk_desc.dtype).reshape(1, 1, BLOCK_N, HEAD_DIM))
+    dv_desc.store([batch, kv_head, n0, 0], dv.to(dv_desc.dtype).reshape(1, 1, BLOCK_N, HEAD_DIM))
+
+
+@triton.jit
+def _query_ranges_tma(n0, seq_q, causal_shift, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """flash_backward._query_ranges: (first, mask_free_lo, ragged_lo) of the key block at n0."""
+    last_block_end = tl.cdiv(seq_q, BLOCK_M) * BLOCK_M
+    if CAUSAL:
+        first = tl.maximum(n0 - causal_shift, 0) // BLOCK_M * BLOCK_M
+        mask_free_lo = tl.minimum(tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - causal_shift, 0), BLOCK_M) * BLOCK_M,
+                                  last_block_end)
+    else:
+        first = 0
+        mask_free_lo = 0
+    ragged_lo = tl.maximum(mask_free_lo, seq_q // BLOCK_M * BLOCK_M)
+    return first, mask_free_lo, ragged_lo
+
+
+@triton.jit
+def _accumulate_dkdv_tma(dk, dv, k, v, q_desc, do_desc, lse_head, delta_head, batch, head, n0, query_lo, query_hi,
+                         seq_q, seq_k, causal_shift, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, MASKED: tl.constexpr, MASK_CAUSAL: tl.constexpr):
+    """Over query blocks [query_lo, query_hi) of one query head, in transposed tiles [keys, queries]."""
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    for m0 in range(query_lo, query_hi, BLOCK_M):
+        m0 = tl.multiple_of(m0, BLOCK_M)
+        q = q_desc.load([batch, head, m0, 0]).reshape(BLOCK_M, HEAD_DIM)
+        s_t = tl.dot(k, tl.trans(q)) * qk_scale
+        if MASKED:
+            s_t = tl.where(visible(m0 + rows[None, :], n0 + cols[:, None], seq_q, seq_k, causal_shift, MASK_CAUSAL),
+                           s_t, float("-inf"))
+        lse = load_rows(lse_head + m0 + rows, m0 + rows, seq_q, not MASKED)
+        p_t = tl.exp2(s_t - lse[None, :] * LOG2E)
+        do = do_desc.load([batch, head, m0, 0]).reshape(BLOCK_M, HEAD_DIM)
+        dv = tl.dot(p_t.to(do.dtype), do, dv)
+        dp_t = tl.dot(v, tl.trans(do))
+        delta = load_rows(delta_head + m0 + rows, m0 + rows, seq_q, not MASKED)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk)
+    return dk, dv
+
+
+@triton.jit
+def _dq_tma_kernel(
+        q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta,
+        num_heads, group_size, seq_q, seq_k, sm_scale, qk_scale,
+        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+        EVEN_N: tl.constexpr):
+    """dQ for BLOCK_M query rows of one (batch, head)."""
+    block_m = tl.program_id(0)
+    if CAUSAL:  # heaviest query blocks first
+        block_m = tl.num_programs(0) - 1 - block_m
+    bh = tl.program_id(1)
+    batch = bh // num_heads
+    head = bh % num_heads
+    kv_head = head // group_size
+    m0 = block_m * BLOCK_M
+    rows = tl.arange(0, BLOCK_M)
+    causal_shift = seq_k - seq_q
+    q = q_desc.load([batch, head, m0, 0]).reshape(BLOCK_M, HEAD_DIM)
+    do = do_desc.load([batch, head, m0, 0]).reshape(BLOCK_M, HEAD_DIM)
+    row_ptrs = bh.to(tl.int64) * seq_q + m0 + rows
+    lse = load_rows(Lse + row_ptrs, m0 + rows, seq_q, False) * LOG2E
+    delta = load_rows(Delta + row_ptrs, m0 + rows, seq_q, False)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    mask_free_end, end = key_ranges(m0, seq_k, causal_shift, BLOCK_M, BLOCK_N, CAUSAL)
+    dq = _accumulate_dq_tma(dq, q, do, lse, delta, k_desc, v_desc, batch, kv_head, m0, 0, mask_free_end, seq_q, seq_k,
+                            causal_shift, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, False, False)
+    if CAUSAL or not EVEN_N:
+        dq = _accumulate_dq_tma(dq, q, do, lse, delta, k_desc, v_desc, batch, kv_head, m0, mask_free_end, end, seq_q,
+                                seq_k, causal_shift, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL)
+    dq_desc.store([batch, head, m0, 0], (dq * sm_scale).to(dq_desc.dtype).reshape(1, 1, BLOCK_M, HEAD_DIM))
+
+
+@triton.jit
+def _accumulate_dq_tma(dq, q, do, lse, delta, k_desc, v_desc, batch, kv_head, m0, key_lo, key_hi, seq_q, seq_k,
+                       causal_shift, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       MASKED: tl.constexpr, MASK_CAUSAL: tl.constexpr):
+    """dQ over key blocks [key_lo, key_hi); lse is in base 2 here."""
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    for n0 in range(key_lo, key_hi, BLOCK_N):
+        n0 = tl.multiple_of(n0, BLOCK_N)
+        k = k_desc.load([batch, kv_head, n0, 0]).reshape(BLOCK_N, HEAD_DIM)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        if MASKED:
+            s = tl.where(visible(m0 + rows[:, None], n0 + cols[None, :], seq_q, seq_k, causal_shift, MASK_CAUSAL),
+                         s, float("-inf"))
+        p = tl.exp2(s - lse[:, None])
+        v = v_desc.load([batch, kv_head, n0, 0]).reshape(BLOCK_N, HEAD_DIM)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq)
+    return dq
