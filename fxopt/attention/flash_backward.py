@@ -32,7 +32,7 @@ from .flash_common import (
     visible,
 )
 from .flash_backward_tma import flash_backward_tma
-from .flash_forward_tma import tma_applies, tma_readable
+from .flash_forward_tma import tiles_fit, tma_applies, tma_readable
 
 __all__ = ["flash_backward", "backward_config"]
 
@@ -63,7 +63,9 @@ def flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     launcher(_delta_kernel, (triton.cdiv(seq_q, block_m), batch * heads), q.device)(
         out, dout, delta, *out.stride(), *dout.stride(), heads, seq_q,
         BLOCK_M=block_m, EVEN_M=seq_q % block_m == 0, **shared)
-    if cfg.pop("TMA") and tma_applies(q, k, v, mask) and tma_readable(dout):
+    if (cfg.pop("TMA") and tma_applies(q, k, v, mask) and tma_readable(dout)
+            and tiles_fit(q, k, cfg["DKDV_BLOCK_M"], cfg["DKDV_BLOCK_N"])
+            and tiles_fit(q, k, cfg["DQ_BLOCK_M"], cfg["DQ_BLOCK_N"])):
         return flash_backward_tma(dout, q, k, v, lse, delta, scale=scale, causal=causal, cfg=cfg)
     dq, dk, dv = (torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v))
 

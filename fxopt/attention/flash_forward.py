@@ -34,7 +34,7 @@ from .flash_common import (
     LN2, LOG2E, check_attention_inputs, dot_precision, forward_config, key_ranges, launcher, load_tile, mask_in_base2,
     mask_arguments, resolve_config, store_rows, store_tile, tile_ptrs, visible,
 )
-from .flash_forward_tma import flash_forward_tma, tma_applies
+from .flash_forward_tma import flash_forward_tma, tiles_fit, tma_applies
 
 __all__ = ["flash_forward", "forward_config"]
 
@@ -56,7 +56,8 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool
     kv_heads, seq_k = k.shape[1], k.shape[2]
     defaults = forward_config(head_dim, causal, q.dtype, seq_q, seq_k, q.device.type, has_mask=mask is not None)
     cfg = resolve_config(config, defaults, "flash_forward")
-    if cfg.pop("TMA") and scale > 0 and tma_applies(q, k, v, mask):
+    if (cfg.pop("TMA") and scale > 0 and tma_applies(q, k, v, mask)
+            and tiles_fit(q, k, cfg["BLOCK_M"], cfg["BLOCK_N"])):
         return flash_forward_tma(q, k, v, scale=scale, causal=causal, cfg=cfg)
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     block_d = triton.next_power_of_2(head_dim)

@@ -15,8 +15,9 @@ the tiles moved by the GPU's tensor memory accelerator instead of per-thread poi
 Descriptors are 4-D ([B, H, T, D] with the tensor's own strides), so the transposed views model code
 makes (`x.view(B, T, H, D).transpose(1, 2)`) are read in place. What TMA needs, `tma_applies` checks:
 a CUDA device of compute capability 9.0 or newer, 16-bit inputs, no additive mask, a power-of-two head
-dim, unit stride on the head dim and 16-byte aligned base pointers and strides. Everything else takes
-the pointer kernel, which serves every case.
+dim, unit stride on the head dim and 16-byte aligned base pointers and strides; the callers add
+`tiles_fit` (no tile longer than its sequence). Everything else takes the pointer kernel, which
+serves every case.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ try:  # triton >= 3.4
 except ImportError:  # pragma: no cover - older triton
     TensorDescriptor = None
 
-__all__ = ["tma_applies", "tma_readable", "descriptor", "flash_forward_tma"]
+__all__ = ["tma_applies", "tma_readable", "tiles_fit", "descriptor", "flash_forward_tma"]
 
 
 def tma_applies(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> bool:
@@ -46,6 +47,12 @@ def tma_applies(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> bool:
     if head_dim & (head_dim - 1) or head_dim > 256:
         return False
     return all(tma_readable(t) for t in (q, k, v))
+
+
+def tiles_fit(q: Tensor, k: Tensor, block_q: int, block_k: int) -> bool:
+    """No descriptor tile longer than its sequence: a copy box past the whole tensor is left to the
+    pointer kernels (short sequences, where the copy engine buys nothing)."""
+    return block_q <= q.shape[2] and block_k <= k.shape[2]
 
 
 def tma_readable(t: Tensor) -> bool:

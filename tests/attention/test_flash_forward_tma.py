@@ -31,13 +31,14 @@ def tma_calls(monkeypatch):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("seq_q,seq_k", [(64, 64), (40, 40), (24, 56), (1, 37)])
+@pytest.mark.parametrize("seq_q,seq_k", [(64, 64), (40, 40), (40, 56), (1, 37)])
 def test_tma_forward_matches_float64(seq_q, seq_k, causal, tma_calls):
     """Even and ragged lengths (zero-filled tiles past the end, dropped stores), Tq < Tk bottom-right
-    causal, a single decode row; GQA 4 query heads on 2 kv heads; [B, T, H, D] views read in place."""
+    causal; GQA 4 query heads on 2 kv heads; [B, T, H, D] views read in place. A single decode row is
+    shorter than the query tile: the pointer kernel takes it."""
     q, k, v = make_qkv(2, 4, 2, seq_q, seq_k, 32, torch.float16, transposed=True, seed=seq_q + seq_k)
     check_forward(q, k, v, causal=causal, config=TMA)
-    assert len(tma_calls) == 1
+    assert len(tma_calls) == (seq_q >= TMA["BLOCK_M"])
 
 
 def test_tma_forward_head_dim_64_contiguous(tma_calls):
@@ -81,7 +82,7 @@ def tma_backward_calls(monkeypatch):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("seq_q,seq_k", [(64, 64), (37, 37), (20, 45)])
+@pytest.mark.parametrize("seq_q,seq_k", [(64, 64), (37, 37), (40, 70)])
 def test_tma_backward_matches_float64_autograd(seq_q, seq_k, causal, tma_backward_calls):
     """dq, dk, dv through descriptors: ragged lengths on both axes, Tq < Tk, GQA 4 on 2 (dK/dV summed
     over the group), transposed q, k, v and dout."""
