@@ -28,8 +28,8 @@ from torch import Tensor
 
 from .flash_common import (
     LOG2E, backward_config, check_attention_inputs, check_device, dot_precision, key_ranges, launcher,
-    load_rows, load_tile, mask_arguments, mask_in_base2, resolve_config, store_rows, store_tile, tile_ptrs,
-    visible,
+    load_rows, load_tile, mask_arguments, mask_in_base2, query_ranges, resolve_config, store_rows, store_tile,
+    tile_ptrs, visible,
 )
 from .flash_backward_tma import flash_backward_tma
 from .flash_forward_tma import tiles_fit, tma_applies, tma_readable
@@ -145,7 +145,7 @@ def _dkdv_kernel(
                   n0 + cols, seq_k, dims, HEAD_DIM, EVEN_N, EVEN_D)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    first, mask_free_lo, ragged_lo = _query_ranges(n0, seq_q, causal_shift, BLOCK_M, BLOCK_N, CAUSAL)
+    first, mask_free_lo, ragged_lo = query_ranges(n0, seq_q, causal_shift, BLOCK_M, BLOCK_N, CAUSAL)
     for g in range(group_size):
         head = kv_head * group_size + g
         q_head = Q + batch * stride_qb + head * stride_qh
@@ -171,27 +171,6 @@ def _dkdv_kernel(
     store_tile(dk_ptrs, (dk * sm_scale).to(DK.dtype.element_ty), n0 + cols, seq_k, dims, HEAD_DIM, EVEN_N, EVEN_D)
     dv_ptrs = tile_ptrs(DV + batch * stride_dvb + kv_head * stride_dvh, n0, cols, stride_dvn, 0, dims, stride_dvd)
     store_tile(dv_ptrs, dv.to(DV.dtype.element_ty), n0 + cols, seq_k, dims, HEAD_DIM, EVEN_N, EVEN_D)
-
-
-@triton.jit
-def _query_ranges(n0, seq_q, causal_shift, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
-    """(first, mask_free_lo, ragged_lo): the query loop of the key block starting at n0.
-
-    Query blocks before `first` see none of the block's keys (causal) and are skipped; blocks in
-    [first, mask_free_lo) straddle the causal diagonal; blocks in [mask_free_lo, ragged_lo) see every
-    key of the block and lie inside the queries (no elementwise mask); [ragged_lo, Tq) is the ragged
-    last query block."""
-    last_block_end = tl.cdiv(seq_q, BLOCK_M) * BLOCK_M
-    if CAUSAL:
-        first = tl.maximum(n0 - causal_shift, 0) // BLOCK_M * BLOCK_M  # row n0 - shift is the first to see key n0
-        # row i sees all keys of the block once n0 + BLOCK_N - 1 <= i + shift
-        mask_free_lo = tl.minimum(tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - causal_shift, 0), BLOCK_M) * BLOCK_M,
-                                  last_block_end)
-    else:
-        first = 0
-        mask_free_lo = 0
-    ragged_lo = tl.maximum(mask_free_lo, seq_q // BLOCK_M * BLOCK_M)
-    return first, mask_free_lo, ragged_lo
 
 
 @triton.jit

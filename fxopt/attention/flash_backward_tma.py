@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .flash_common import LOG2E, key_ranges, launcher, load_rows, visible
+from .flash_common import LOG2E, key_ranges, launcher, load_rows, query_ranges, visible
 from .flash_forward_tma import descriptor
 
 __all__ = ["flash_backward_tma"]
@@ -65,7 +65,7 @@ def _dkdv_tma_kernel(
     v = v_desc.load([batch, kv_head, n0, 0]).reshape(BLOCK_N, HEAD_DIM)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    first, mask_free_lo, ragged_lo = _query_ranges_tma(n0, seq_q, causal_shift, BLOCK_M, BLOCK_N, CAUSAL)
+    first, mask_free_lo, ragged_lo = query_ranges(n0, seq_q, causal_shift, BLOCK_M, BLOCK_N, CAUSAL)
     for g in range(group_size):
         head = kv_head * group_size + g
         rows_head = (batch * num_kv_heads * group_size + head).to(tl.int64) * seq_q  # lse, delta: [B, H, Tq]
@@ -82,21 +82,6 @@ def _dkdv_tma_kernel(
                                           HEAD_DIM, BLOCK_M, BLOCK_N, True, False)
     dk_desc.store([batch, kv_head, n0, 0], (dk * sm_scale).to(dk_desc.dtype).reshape(1, 1, BLOCK_N, HEAD_DIM))
     dv_desc.store([batch, kv_head, n0, 0], dv.to(dv_desc.dtype).reshape(1, 1, BLOCK_N, HEAD_DIM))
-
-
-@triton.jit
-def _query_ranges_tma(n0, seq_q, causal_shift, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
-    """flash_backward._query_ranges: (first, mask_free_lo, ragged_lo) of the key block at n0."""
-    last_block_end = tl.cdiv(seq_q, BLOCK_M) * BLOCK_M
-    if CAUSAL:
-        first = tl.maximum(n0 - causal_shift, 0) // BLOCK_M * BLOCK_M
-        mask_free_lo = tl.minimum(tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - causal_shift, 0), BLOCK_M) * BLOCK_M,
-                                  last_block_end)
-    else:
-        first = 0
-        mask_free_lo = 0
-    ragged_lo = tl.maximum(mask_free_lo, seq_q // BLOCK_M * BLOCK_M)
-    return first, mask_free_lo, ragged_lo
 
 
 @triton.jit

@@ -285,3 +285,24 @@ def key_ranges(m0, seq_k, causal_shift, BLOCK_M: tl.constexpr, BLOCK_N: tl.const
         mask_free_end = seq_k // BLOCK_N * BLOCK_N
         end = seq_k
     return mask_free_end, end
+
+
+@triton.jit
+def query_ranges(n0, seq_q, causal_shift, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """(first, mask_free_lo, ragged_lo): the query loop of the key block starting at n0.
+
+    Query blocks before `first` see none of the block's keys (causal) and are skipped; blocks in
+    [first, mask_free_lo) straddle the causal diagonal; blocks in [mask_free_lo, ragged_lo) see every
+    key of the block and lie inside the queries (no elementwise mask); [ragged_lo, Tq) is the ragged
+    last query block."""
+    last_block_end = tl.cdiv(seq_q, BLOCK_M) * BLOCK_M
+    if CAUSAL:
+        first = tl.maximum(n0 - causal_shift, 0) // BLOCK_M * BLOCK_M  # row n0 - shift is the first to see key n0
+        # row i sees all keys of the block once n0 + BLOCK_N - 1 <= i + shift
+        mask_free_lo = tl.minimum(tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - causal_shift, 0), BLOCK_M) * BLOCK_M,
+                                  last_block_end)
+    else:
+        first = 0
+        mask_free_lo = 0
+    ragged_lo = tl.maximum(mask_free_lo, seq_q // BLOCK_M * BLOCK_M)
+    return first, mask_free_lo, ragged_lo
