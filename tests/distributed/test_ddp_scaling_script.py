@@ -1,0 +1,38 @@
+"""benchmarks/ddp_scaling.py, the two-GPU benchmark of issue 10, kept runnable without GPUs: its
+overlap arithmetic on synthetic profiler events, and its loss comparison on two gloo ranks."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from benchmarks import ddp_scaling
+
+
+def _kernel(name, start, end):
+    return SimpleNamespace(name=name, device_type=torch.autograd.DeviceType.CUDA,
+                           time_range=SimpleNamespace(start=start, end=end))
+
+
+def test_overlap_counts_nccl_time_that_runs_beside_compute():
+    events = [_kernel("gemm", 0, 100), _kernel("softmax", 50, 150),  # compute busy [0, 150)
+              _kernel("ncclDevKernel_AllReduce", 120, 220),            # 30 of 100 us beside compute
+              _kernel("ncclDevKernel_AllReduce", 300, 320),            # alone
+              SimpleNamespace(name="aten::mm", device_type=torch.autograd.DeviceType.CPU,
+                              time_range=SimpleNamespace(start=0, end=1000))]
+    got = ddp_scaling.overlap_of(events)
+    assert got["nccl_kernels"] == 2
+    assert got["nccl_ms"] == pytest.approx(0.120)
+    assert got["overlapped_ms"] == pytest.approx(0.030)
+    assert got["overlap_pct"] == pytest.approx(25.0)
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
+def test_losses_part_on_two_cpu_ranks(capsys):
+    code = ddp_scaling.main(["--device", "cpu", "--quick", "--parts", "losses", "--loss-steps", "2",
+                             "--timeout", "240"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    line = next(ln for ln in out.splitlines() if ln.startswith("max relative difference"))
+    losses, params = (float(part.split()[-1]) for part in line.split(",")[-2:])
+    assert losses < 1e-5 and params < 1e-3, line
