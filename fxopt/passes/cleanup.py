@@ -107,8 +107,8 @@ class Cleanup:
                 stats["noops_removed"] += 1
         for node in list(gm.graph.nodes):
             root = _view_chain_root(node) if _is_view(node) else None
-            if root is not None and not (root.op == "placeholder" and any(u.op == "output" for u in node.users)):
-                # (an output stays a view of an input: aot_autograd already recorded it as one)
+            if root is not None and not any(u.op == "output" for u in node.users):
+                # (outputs keep their own view: aot_autograd recorded how each output aliases others)
                 node.replace_all_uses_with(root)
                 stats["view_chains_folded"] += 1
         seen: dict = {}
