@@ -41,7 +41,8 @@ def flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
                    causal: bool, mask: Tensor | None = None,
                    config: dict | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv) of flash_forward's out, given dout (any strides) and the forward's out
-    and lse; shapes and dtypes of q, k, v, contiguous. The mask gets no gradient. `config`:
+    and lse; shapes, dtypes and memory order of q, k, v (`torch.empty_like`: the model's backward
+    reshapes them to [B, T, H * D] without a copy). The mask gets no gradient. `config`:
     overrides of `backward_config`'s DKDV_BLOCK_M, DKDV_BLOCK_N, DQ_BLOCK_M, DQ_BLOCK_N, num_warps,
     num_stages and TMA (dK/dV and dQ through TMA descriptors where the inputs allow it,
     flash_backward_tma.py; off by default)."""
@@ -67,7 +68,7 @@ def flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
             and tiles_fit(q, k, cfg["DKDV_BLOCK_M"], cfg["DKDV_BLOCK_N"])
             and tiles_fit(q, k, cfg["DQ_BLOCK_M"], cfg["DQ_BLOCK_N"])):
         return flash_backward_tma(dout, q, k, v, lse, delta, scale=scale, causal=causal, cfg=cfg)
-    dq, dk, dv = (torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v))
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))  # each laid out like its input
 
     block_m, block_n = cfg["DKDV_BLOCK_M"], cfg["DKDV_BLOCK_N"]
     launcher(_dkdv_kernel, (triton.cdiv(seq_k, block_n), batch * kv_heads), q.device)(

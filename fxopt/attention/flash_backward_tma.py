@@ -30,7 +30,7 @@ def flash_backward_tma(dout, q, k, v, lse, delta, *, scale: float, causal: bool,
     already computed; cfg resolved (DKDV_/DQ_ blocks, num_warps, num_stages)."""
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
-    dq, dk, dv = (torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v))
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
     shared = dict(HEAD_DIM=head_dim, CAUSAL=causal, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
     block_m, block_n = cfg["DKDV_BLOCK_M"], cfg["DKDV_BLOCK_N"]

@@ -48,7 +48,9 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool
     tensor expanded to [B, H, Tq, Tk] (any strides, 0 where it broadcasts). `causal`: query i sees
     key j iff j <= i + Tk - Tq. `config`: overrides of `forward_config`'s BLOCK_M, BLOCK_N, num_warps,
     num_stages and TMA (read q, k, v through TMA descriptors where flash_forward_tma.tma_applies; the
-    default on CUDA devices for 16-bit inputs without a mask). out: [B, H, Tq, D] in q's dtype, contiguous; lse: float32 [B, H, Tq], contiguous,
+    default on CUDA devices for 16-bit inputs without a mask). out: [B, H, Tq, D] in q's dtype, laid out
+    like q (`torch.empty_like(q)`: for q = x.view(B, T, H, D).transpose(1, 2) its memory is [B, T, H, D],
+    so the model's `out.transpose(1, 2).reshape(B, T, H * D)` needs no copy); lse: float32 [B, H, Tq], contiguous,
     the natural-log log-sum-exp of each row's scaled, masked scores.
     """
     check_attention_inputs("flash_forward", q, k, v, mask, causal, scale)
@@ -62,7 +64,7 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     block_d = triton.next_power_of_2(head_dim)
 
-    out = torch.empty(batch, heads, seq_q, head_dim, device=q.device, dtype=q.dtype)
+    out = torch.empty_like(q)  # q's memory order: [B, T, H, D] for model code's transposed views
     lse = torch.empty(batch, heads, seq_q, device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(seq_q, block_m), batch * heads)
     launcher(_flash_forward_kernel, grid, q.device)(

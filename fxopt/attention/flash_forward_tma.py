@@ -71,7 +71,7 @@ def flash_forward_tma(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: 
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    out = torch.empty(batch, heads, seq_q, head_dim, device=q.device, dtype=q.dtype)
+    out = torch.empty_like(q)  # q's memory order, as flash_forward promises
     lse = torch.empty(batch, heads, seq_q, device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(seq_q, block_m), batch * heads)
     launcher(_flash_forward_tma_kernel, grid, q.device)(

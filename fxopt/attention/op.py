@@ -12,6 +12,13 @@ Contract (the matcher builds calls that meet it): q [B, H, Tq, D], k and v [B, H
 multiple of Hkv (grouped-query attention), any strides; `mask` None or an additive float mask
 broadcastable to [B, H, Tq, Tk]; causal is aligned bottom-right. Returns (out [B, H, Tq, D] in q's
 dtype, lse [B, H, Tq] float32: the natural-log log-sum-exp of each row, saved for the backward).
+
+Layouts: out and each gradient are laid out like their input (`torch.empty_like`: q = x.view(B, T, H,
+D).transpose(1, 2) gives [B, T, H, D] memory), so the reshapes model code does around attention
+(`y.transpose(1, 2).contiguous().view(B, T, C)`, and their backward) copy nothing. Every
+implementation returns that layout, because the fake one promises it and the compiled wrapper indexes
+the results with the promised strides: the kernels allocate it directly; the decode kernel and the
+CPU reference copy into it (`_laid_out_like`).
 """
 from __future__ import annotations
 
@@ -37,6 +44,14 @@ def _triton_call(t: Tensor, fn, *args, **kwargs):
         return fn(*args, **kwargs)
 
 
+def _laid_out_like(t: Tensor, like: Tensor) -> Tensor:
+    """`t` with `torch.empty_like(like)`'s strides (a copy only where they differ)."""
+    target = torch.empty_like(like, dtype=t.dtype)
+    if t.stride() == target.stride():
+        return t
+    return target.copy_(t)
+
+
 def _full_mask(mask: Optional[Tensor], q: Tensor, k: Tensor) -> Optional[Tensor]:
     """The additive mask as a [B, H, Tq, Tk] view (stride 0 where it broadcasts); no copy."""
     if mask is None:
@@ -49,11 +64,12 @@ def run_flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
     """The op's implementation; wrappers call it directly (codegen/direct_calls.py)."""
     if not _on_triton(q):
         out, lse = reference.attention(q, k, v, scale=scale, causal=causal, mask=mask)
-        return out.contiguous(), lse.contiguous()
+        return _laid_out_like(out, q), lse.contiguous()
     from .flash_decode import decode_applies, flash_decode
     from .flash_forward import flash_forward
     kernel = flash_decode if decode_applies(q.shape[2], k.shape[2]) else flash_forward
-    return _triton_call(q, kernel, q, k, v, scale=scale, causal=causal, mask=_full_mask(mask, q, k))
+    out, lse = _triton_call(q, kernel, q, k, v, scale=scale, causal=causal, mask=_full_mask(mask, q, k))
+    return _laid_out_like(out, q), lse
 
 
 flash_attention = torch.library.custom_op("fxopt::flash_attention", mutates_args=())(run_flash_attention)
@@ -62,16 +78,14 @@ flash_attention = torch.library.custom_op("fxopt::flash_attention", mutates_args
 @flash_attention.register_fake
 def _(q, k, v, mask, scale, causal):
     b, h, tq, _ = q.shape
-    out = q.new_empty(b, h, tq, v.shape[-1])
-    lse = q.new_empty(b, h, tq, dtype=torch.float32)
-    return out, lse
+    return torch.empty_like(q), q.new_empty(b, h, tq, dtype=torch.float32)
 
 
 def run_flash_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                                  mask: Optional[Tensor], scale: float, causal: bool) -> tuple[Tensor, Tensor, Tensor]:
     if not _on_triton(q):
         dq, dk, dv = reference.attention_backward(dout, q, k, v, scale=scale, causal=causal, mask=mask)
-        return dq.contiguous(), dk.contiguous(), dv.contiguous()
+        return _laid_out_like(dq, q), _laid_out_like(dk, k), _laid_out_like(dv, v)
     from .flash_backward import flash_backward
     return _triton_call(q, flash_backward, dout, q, k, v, out, lse, scale=scale, causal=causal,
                         mask=_full_mask(mask, q, k))
@@ -83,8 +97,7 @@ flash_attention_backward = torch.library.custom_op("fxopt::flash_attention_backw
 
 @flash_attention_backward.register_fake
 def _(dout, q, k, v, out, lse, mask, scale, causal):
-    # contiguous, as the kernels write them (not empty_like: q/k/v are often transposed views)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # as the kernels write them
 
 
 def _setup_context(ctx, inputs, output):

@@ -66,7 +66,7 @@ def check_forward(q, k, v, *, causal, mask=None, scale=None, config=None):
     out, lse = flash_forward(q, k, v, scale=scale, causal=causal, mask=mask, config=config)
     ref_mask = None if mask is None else mask.double()
     ref_out, ref_lse = reference(q.double(), k.double(), v.double(), scale=scale, causal=causal, mask=ref_mask)
-    assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride() == torch.empty_like(q).stride()
     assert lse.shape == q.shape[:3] and lse.dtype == torch.float32 and lse.is_contiguous()
     assert_close(out, ref_out, OUT_TOL[q.dtype])
     torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-4)
@@ -85,7 +85,7 @@ def check_backward(q, k, v, *, causal, mask=None, dout=None, config=None):
     ref_out, _ = reference(*leaves, scale=scale, causal=causal, mask=None if mask is None else mask.double())
     ref_out.backward(dout.double())
     for got, leaf, like in zip((dq, dk, dv), leaves, (q, k, v)):
-        assert got.shape == like.shape and got.dtype == like.dtype and got.is_contiguous()
+        assert got.shape == like.shape and got.dtype == like.dtype and got.stride() == torch.empty_like(like).stride()
         assert_close(got, leaf.grad, GRAD_TOL[q.dtype])
 
 
@@ -310,3 +310,13 @@ def test_rows_masked_everywhere_with_finfo_min_are_uniform_like_eager():
 def test_backward_of_rows_masked_everywhere_with_finfo_min():
     q, k, v = make_qkv(1, 2, 2, 20, 20, 16, torch.float32, seed=9)
     check_backward(q, k, v, causal=False, mask=_finfo_min_rows_mask())
+
+
+def test_outputs_are_laid_out_like_the_inputs_so_model_reshapes_copy_nothing():
+    """q = x.view(B, T, H, D).transpose(1, 2): out and dq come back in [B, T, H, D] memory, so
+    out.transpose(1, 2) is contiguous and .view(B, T, H * D) works without a copy."""
+    q, k, v = make_qkv(2, 4, 2, 24, 24, 32, torch.float16, transposed=True, seed=11)
+    out, lse = flash_forward(q, k, v, scale=32 ** -0.5, causal=True)
+    assert out.transpose(1, 2).is_contiguous()
+    dq, dk, dv = flash_backward(torch.ones_like(out), q, k, v, out, lse, scale=32 ** -0.5, causal=True)
+    assert all(g.transpose(1, 2).is_contiguous() for g in (dq, dk, dv))
