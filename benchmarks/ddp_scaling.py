@@ -24,6 +24,7 @@ optimize_ddp), so the all-reduce of a bucket can start while the backward of the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -156,7 +157,6 @@ def job_allreduce(rank, world, cfg, device, args) -> dict:
 def _time_steps(step_fn, params, cfg, device, rank, steps: int, profiler=None) -> float:
     """Mean seconds per training step after 3 warm-up (compilation) steps; with `profiler`, the timed
     steps run inside it (the batches are made before, so the trace holds training steps only)."""
-    import contextlib
     opt = torch.optim.AdamW(params, lr=1e-4)
     batches = [_batch(cfg, device, i, rank) for i in range(4)]
 

@@ -6,11 +6,7 @@
 # Inductor and SDPA.
 #     bash benchmarks/gpu_attention.sh      # logs under $OUT (default /tmp/fxopt-gpu)
 set -u
-. benchmarks/gpu_env.sh
-export TRITON_INTERPRET=0
-OUT=${OUT:-/tmp/fxopt-gpu}
-mkdir -p "$OUT"
-P="-p no:warnings -p no:logging -p no:cacheprovider"
+. benchmarks/gpu_batch_env.sh
 
 echo "== 1. flash kernels on the GPU"
 timeout 90 python -m pytest -q tests/attention/test_flash_forward_tma.py tests/attention/test_flash_kernels.py \

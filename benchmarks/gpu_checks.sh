@@ -4,11 +4,7 @@
 #     bash benchmarks/gpu_checks.sh            # writes every log under $OUT (default /tmp/fxopt-gpu)
 # Each step prints its last lines; copy the tables into benchmarks/results/ with the date and commit.
 set -u
-. benchmarks/gpu_env.sh
-export TRITON_INTERPRET=0
-OUT=${OUT:-/tmp/fxopt-gpu}
-mkdir -p "$OUT"
-P="-p no:warnings -p no:logging -p no:cacheprovider"
+. benchmarks/gpu_batch_env.sh
 
 echo "== 1. every CUDA test but the CUDA-graph ones"
 timeout 200 python -m pytest -q tests -k "cuda or gpu" --deselect tests/test_cudagraphs_gpu.py $P > "$OUT/tests.txt" 2>&1

@@ -20,7 +20,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .flash_common import LOG2E, key_ranges, launcher, load_rows, query_ranges, visible
-from .flash_forward_tma import descriptor
+from .flash_forward_tma import descriptor, query_block_program
 
 __all__ = ["flash_backward_tma"]
 
@@ -116,14 +116,7 @@ def _dq_tma_kernel(
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
         EVEN_N: tl.constexpr):
     """dQ for BLOCK_M query rows of one (batch, head)."""
-    block_m = tl.program_id(0)
-    if CAUSAL:  # heaviest query blocks first
-        block_m = tl.num_programs(0) - 1 - block_m
-    bh = tl.program_id(1)
-    batch = bh // num_heads
-    head = bh % num_heads
-    kv_head = head // group_size
-    m0 = block_m * BLOCK_M
+    bh, batch, head, kv_head, m0 = query_block_program(num_heads, group_size, BLOCK_M, CAUSAL)
     rows = tl.arange(0, BLOCK_M)
     causal_shift = seq_k - seq_q
     q = q_desc.load([batch, head, m0, 0]).reshape(BLOCK_M, HEAD_DIM)

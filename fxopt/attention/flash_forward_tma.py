@@ -33,7 +33,7 @@ try:  # triton >= 3.4
 except ImportError:  # pragma: no cover - older triton
     TensorDescriptor = None
 
-__all__ = ["tma_applies", "tma_readable", "tiles_fit", "descriptor", "flash_forward_tma"]
+__all__ = ["tma_applies", "tma_readable", "tiles_fit", "descriptor", "flash_forward_tma", "query_block_program"]
 
 
 def tma_applies(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> bool:
@@ -89,14 +89,7 @@ def _flash_forward_tma_kernel(
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
         EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
     """BLOCK_M query rows of one (batch, head) against every key they may see: out rows and lse."""
-    block_m = tl.program_id(0)
-    if CAUSAL:  # heaviest query blocks first
-        block_m = tl.num_programs(0) - 1 - block_m
-    bh = tl.program_id(1)
-    batch = bh // num_heads
-    head = bh % num_heads
-    kv_head = head // group_size
-    m0 = block_m * BLOCK_M
+    bh, batch, head, kv_head, m0 = query_block_program(num_heads, group_size, BLOCK_M, CAUSAL)
     causal_shift = seq_k - seq_q
 
     q = q_desc.load([batch, head, m0, 0]).reshape(BLOCK_M, HEAD_DIM)
@@ -116,6 +109,18 @@ def _flash_forward_tma_kernel(
     o_desc.store([batch, head, m0, 0], out.reshape(1, 1, BLOCK_M, HEAD_DIM))
     rows = tl.arange(0, BLOCK_M)
     store_rows(Lse + bh.to(tl.int64) * seq_q + m0 + rows, (row_max + tl.log2(row_sum)) * LN2, m0 + rows, seq_q, EVEN_M)
+
+
+@triton.jit
+def query_block_program(num_heads, group_size, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
+    """(bh, batch, head, kv_head, m0) of a program over grid (query blocks, batch * heads); causal
+    launches take the heaviest query blocks (the last ones, which see the most keys) first."""
+    block_m = tl.program_id(0)
+    if CAUSAL:
+        block_m = tl.num_programs(0) - 1 - block_m
+    bh = tl.program_id(1)
+    head = bh % num_heads
+    return bh, bh // num_heads, head, head // group_size, block_m * BLOCK_M
 
 
 @triton.jit

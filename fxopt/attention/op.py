@@ -67,8 +67,10 @@ def run_flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
         return _laid_out_like(out, q), lse.contiguous()
     from .flash_decode import decode_applies, flash_decode
     from .flash_forward import flash_forward
-    kernel = flash_decode if decode_applies(q.shape[2], k.shape[2]) else flash_forward
-    out, lse = _triton_call(q, kernel, q, k, v, scale=scale, causal=causal, mask=_full_mask(mask, q, k))
+    mask = _full_mask(mask, q, k)
+    if not decode_applies(q.shape[2], k.shape[2]):
+        return _triton_call(q, flash_forward, q, k, v, scale=scale, causal=causal, mask=mask)  # already like q
+    out, lse = _triton_call(q, flash_decode, q, k, v, scale=scale, causal=causal, mask=mask)
     return _laid_out_like(out, q), lse
 
 

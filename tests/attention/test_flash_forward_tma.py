@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from fxopt.attention import flash_forward_tma as tma_module
-from fxopt.attention.flash_forward import flash_forward
 from fxopt.attention.flash_forward_tma import tma_applies
 
 from .test_flash_kernels import check_backward, check_forward, make_qkv, padding_mask
@@ -17,17 +16,21 @@ TMA_BACKWARD = dict(TMA=True, DKDV_BLOCK_M=16, DKDV_BLOCK_N=32, DQ_BLOCK_M=32, D
                     num_stages=1)
 
 
-@pytest.fixture
-def tma_calls(monkeypatch):
-    """Counts launches of the TMA kernel."""
+def _count_calls(monkeypatch, where: str, real) -> list:
+    """Replace `where` (module.name) with a wrapper of `real` that records each call."""
     calls = []
-    real = tma_module.flash_forward_tma
 
     def counting(*args, **kwargs):
-        calls.append(args[0].shape)
+        calls.append(args)
         return real(*args, **kwargs)
-    monkeypatch.setattr("fxopt.attention.flash_forward.flash_forward_tma", counting)
+    monkeypatch.setattr(where, counting)
     return calls
+
+
+@pytest.fixture
+def tma_calls(monkeypatch):
+    """Calls of the TMA forward."""
+    return _count_calls(monkeypatch, "fxopt.attention.flash_forward.flash_forward_tma", tma_module.flash_forward_tma)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -63,22 +66,15 @@ def test_inputs_tma_cannot_read_take_the_pointer_kernel(tma_calls):
 def test_negative_scale_takes_the_pointer_kernel(tma_calls):
     """The mask-free loop takes max(s) * scale as the row max, right only for a positive scale."""
     q, k, v = make_qkv(1, 2, 2, 32, 32, 32, torch.float16, seed=6)
-    out, _ = flash_forward(q, k, v, scale=-0.2, causal=False, config=TMA)
     check_forward(q, k, v, causal=False, scale=-0.2, config=TMA)
     assert tma_calls == []
 
 
 @pytest.fixture
 def tma_backward_calls(monkeypatch):
-    calls = []
-    from fxopt.attention import flash_backward_tma as module
-    real = module.flash_backward_tma
-
-    def counting(*args, **kwargs):
-        calls.append(args[1].shape)
-        return real(*args, **kwargs)
-    monkeypatch.setattr("fxopt.attention.flash_backward.flash_backward_tma", counting)
-    return calls
+    """Calls of the TMA backward."""
+    from fxopt.attention.flash_backward_tma import flash_backward_tma
+    return _count_calls(monkeypatch, "fxopt.attention.flash_backward.flash_backward_tma", flash_backward_tma)
 
 
 @pytest.mark.parametrize("causal", [False, True])
