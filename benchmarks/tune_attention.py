@@ -79,6 +79,7 @@ def cases(quick: bool) -> list[Case]:
                 Case("bwd", 1, 2, 64, 64, 32, True), Case("decode", 1, 2, 1, 256, 32, False)]
     forward = [Case("fwd", 8, 16, 2048, 2048, d, causal) for causal in (True, False) for d in (64, 128, 256)]
     return forward + [Case("fwd", 4, 16, 4096, 4096, 128, False), Case("bwd", 8, 16, 2048, 2048, 128, True),
+                      Case("bwd", 8, 16, 2048, 2048, 64, True), Case("bwd", 8, 16, 2048, 2048, 128, False),
                       Case("decode", 8, 32, 1, 8192, 128, False)]
 
 

@@ -45,7 +45,7 @@ def flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     reshapes them to [B, T, H * D] without a copy). The mask gets no gradient. `config`:
     overrides of `backward_config`'s DKDV_BLOCK_M, DKDV_BLOCK_N, DQ_BLOCK_M, DQ_BLOCK_N, num_warps,
     num_stages and TMA (dK/dV and dQ through TMA descriptors where the inputs allow it,
-    flash_backward_tma.py; off by default)."""
+    flash_backward_tma.py; on by default for 16-bit inputs on sm90+)."""
     check_attention_inputs("flash_backward", q, k, v, mask, causal, scale)
     _check_saved(dout, out, lse, q)
     batch, heads, seq_q, head_dim = q.shape

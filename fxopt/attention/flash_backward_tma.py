@@ -10,7 +10,8 @@ Rows and columns a descriptor zero-fills contribute nothing: a zero dO row gives
 delta = 0 there, dS = 0; a zero q row gives dK += dS^T 0. The causal diagonal and ragged ends are
 still masked to -inf exactly as in the pointer kernels, so P is 0 wherever eager's softmax is.
 
-Off by default (flash_common.backward_config's TMA): interpreter-tested, not yet measured on a GPU.
+On by default for 16-bit inputs with head dims up to 128 on sm90+ (flash_common.backward_config): on
+an H200 it runs causal hd128 B8 H16 T2048 in 0.958 ms against 1.237 ms through pointers.
 """
 from __future__ import annotations
 

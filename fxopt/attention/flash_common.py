@@ -50,6 +50,13 @@ _BACKWARD_GPU = {
     128: dict(DKDV_BLOCK_M=64, DKDV_BLOCK_N=64, DQ_BLOCK_M=64, DQ_BLOCK_N=64, num_warps=4, num_stages=2),
     256: dict(DKDV_BLOCK_M=32, DKDV_BLOCK_N=32, DQ_BLOCK_M=32, DQ_BLOCK_N=32, num_warps=4, num_stages=2),
 }
+# The same through TMA descriptors (flash_backward_tma.py): on the 2026-12-01 sweep (causal hd128 B8 H16
+# T2048, bf16) 64 x 64 tiles, 4 warps, 2 stages took 0.958 ms against 1.237 ms for the best pointer
+# config (SDPA 0.829). hd256 stays on the pointer kernels: its tiles have not been measured through TMA.
+_BACKWARD_GPU_TMA = {
+    64: dict(DKDV_BLOCK_M=64, DKDV_BLOCK_N=64, DQ_BLOCK_M=64, DQ_BLOCK_N=64, num_warps=4, num_stages=2),
+    128: dict(DKDV_BLOCK_M=64, DKDV_BLOCK_N=64, DQ_BLOCK_M=64, DQ_BLOCK_N=64, num_warps=4, num_stages=2),
+}
 # float32 products run on the CUDA cores (input_precision "ieee") and float32 tiles take twice the
 # registers: small tiles keep them from spilling.
 _FORWARD_GPU_FP32 = {
@@ -87,11 +94,13 @@ def forward_config(head_dim: int, causal: bool, dtype, seq_q: int, seq_k: int, d
 
 def backward_config(head_dim: int, causal: bool, dtype, seq_q: int, seq_k: int, device_type: str) -> dict:
     """Default launch parameters for flash_backward (a fresh dict)."""
+    tma = device_type == "cuda" and dtype != torch.float32 and head_dim <= max(_BACKWARD_GPU_TMA)
     if device_type == "cpu":
         cfg = dict(_BACKWARD_CPU)
     else:
-        cfg = dict(_by_head_dim(_BACKWARD_GPU_FP32 if dtype == torch.float32 else _BACKWARD_GPU, head_dim))
-    cfg["TMA"] = False  # flash_backward_tma.py: interpreter-tested, off until measured on a GPU
+        table = _BACKWARD_GPU_FP32 if dtype == torch.float32 else _BACKWARD_GPU_TMA if tma else _BACKWARD_GPU
+        cfg = dict(_by_head_dim(table, head_dim))
+    cfg["TMA"] = tma  # flash_backward still checks tma_applies (capability, mask, layout) per call
     return _fit_blocks(cfg, {"DKDV_BLOCK_M": seq_q, "DKDV_BLOCK_N": seq_k, "DQ_BLOCK_M": seq_q, "DQ_BLOCK_N": seq_k})
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from fxopt.attention import flash_forward_tma as tma_module
+from fxopt.attention.flash_common import backward_config
 from fxopt.attention.flash_forward_tma import tma_applies
 
 from .test_flash_kernels import check_backward, check_forward, make_qkv, padding_mask
@@ -88,9 +89,17 @@ def test_tma_backward_matches_float64_autograd(seq_q, seq_k, causal, tma_backwar
     assert len(tma_backward_calls) == 1
 
 
-def test_tma_backward_is_off_by_default_and_skips_masks(tma_backward_calls):
+def test_tma_backward_default_is_16_bit_gpu_inputs_up_to_head_dim_128():
+    assert backward_config(128, True, torch.bfloat16, 2048, 2048, "cuda")["TMA"]
+    assert backward_config(64, False, torch.float16, 2048, 2048, "cuda")["TMA"]
+    assert not backward_config(256, True, torch.bfloat16, 2048, 2048, "cuda")["TMA"]
+    assert not backward_config(128, True, torch.float32, 2048, 2048, "cuda")["TMA"]
+    assert not backward_config(128, True, torch.float16, 2048, 2048, "cpu")["TMA"]
+
+
+def test_tma_backward_is_off_on_the_cpu_by_default_and_skips_masks(tma_backward_calls):
     q, k, v = make_qkv(1, 2, 2, 32, 32, 32, torch.float16, seed=8)
-    check_backward(q, k, v, causal=True)  # the default config: pointer kernels
+    check_backward(q, k, v, causal=True)  # the CPU default config: pointer kernels
     mask = padding_mask(1, 2, 32, 32, [20]).to(torch.float16)
     check_backward(q, k, v, causal=False, mask=mask, config=TMA_BACKWARD)
     assert tma_backward_calls == []

@@ -78,7 +78,7 @@ def check_backward(q, k, v, *, causal, mask=None, dout=None, config=None):
     scale = q.shape[-1] ** -0.5
     out, lse = flash_forward(q, k, v, scale=scale, causal=causal, mask=mask)
     if dout is None:
-        dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(7)).to(q.dtype)
+        dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(7)).to(q.device, q.dtype)
     dq, dk, dv = flash_backward(dout, q, k, v, out, lse, scale=scale, causal=causal, mask=mask, config=config)
 
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
