@@ -3,8 +3,10 @@
     PYTHONPATH=. python -m benchmarks.tune_reduction [workload ...]
 
 Each candidate (XBLOCK, RBLOCK, num_warps) replaces ReductionEmitter._config while compiling; the
-fastest is what fxopt/codegen/triton_reduction.py's heuristics should pick. Numbers: median ms and
-% of the copy ceiling measured here.
+fastest is what fxopt/codegen/triton_reduction.py's heuristics should pick. For the norm backwards,
+whose weight/bias sums run inside the row kernel (codegen/column_sums.py), candidates ("col", XBLOCK,
+num_warps, programs) replace ReductionEmitter._column_config instead. Numbers: median ms and % of the
+copy ceiling measured here.
 """
 import sys
 
@@ -14,13 +16,16 @@ import triton.testing
 from benchmarks.workloads import WORKLOADS, io_bytes
 from fxopt.codegen import triton_reduction as tr
 
+# (XBLOCK, num_warps, programs wanted) of a row kernel with column sums
+COLUMN_CONFIGS = [(1, 4, 512), (1, 4, 1024), (1, 8, 264), (1, 8, 528), (2, 8, 528), (1, 16, 132), (1, 16, 264),
+                  (2, 16, 264)]
 CANDIDATES = {
     "softmax": [(1, 8192, w) for w in (4, 8, 16, 32)] + [(2, 8192, 16)],
     "ln_gelu": [(1, 4096, w) for w in (4, 8, 16)] + [(2, 4096, 8), (2, 4096, 16), (4, 4096, 16)],
     "rmsnorm": [(1, 4096, w) for w in (4, 8, 16)] + [(2, 4096, 8), (2, 4096, 16), (4, 4096, 16)],
     "softmax_long": [(1, r, w) for r in (2048, 4096, 8192) for w in (8, 16)],
-    "ln_bwd": [(x, r, w) for x in (16, 32, 64) for r in (32, 64, 128) for w in (4, 8)],
-    "rms_bwd": [(x, r, w) for x in (16, 32, 64) for r in (32, 64, 128) for w in (4, 8)],
+    "ln_bwd": [("col", x, w, p) for x, w, p in COLUMN_CONFIGS],
+    "rms_bwd": [("col", x, w, p) for x, w, p in COLUMN_CONFIGS],
 }
 
 
@@ -35,6 +40,7 @@ def main(names):
     ceiling = copy_ceiling()
     print(f"copy ceiling {ceiling:.0f} GB/s")
     original = tr.ReductionEmitter._config
+    original_column = tr.ReductionEmitter._column_config
     for name in names:
         fn, inputs = WORKLOADS[name].make("cuda", torch.bfloat16, False)
         with torch.no_grad():
@@ -44,10 +50,14 @@ def main(names):
                 # only when the heuristic also chose a column schedule
                 def config(self, persistent, column, cand=cand):
                     base = original(self, persistent, column)
-                    if cand is None or (column != (cand[0] > 4)):
+                    if cand is None or cand[0] == "col" or (column != (cand[0] > 4)):
                         return base
                     return cand[0], (min(cand[1], base[1]) if persistent else cand[1]), cand[2]
+
+                def column_config(self, xblock, warps, cand=cand):
+                    return tuple(cand[1:]) if cand and cand[0] == "col" else original_column(self, xblock, warps)
                 tr.ReductionEmitter._config = config
+                tr.ReductionEmitter._column_config = column_config
                 torch._dynamo.reset()
                 f = torch.compile(fn, backend="fxopt")
                 try:
@@ -58,6 +68,7 @@ def main(names):
                 except Exception as exc:  # a candidate that does not compile (e.g. too many registers)
                     print(f"{name:13s} {str(cand):18s} failed: {type(exc).__name__}: {str(exc)[:80]}")
     tr.ReductionEmitter._config = original
+    tr.ReductionEmitter._column_config = original_column
 
 
 if __name__ == "__main__":

@@ -7,9 +7,14 @@ import torch
 import torch.fx as fx
 
 from .op_classes import SUPPORTED_DTYPES
-from .symbolic import sizes
+from .symbolic import is_symbolic, sizes
 
 aten = torch.ops.aten
+
+ROW_IN_REGISTERS = 8192  # widest row (elements) a kernel keeps whole in registers (a persistent reduction)
+# node.meta key set by passes/fuse_reductions.py on a sum over every row dim that it put into a row
+# group (a weight or bias gradient): codegen accumulates it across the rows each program walks.
+COLUMN_SUM = "fxopt_column_sum"
 
 REDUCTION_KINDS = {
     aten.sum.dim_IntList: "sum", aten.sum.default: "sum", aten.mean.dim: "mean", aten.mean.default: "mean",
@@ -77,3 +82,22 @@ def reduction_unsupported_reason(node: fx.Node, target: str) -> str | None:
     if info.kind in ("amax", "amin") and not (x.dtype.is_floating_point or x.dtype in (torch.int32, torch.int64)):
         return f"{info.kind} over {x.dtype} is not lowered"
     return None
+
+
+def is_column_sum_of(node: fx.Node, key) -> bool:
+    """Whether `node` sums a tensor of the row group `key`'s shape over every dim the group keeps (the
+    weight and bias gradients of a norm's backward), so that the group's row kernel can produce it as
+    a column epilogue: static sizes, rows reduced over the trailing dims and short enough to stay in
+    registers (codegen keeps the row kernel persistent), a floating-point result."""
+    info = reduction_info(node)
+    shape, dims, device = key
+    if info is None or info.kind != "sum" or info.in_shape != shape or info.device != device:
+        return False
+    if any(is_symbolic(s) for s in shape):
+        return False
+    xdims = tuple(d for d in range(len(shape)) if d not in dims)
+    rnumel = 1
+    for d in dims:
+        rnumel *= shape[d]
+    return (bool(xdims) and info.dims == xdims and dims == tuple(range(len(shape) - len(dims), len(shape)))
+            and rnumel <= ROW_IN_REGISTERS and node.meta["val"].dtype.is_floating_point)

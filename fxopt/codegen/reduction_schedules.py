@@ -17,7 +17,8 @@ from .triton_pointwise import view_root
 
 
 def inner_view(n: fx.Node) -> bool:
-    """A view of a value computed inside the group (a row scalar squeezed or unsqueezed)."""
+    """A view of a value computed inside the group (a row scalar squeezed, unsqueezed or expanded
+    along its row)."""
     return is_view(n) and view_root(n).op != "placeholder"
 from ..analysis.reductions import reduction_info
 from .dtypes import TL_DTYPE, compute_dtype
@@ -126,7 +127,7 @@ class LoopedSchedule:
                                    [em.outs[j][0] for j in stores])
         loop += [em._load(i) for i, ld in enumerate(em.loads) if ld[0] in wanted and ld[0] in em.row_leaves]
         loop += [em._node(n) for n in em.nodes
-                 if n in wanted and n.op == "call_function" and not is_view(n) and em.is_row.get(n)]
+                 if n in wanted and n.op == "call_function" and (not is_view(n) or inner_view(n)) and em.is_row.get(n)]
         for r in reds:
             if r in self.pairs:
                 em.current_mapping = "full"

@@ -25,18 +25,20 @@ import torch
 import torch.fx as fx
 
 from ..analysis.op_classes import is_view
-from ..analysis.reductions import dropped_shape, kept_shape, reduction_info
+from ..analysis.reductions import ROW_IN_REGISTERS, dropped_shape, kept_shape, reduction_info
 from ..analysis.symbolic import expr, is_symbolic, pexpr, sizes, storage_offset, strides
 from ..printing import describe_value, target_name
 from .dtypes import TL_DTYPE, compute_dtype, literal
 from .indexing import (IterationSpace, Layout, broadcast_strides, index_symbols, needs_int64, print_index,
                        size_symbols)
+from .column_sums import (COLUMN_PROGRAMS, accumulate_line, column_ops, column_strides, column_sums,
+                          with_column_sums)
 from .kernel import Kernel
 from .reduction_schedules import LoopedSchedule, inner_view, lane_reduce
 from .pointwise_ops import LOWERINGS, LowerCtx
 from .triton_pointwise import PointwiseEmitter, cdiv_source, view_root
 
-PERSISTENT_MAX = 8192  # widest row (elements) kept whole in registers
+PERSISTENT_MAX = ROW_IN_REGISTERS  # widest row (elements) kept whole in registers
 LOOP_RBLOCK = 4096
 SPLIT_PROGRAMS = 1024  # below this many programs, long rows are cut into chunks (two kernels)
 SPLIT_MIN_BLOCKS = 4  # RBLOCK-sized steps a chunk keeps at least
@@ -62,7 +64,10 @@ def _pow2(n) -> int:
 class ReductionEmitter(PointwiseEmitter):
     def __init__(self, gm: fx.GraphModule, name: str, target: str):
         super().__init__(gm, name, target)
-        self.reductions = [n for n in self.nodes if reduction_info(n) is not None]
+        self.columns = column_sums(self.nodes)  # column epilogue (codegen/column_sums.py)
+        self.column_ops = column_ops(self.nodes, self.columns)
+        self.column_values = set(self.columns) | set(self.column_ops)
+        self.reductions = [n for n in self.nodes if reduction_info(n) is not None and n not in self.columns]
         info = reduction_info(self.reductions[0])
         self.S, self.D = info.in_shape, info.dims
         self.keep, self.drop = kept_shape(self.S, self.D), dropped_shape(self.S, self.D)
@@ -102,7 +107,9 @@ class ReductionEmitter(PointwiseEmitter):
         for n in self.nodes:
             if n.op == "placeholder" or n.op == "output" or (is_view(n) and not inner_view(n)):
                 continue
-            if reduction_info(n) is not None or inner_view(n):  # inner views only reshape row scalars
+            if inner_view(n):  # row scalars reshaped, or expanded along the row (then a row value)
+                self.is_row[n] = sizes(n.meta["val"]) == self.S and sizes(n.meta["val"]) != self.keep
+            elif reduction_info(n) is not None:
                 self.is_row[n] = False
             else:
                 self.is_row[n] = sizes(n.meta["val"]) == self.S and any(
@@ -132,7 +139,8 @@ class ReductionEmitter(PointwiseEmitter):
         self.row_loads = {(leaf, m) for (leaf, m, var, st, off) in loads if any(st[d] for d in self.D)}
         self.row_leaves = {leaf for (leaf, m) in self.row_loads}
         self._classify()
-        outs = [(o, self._out_strides(o.meta["val"])) for o in self.output_nodes]
+        outs = [(o, column_strides(self, o) if o in self.column_values else self._out_strides(o.meta["val"]))
+                for o in self.output_nodes]
         all_layouts = [(st, off) for (_, _, _, st, off) in loads] + [(st, 0) for (_, st) in outs]
         ref = next((st for st in [s for (_, _, _, s, _) in loads if any(s[d] for d in self.D)]), all_layouts[0][0])
         order = self._order_strides  # dims sorted by example strides: a heuristic, any order is correct
@@ -147,7 +155,8 @@ class ReductionEmitter(PointwiseEmitter):
         wide = needs_int64(self.xnumel * self.rnumel,
                            [xs.max_address(i) + rs.max_address(i) for i in range(len(all_layouts))])
         column = ref[self.D[-1]] != 1 and any(ref[d] == 1 for d in self.xdims)
-        persistent = _pow2(self.rnumel) <= (64 if column else PERSISTENT_MAX)  # never for a symbolic row
+        # never for a symbolic row; always with column sums (the fuser took them only for rows that fit)
+        persistent = bool(self.columns) or _pow2(self.rnumel) <= (64 if column else PERSISTENT_MAX)
         xblock, rblock, warps = self._config(persistent, column)
         self.loads, self.outs = loads, outs
         self.syms = size_symbols(self.xnumel, self.rnumel, *self.xaddr, *self.raddr, *xs.sizes, *xs.pitches,
@@ -160,6 +169,8 @@ class ReductionEmitter(PointwiseEmitter):
         prelude += xs.coord_lines(used_x) + self._size_input_lines()
         self.ops: list[str] = []
         self.rcoords = rs.coord_lines(used_r)
+        if self.columns:
+            return with_column_sums(self, prelude, xblock, rblock, warps, wide)
         schedule = None if persistent else LoopedSchedule(self)
         splittable = schedule is not None and schedule.splittable and not self.syms
         nchunk = self._chunks(xblock, rblock) if splittable else 1
@@ -273,6 +284,11 @@ class ReductionEmitter(PointwiseEmitter):
             return xblock, rblock, max(2, min(8, xblock * rblock // 1024))
         return 1, LOOP_RBLOCK, 16
 
+    def _column_config(self, xblock: int, warps: int) -> tuple[int, int, int]:
+        """(XBLOCK, num_warps, programs wanted) of a row kernel with column sums (column_sums.py);
+        benchmarks/tune_reduction.py replaces it to try others."""
+        return xblock, warps, COLUMN_PROGRAMS
+
     # -- code for loads, nodes, reductions, stores ----
     def _load(self, i: int) -> str:
         leaf, m, var, strides, off = self.loads[i]
@@ -294,6 +310,8 @@ class ReductionEmitter(PointwiseEmitter):
     def _node(self, n: fx.Node) -> str:
         if inner_view(n):  # [XBLOCK, 1] either way: the same registers under another name
             self.vdtype[n] = self.vdtype[n.args[0]]
+            if self.is_row.get(n):  # expanded along the row
+                return f"{self._var(n)} = tl.broadcast_to({self._var(n.args[0])}, [XBLOCK, RBLOCK])  # expand"
             return f"{n.name} = {self._var(n.args[0])}  # {target_name(n.target)}"
         self.current_mapping = self._mapping(n.meta["val"].shape)
         if n not in self.counted:
@@ -345,13 +363,17 @@ class ReductionEmitter(PointwiseEmitter):
         for n in self.nodes:
             if n.op != "call_function" or (is_view(n) and not inner_view(n)):
                 continue
-            if reduction_info(n) is not None:
+            if n in self.columns:
+                body.append(accumulate_line(self, n))
+            elif n in self.column_ops:
+                continue  # in the combine kernel
+            elif reduction_info(n) is not None:
                 block, acc, kind = self._reduced_value(n)
                 body.append(self._finish(n, lane_reduce(kind, block, self.target), kind))
             else:
                 body.append(self._node(n))
         body.append("# -- store outputs ----")
-        body += [self._store(j) for j in range(len(self.outs))]
+        body += [self._store(j) for j, (o, _) in enumerate(self.outs) if o not in self.column_values]
         return body
 
     def _exp_of(self, s: fx.Node):

@@ -6,6 +6,12 @@ pointwise ops of shape S (row values), and pointwise ops of the reduced shape (r
 with or without keepdim). CapabilityBasedPartitioner merges them without creating cycles, as for
 pointwise fusion; groups without a reduction are dropped and left to the pointwise fuser.
 
+Column sums: a sum over every kept dim of the group's shape (LayerNorm/RMSNorm backward's weight and
+bias gradients, `sum(dy * xhat, 0)`) joins the row group when the row fits in registers: the row
+kernel then walks many rows per program and accumulates the column sums as it goes, so the [N, M]
+product is never written and read back (one pass over the data instead of three); a tiny second
+kernel adds the programs' partials.
+
 Cost rule: a node is never duplicated into two groups, so nothing is computed twice across kernels;
 inside a kernel, row values are kept in registers when a row fits (persistent kernel), and are
 recomputed from the loaded inputs in each pass over a long row (looped kernel): recomputing a few
@@ -30,7 +36,8 @@ from torch.fx.passes.operator_support import OperatorSupportBase
 
 from ..analysis.op_classes import is_view, pointwise_unsupported_reason
 from ..analysis.symbolic import sizes
-from ..analysis.reductions import dropped_shape, kept_shape, reduction_info, reduction_unsupported_reason
+from ..analysis.reductions import (COLUMN_SUM, dropped_shape, is_column_sum_of, kept_shape, reduction_info,
+                                   reduction_unsupported_reason)
 from ..pass_manager import PassContext, PassResult
 from .fuse import _NO_HORIZONTAL, FUSED_PREFIX, absorb_input_views
 from .recompute import RESERVED_FOR
@@ -43,24 +50,43 @@ class _ReductionGroupSupport(OperatorSupportBase):
         self.key, self.target = key, target
         shape, dims, self.device = key
         self.shapes = {shape, kept_shape(shape, dims), dropped_shape(shape, dims)}
+        self._columns: dict[fx.Node, bool] = {}
 
     def is_node_supported(self, submodules, node: fx.Node) -> bool:
+        if any(self._column_value(a) for a in node.all_input_nodes):
+            # a column sum is known only after every row: only ops of column sums alone (the casts
+            # after a weight gradient) may use it, in the kernel's combine step
+            return self._column_value(node)
         info = reduction_info(node)
         if info is not None:
-            return info.key == self.key and reduction_unsupported_reason(node, self.target) is None
+            return ((info.key == self.key or is_column_sum_of(node, self.key))
+                    and reduction_unsupported_reason(node, self.target) is None)
         if node.meta.get(RESERVED_FOR, self.key) != self.key:
             return False  # a copy made for another group's reduction (passes/recompute.py)
         if is_view(node):  # squeezing/unsqueezing a row scalar between its kept and dropped shapes
             src, val = node.args[0].meta.get("val"), node.meta.get("val")
             scalars = self.shapes - {self.key[0]}
-            return (isinstance(src, torch.Tensor) and isinstance(val, torch.Tensor) and src.dtype == val.dtype
-                    and sizes(src) in scalars and sizes(val) in scalars
+            if not (isinstance(src, torch.Tensor) and isinstance(val, torch.Tensor) and src.dtype == val.dtype):
+                return False
+            if node.target is torch.ops.aten.expand.default and sizes(src) == kept_shape(*self.key[:2]) \
+                    and sizes(val) == self.key[0]:
+                return True  # a row scalar broadcast along its row (autograd's backward of mean)
+            return (sizes(src) in scalars and sizes(val) in scalars
                     and not self._ambiguous_row_scalar(node, sizes(val)))
         val = node.meta.get("val")
         if not (isinstance(val, torch.Tensor) and sizes(val) in self.shapes and str(val.device) == self.device
                 and pointwise_unsupported_reason(node, self.target) is None):
             return False
         return not self._ambiguous_row_scalar(node, sizes(val))
+
+    def _column_value(self, node: fx.Node) -> bool:
+        """A column sum of the group's shape, or a pointwise op computed from such sums only."""
+        if node not in self._columns:
+            self._columns[node] = is_column_sum_of(node, self.key) or (
+                node.op == "call_function" and not is_view(node) and reduction_info(node) is None
+                and bool(node.all_input_nodes) and all(self._column_value(a) for a in node.all_input_nodes)
+                and pointwise_unsupported_reason(node, self.target) is None)
+        return self._columns[node]
 
     def _ambiguous_row_scalar(self, node: fx.Node, shape) -> bool:
         """A value of the reduced shape without the reduced dims ([N] for a sum over dim 1 of [N, M]) is
@@ -88,14 +114,20 @@ class FuseReductions:
             info = reduction_info(node)
             if info and info.device.startswith(ctx.device_type) and reduction_unsupported_reason(node, ctx.target) is None:
                 keys[info.key] = None
-        for i, key in enumerate(keys):
+        for i, key in enumerate(sorted(keys, key=_columns_last)):
             partitioner = CapabilityBasedPartitioner(gm, _ReductionGroupSupport(key, ctx.target),
                                                      allows_single_node_partition=True, **_NO_HORIZONTAL)
-            groups = [p for p in partitioner.propose_partitions()
-                      if any(reduction_info(n) is not None for n in p.nodes)]
+            proposed = partitioner.propose_partitions()
+            groups = [p for p in proposed if any(reduction_info(n) is not None and reduction_info(n).key == key
+                                                 for n in p.nodes)]
             if not groups:
                 continue
+            _merge_column_partitions(gm, groups, [p for p in proposed if p not in groups and any(
+                n.meta.get(COLUMN_SUM) or is_column_sum_of(n, key) for n in p.nodes)])
             for p in groups:
+                for n in p.nodes:
+                    if reduction_info(n) is not None and reduction_info(n).key != key:
+                        n.meta[COLUMN_SUM] = True
                 stats["reductions"] += sum(1 for n in p.nodes if reduction_info(n) is not None)
                 stats["fused_ops"] += len(p.nodes)
             gm = partitioner.fuse_partitions(groups, prefix=f"{REDUCTION_PREFIX}{i}_")
@@ -106,3 +138,46 @@ class FuseReductions:
         gm.graph.eliminate_dead_code()
         gm.recompile()
         return PassResult(gm, stats["groups"] > 0, stats)
+
+
+def _columns_last(key) -> bool:
+    """Row groups (reducing trailing dims) are formed before column groups, so that column sums can
+    join the row kernels that compute their inputs."""
+    shape, dims, _ = key
+    return dims != tuple(range(len(shape) - len(dims), len(shape)))
+
+
+def _merge_column_partitions(gm: fx.GraphModule, rows: list, columns: list) -> None:
+    """Put each partition that computes only column sums (and the ops feeding them or using them alone)
+    into a row partition it shares an input with: the partitioner merges along data flow, and a
+    norm backward's `sum(dy * x_hat, 0)` or `sum(dy, 0)` shares only x and dy with the row kernel.
+    Skipped where merging would make a cycle (a path between the two through other nodes)."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for c in columns:
+        c_inputs = {a for n in c.nodes for a in n.all_input_nodes if a not in c.nodes}
+        for r in rows:
+            r_reads = set(r.nodes) | {a for n in r.nodes for a in n.all_input_nodes}
+            if c_inputs & r_reads and not _path_outside(r, c, order) and not _path_outside(c, r, order):
+                for n in c.nodes:
+                    r.add_node(n)
+                break
+
+
+def _path_outside(src, dst, order: dict) -> bool:
+    """Whether a node of partition `dst` is reachable from `src` through a node of neither."""
+    members = set(src.nodes) | set(dst.nodes)
+    last = max(order[n] for n in dst.nodes)
+    starts = [u for n in src.nodes for u in n.users if u not in members]
+    return any(n in dst.nodes for s in starts for n in [s, *_reachable(s, order, last)])
+
+
+def _reachable(node: fx.Node, order: dict, last: int):
+    """Nodes reachable from `node` through users, up to graph position `last`."""
+    seen, stack = set(), list(node.users)
+    while stack:
+        n = stack.pop()
+        if n in seen or order[n] > last:
+            continue
+        seen.add(n)
+        yield n
+        stack += list(n.users)

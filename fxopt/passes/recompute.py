@@ -6,6 +6,9 @@ a kernel, so without this pass the row kernel writes those values out in fp32 an
 reads them back. This pass gives the column reduction its own copy of the pointwise chain, computed
 from the chain's inputs, when that reads fewer bytes than the write-and-reload it replaces.
 
+Column sums that passes/fuse_reductions.py can put into the row group itself (analysis/reductions.
+is_column_sum_of: rows that fit in registers) count as the row group's: their chains need no copy.
+
 Cost rule: copy the chain (at most MAX_CHAIN ops) feeding reduction r when the full-size inputs the copy
 reads are fewer bytes than twice (one write, one read) the full-size values r's group would otherwise
 load from other groups.
@@ -20,7 +23,7 @@ import torch.fx as fx
 
 from ..analysis.op_classes import pointwise_unsupported_reason
 from ..analysis.symbolic import hint, same, sizes
-from ..analysis.reductions import reduction_info, reduction_unsupported_reason
+from ..analysis.reductions import is_column_sum_of, reduction_info, reduction_unsupported_reason
 from ..pass_manager import PassContext, PassResult
 
 MAX_CHAIN = 32
@@ -57,12 +60,15 @@ class RecomputeForReductions:
         stats = {"chains_copied": 0, "ops_copied": 0}
         if not ctx.options.fuse:
             return PassResult(gm, False, stats)
-        keys = {reduction_info(n).key for n in gm.graph.nodes if reduction_info(n) is not None}
-        if len(keys) < 2:  # one kind of reduction: every chain can live in one group
+        reductions = [n for n in gm.graph.nodes if reduction_info(n) is not None]
+        own_keys = {reduction_info(n).key for n in reductions}
+        group_key = {r: next((k for k in own_keys if is_column_sum_of(r, k)), reduction_info(r).key)
+                     for r in reductions}
+        if len(set(group_key.values())) < 2:  # one kind of reduction: every chain can live in one group
             return PassResult(gm, False, stats)
-        for r in [n for n in gm.graph.nodes if reduction_info(n) is not None]:
-            if reduction_unsupported_reason(r, ctx.target) is not None:
-                continue
+        for r in reductions:
+            if reduction_unsupported_reason(r, ctx.target) is not None or group_key[r] != reduction_info(r).key:
+                continue  # (a column sum the row group will take computes its chain there)
             info = reduction_info(r)
             chain = _chain(r, info.in_shape, ctx.target)
             inside = set(chain)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import fxopt
+from fxopt.analysis import reductions
 from fxopt.codegen import triton_reduction
 from tests.helpers import assert_close_to_reference, compile_fxopt
 
@@ -171,9 +172,11 @@ def test_backward_fuses_and_gradients_equal_eager(device, which, schedule):
     assert not [r for _, r in rep.fallbacks if "reduction" in r]  # every reduction was fused
 
 
-def test_layernorm_backward_column_sums_recompute_instead_of_reloading(device):
-    """dw and db are sums over the rows; their kernel recomputes x_hat from x, mean and rstd rather
-    than reading an fp32 copy the row kernel would have to write (passes/recompute.py)."""
+def test_layernorm_backward_column_sums_recompute_instead_of_reloading(device, monkeypatch):
+    """dw and db are sums over the rows; where the rows are too wide for the row kernel to take them
+    (codegen/column_sums.py), their kernel recomputes x_hat from x, mean and rstd rather than reading
+    an fp32 copy the row kernel would have to write (passes/recompute.py)."""
+    monkeypatch.setattr(reductions, "ROW_IN_REGISTERS", 16)
     n, m = 12, 40
     x, w, b = (torch.randn(n, m, device=device, dtype=torch.bfloat16), torch.randn(m, device=device,
                dtype=torch.bfloat16), torch.randn(m, device=device, dtype=torch.bfloat16))

@@ -1,0 +1,116 @@
+"""Column sums as an epilogue of a persistent row kernel: the weight and bias gradients of LayerNorm and
+RMSNorm backward computed while the row kernel has the rows in registers.
+
+passes/fuse_reductions.py puts a sum over every kept dim of the group's shape (`sum(dy * xhat, 0)`)
+into the row group that computes its input and marks it (analysis/reductions.COLUMN_SUM). Two kernels:
+
+- the row kernel walks XSTEPS blocks of XBLOCK rows per program (instead of one block), does the
+  row work for each, and adds every column sum's input into an fp32 [XBLOCK, RBLOCK] accumulator;
+  at the end it stores that program's partial sums, one row of a [programs, M] workspace;
+- the combine kernel (one program per RBLOCK columns) adds the programs' partials in a fixed order
+  (deterministic, no atomics) and stores the column sums in their output dtype.
+
+So the [N, M] product is neither written nor read back: the backward reads x and dy once, writes dx
+once, and touches only programs x M partials besides (COLUMN_PROGRAMS keeps that a few percent).
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from ..analysis.reductions import COLUMN_SUM
+from ..analysis.symbolic import strides, sizes
+from .dtypes import TL_DTYPE, compute_dtype
+from .indexing import print_index
+from .kernel import Kernel
+
+COLUMN_PROGRAMS = 512  # row-kernel programs to aim for: ~4 per SM on an H100/H200-class GPU
+COMBINE_RBLOCK, COMBINE_GBLOCK = 64, 64  # columns per combine program, partial rows per step
+
+
+def column_sums(nodes) -> list[fx.Node]:
+    return [n for n in nodes if n.meta.get(COLUMN_SUM)]
+
+
+def column_ops(nodes, sums: list[fx.Node]) -> list[fx.Node]:
+    """Ops of column sums alone (their casts): the combine kernel runs them after the sums."""
+    values, ops = set(sums), []
+    for n in nodes:
+        if n.op == "call_function" and n not in values and n.all_input_nodes \
+                and all(a in values for a in n.all_input_nodes):
+            values.add(n)
+            ops.append(n)
+    return ops
+
+
+def column_strides(em, out: fx.Node) -> tuple:
+    """A column sum's strides over the group's full shape S: 0 along the rows, its own along the row's dims."""
+    st = strides(out.meta["val"])
+    if len(sizes(out.meta["val"])) == len(em.S):  # keepdim
+        return tuple(0 if d in em.xdims else st[d] for d in range(len(em.S)))
+    it = iter(st)
+    return tuple(0 if d in em.xdims else next(it) for d in range(len(em.S)))
+
+
+def accumulate_line(em, n: fx.Node) -> str:
+    block, acc, _ = em._reduced_value(n)  # masked [XBLOCK, RBLOCK] block of the summed value
+    if n not in em.counted:
+        em.ops.append("aten.sum.dim_IntList (columns)")
+        em.counted.add(n)
+    return f"colacc_{n.name} = colacc_{n.name} + {block}"
+
+
+def with_column_sums(em, prelude: list[str], xblock: int, rblock: int, warps: int, wide: bool) -> Kernel:
+    """The (row kernel, combine kernel) pair for a persistent group `em` (a ReductionEmitter) with
+    column sums; the row kernel is the combine kernel's prologue, as split reductions do."""
+    cols = em.columns
+    xblock, warps, programs_wanted = em._column_config(xblock, warps)
+    blocks = -(-em.xnumel // xblock)
+    steps = max(1, -(-blocks // programs_wanted))
+    programs = -(-blocks // steps)
+    acc_dtype = {n: compute_dtype(n.meta["val"].dtype) for n in cols}
+    first = "(tl.program_id(0).to(tl.int64) * XSTEPS + xstep) * XBLOCK" if wide else \
+        "(tl.program_id(0) * XSTEPS + xstep) * XBLOCK"
+    body = [f"colacc_{n.name} = tl.zeros([XBLOCK, RBLOCK], {TL_DTYPE[acc_dtype[n]]})" for n in cols]
+    body.append("for xstep in range(0, XSTEPS):")
+    body += ["    " + line for line in [f"xoffset = {first}"] + prelude[1:] + em._persistent()]
+    body += ["# -- this program's column partials ----", "rindex = tl.arange(0, RBLOCK)[None, :]",
+             "rmask = rindex < rnumel"]
+    for k, n in enumerate(cols):
+        body.append(f"tl.store(ws_ptr{k} + (tl.program_id(0) * rnumel + rindex), "
+                    f"tl.sum(colacc_{n.name}, 0)[None, :], rmask)")
+    workspaces = [((programs, em.rnumel), acc_dtype[n]) for n in cols]
+    kind = f"persistent, {len(cols)} column sum(s) over {steps * xblock} rows per program"
+    rows = Kernel(f"{em.name}_rows", "reduction",
+                  em._function(f"{em.name}_rows", kind, body, ["in", "ws", "out"],
+                               ["xnumel", "rnumel", "XSTEPS"], ["XBLOCK", "RBLOCK"], len(cols)),
+                  em.ops, programs, [em.xnumel, em.rnumel, steps], {"XBLOCK": xblock, "RBLOCK": rblock}, warps,
+                  outputs=[o.meta["val"] for o in em.output_nodes], input_dtypes=em._input_dtypes(),
+                  inputs=[p.meta["val"] for p in em.placeholders], workspaces=workspaces)
+    combine = _combine_body(em, cols, acc_dtype)
+    return Kernel(em.name, "reduction",
+                  em._function(em.name, "column partials (combine)", combine, ["in", "ws", "out"],
+                               ["rnumel", "NPROG"], ["RBLOCK", "GBLOCK"], len(cols)),
+                  em.ops, -(-em.rnumel // COMBINE_RBLOCK), [em.rnumel, programs],
+                  {"RBLOCK": COMBINE_RBLOCK, "GBLOCK": COMBINE_GBLOCK}, 4,
+                  outputs=[o.meta["val"] for o in em.output_nodes], input_dtypes=em._input_dtypes(),
+                  inputs=[p.meta["val"] for p in em.placeholders], notes={"reduction": kind},
+                  workspaces=workspaces, prologue=rows)
+
+
+def _combine_body(em, cols: list[fx.Node], acc_dtype: dict) -> list[str]:
+    lines = ["rindex = tl.program_id(0) * RBLOCK + tl.arange(0, RBLOCK)[None, :]", "rmask = rindex < rnumel",
+             *em.rcoords]
+    for k, n in enumerate(cols):
+        lines += [f"part_{n.name} = tl.zeros([GBLOCK, RBLOCK], {TL_DTYPE[acc_dtype[n]]})",
+                  "for g0 in range(0, NPROG, GBLOCK):",
+                  "    gindex = g0 + tl.arange(0, GBLOCK)[:, None]",
+                  f"    part_{n.name} += tl.load(ws_ptr{k} + (gindex * rnumel + rindex), (gindex < NPROG) & rmask, "
+                  "other=0)",
+                  f"{n.name} = tl.sum(part_{n.name}, 0)[None, :]  # {n.name}: the programs' partials added"]
+        em.vdtype[n] = acc_dtype[n]
+    lines += [em._node(n) for n in em.column_ops]
+    for j, (o, _) in enumerate(em.outs):
+        if o in em.column_values:
+            addr = print_index(em.raddr[len(em.loads) + j])
+            lines.append(f"tl.store(out_ptr{j} + ({addr}), {o.name}.to({TL_DTYPE[o.meta['val'].dtype]}), rmask)")
+    return lines

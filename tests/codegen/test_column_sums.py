@@ -1,0 +1,130 @@
+"""Column sums fused into the row kernel (fxopt/codegen/column_sums.py): LayerNorm and RMSNorm backward
+compute dx, dw and db in one row kernel plus a small combine kernel, against float64 eager.
+
+Runs in the Triton interpreter on CPU (and on CUDA where a GPU is present). COLUMN_PROGRAMS is lowered
+so that every program walks several row blocks and the last one runs past the end of the rows.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxopt
+from fxopt.analysis import reductions
+from fxopt.codegen import column_sums
+from tests.helpers import assert_close_to_reference, compile_fxopt
+
+
+@pytest.fixture(params=[3, 512], ids=["3-programs", "default-programs"])
+def programs(request, monkeypatch):
+    monkeypatch.setattr(column_sums, "COLUMN_PROGRAMS", request.param)
+    return request.param
+
+
+def ln_backward(dy, x, mean, rstd, w, b):
+    return torch.ops.aten.native_layer_norm_backward(dy, x, [x.shape[-1]], mean, rstd, w, b, [True, True, True])
+
+
+def ln_inputs(n, m, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x, w, b, dy = (torch.randn(*s, generator=g).to(device, dtype) for s in [(n, m), (m,), (m,), (n, m)])
+    _, mean, rstd = torch.ops.aten.native_layer_norm(x, [m], w, b, 1e-5)
+    return dy, x, mean, rstd, w, b
+
+
+def backward_kernels(fn, *args):
+    rep = fxopt.explain(fn, *args)
+    return [k for k in rep.kernels if k.graph in ("forward", "inference", "backward")], rep
+
+
+def full_size_intermediates(rep, shape):
+    fused = rep.graph(after="fuse")
+    return [node for node in fused.graph.nodes if node.op == "call_module"
+            and any(isinstance(v, torch.Tensor) and tuple(v.shape) == shape
+                    for v in (node.meta["val"] if isinstance(node.meta.get("val"), tuple) else [node.meta.get("val")]))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("n,m", [(37, 100), (5, 29)])
+def test_layernorm_backward_is_one_row_kernel_with_column_sums(device, programs, n, m, dtype):
+    args = ln_inputs(n, m, dtype, device)
+    out = compile_fxopt(ln_backward)(*args)
+    ref = ln_backward(*(t.double() for t in args))
+    for o, r in zip(out, ref):
+        assert o.shape == r.shape and o.dtype == dtype
+        assert_close_to_reference(o, r, dtype)
+    ks, rep = backward_kernels(ln_backward, *args)
+    rows = [k for k in ks if k.kind == "reduction"]
+    assert len(rows) == 1, [k.name for k in ks]  # dx, dw and db: one row kernel (+ its combine step)
+    assert "2 column sum(s)" in rows[0].schedule  # dw and db
+    assert rows[0].source.count("@triton.jit") == 2 and "ws_ptr1" in rows[0].source  # rows, then combine
+    # besides it at most the cast of w to fp32 (16-bit inputs), a pointwise kernel over [m]
+    assert all(k.kind == "pointwise" and k.ops == ["aten._to_copy.default"] for k in ks if k is not rows[0])
+
+
+def test_rmsnorm_training_gradients_equal_eager(device, programs):
+    """A hand-written RMSNorm's weight gradient is a column sum of the backward's row values."""
+    def rmsnorm(x, w):
+        h = x.float()
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * w
+
+    x = torch.randn(3, 11, 48, device=device, requires_grad=True)
+    w = torch.randn(48, device=device, requires_grad=True)
+    dy = torch.randn(3, 11, 48, device=device)
+    grads = torch.autograd.grad(compile_fxopt(rmsnorm)(x, w), (x, w), dy)
+    x64, w64 = (t.detach().double().requires_grad_() for t in (x, w))
+    ref = torch.autograd.grad(rmsnorm(x64, w64), (x64, w64), dy.double())
+    for g, r in zip(grads, ref):
+        torch.testing.assert_close(g.double(), r, rtol=1e-4, atol=1e-5)
+    rep = fxopt.explain(rmsnorm, x, w)
+    bwd = [k for k in rep.kernels if k.graph == "backward"]
+    assert len(bwd) == 1 and "column sum" in bwd[0].schedule  # dx (through autograd's expand) and dw
+
+
+def test_layer_norm_module_training_gradients_equal_eager(device):
+    ln = torch.nn.LayerNorm(40).to(device)
+    torch.nn.init.normal_(ln.weight)
+    torch.nn.init.normal_(ln.bias)
+    x = torch.randn(2, 9, 40, device=device, requires_grad=True)
+    dy = torch.randn(2, 9, 40, device=device)
+    got = torch.autograd.grad(compile_fxopt(lambda x: F.gelu(ln(x)))(x), (x, ln.weight, ln.bias), dy)
+    ln64 = torch.nn.LayerNorm(40).double().to(device)
+    ln64.load_state_dict(ln.state_dict())
+    x64 = x.detach().double().requires_grad_()
+    ref = torch.autograd.grad(F.gelu(ln64(x64)), (x64, ln64.weight, ln64.bias), dy.double())
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g.double(), r, rtol=1e-4, atol=1e-5)
+
+
+def test_keepdim_column_sum_and_its_consumer(device, programs):
+    """sum(..., 0, keepdim=True) and an op that uses the column sum (run after the kernel, outside it);
+    square rows (n == m) where a [m] value could be mistaken for a row scalar."""
+    def fn(x, w):
+        y = x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-5)
+        col = (y * w).sum(0, keepdim=True)
+        return y * 2, col, col * 3 + (y * w).sum(0).sin()
+
+    for n, m in [(24, 24), (7, 30)]:
+        x, w = torch.randn(n, m, device=device), torch.randn(m, device=device)
+        out = compile_fxopt(fn)(x, w)
+        ref = fn(x.double(), w.double())
+        for o, r in zip(out, ref):
+            assert o.shape == r.shape
+            torch.testing.assert_close(o.double(), r, rtol=1e-4, atol=1e-5)
+
+
+def test_rows_too_wide_for_registers_keep_separate_column_kernels(device, monkeypatch):
+    monkeypatch.setattr(reductions, "ROW_IN_REGISTERS", 16)
+    args = ln_inputs(6, 40, torch.float32, device)
+    ks, rep = backward_kernels(ln_backward, *args)
+    assert not any("column sum" in (k.schedule or "") for k in ks)
+    assert len(ks) > 1
+    out = compile_fxopt(ln_backward)(*args)
+    for o, r in zip(out, ln_backward(*(t.double() for t in args))):
+        torch.testing.assert_close(o.double(), r, rtol=1e-4, atol=1e-5)
+
+
+def test_no_full_size_fp32_product_goes_through_memory(device):
+    """The [N, M] product dy * x_hat that dw sums is never a kernel output."""
+    args = ln_inputs(12, 40, torch.bfloat16, device)
+    _, rep = backward_kernels(ln_backward, *args)
+    assert len(full_size_intermediates(rep, (12, 40))) == 1  # only the kernel that writes dx
