@@ -122,7 +122,8 @@ class LoopedSchedule:
                     init = str(torch.iinfo(acc).min if kind == "amax" else torch.iinfo(acc).max)
                 body.append(f"acc_{r.name} = tl.full([XBLOCK, RBLOCK], {init}, {TL_DTYPE[acc]})")
         start = "rstart + roffset" if chunked else "roffset"
-        loop = [f"rindex = {start} + tl.arange(0, RBLOCK)[None, :]", "rmask = rindex < rnumel", *em.rcoords]
+        rmask = "rmask = rindex < rnumel" if chunked or not em.exact_r else "rmask = tl.full([1, RBLOCK], 1, tl.int1)"
+        loop = [f"rindex = {start} + tl.arange(0, RBLOCK)[None, :]", rmask, *em.rcoords]
         wanted = em._row_ancestors([r.args[0] for r in reds if r not in self.pairs] +
                                    [em.outs[j][0] for j in stores])
         loop += [em._load(i) for i, ld in enumerate(em.loads) if ld[0] in wanted and ld[0] in em.row_leaves]
