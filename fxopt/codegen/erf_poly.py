@@ -36,12 +36,27 @@ def _horner(coeffs, v: str) -> str:
     return expr
 
 
-def erf_expression(x: str) -> str:
-    """Triton source for erf of the fp32 expression `x` (evaluated once: bound to a name by the caller
-    or left to the compiler's common-subexpression elimination)."""
-    v = f"({x})"
-    t = f"tl.abs({v})"
-    small = f"({v} * {_horner(A, f'({v} * {v})')})"
-    clamped = f"tl.minimum({t}, {CLAMP}, propagate_nan=tl.PropagateNan.ALL)"  # NaN flows through to the result
-    tail = f"(1.0 - tl.exp2({_horner(B, f'({clamped} - {CENTER})')}))"
-    return f"tl.where({t} < {SPLIT}, {small}, tl.where({v} < 0.0, -{tail}, {tail}))"
+HELPER = "_fx_erf"
+
+
+def erf_call(x: str) -> str:
+    return f"{HELPER}({x})"
+
+
+def with_erf_helper(source: str, target: str) -> str:
+    """The kernel source with the helper's definition in front when the kernel calls it: a
+    @triton.jit function on the GPU (inlined by the compiler), a plain Python function in the
+    interpreter (where calling a @triton.jit helper leaves triton.language patched for the process)."""
+    if f"{HELPER}(" not in source or f"def {HELPER}(" in source:
+        return source
+    return ("@triton.jit\n" if target == "cuda" else "") + _HELPER_SOURCE + "\n\n" + source
+
+
+_HELPER_SOURCE = f'''def {HELPER}(x):
+    """erf(x) for fp32 x without branches (fxopt/codegen/erf_poly.py); NaN stays NaN."""
+    t = tl.abs(x)
+    small = x * {_horner(A, "(x * x)")}
+    clamped = tl.minimum(t, {CLAMP}, propagate_nan=tl.PropagateNan.ALL)
+    tail = 1.0 - tl.exp2({_horner(B, f"(clamped - {CENTER})")})
+    return tl.where(t < {SPLIT}, small, tl.where(x < 0.0, -tail, tail))
+'''

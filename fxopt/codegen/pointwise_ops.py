@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .dtypes import TL_DTYPE
-from .erf_poly import erf_expression
+from .erf_poly import erf_call
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -84,7 +84,7 @@ def _tanh(c, x):
 
 def _erf(c, x):
     if c.out_dtype in (torch.bfloat16, torch.float16) and c.compute == torch.float32:
-        return erf_expression(x)  # branch-free (erf_poly.py): a 16-bit result hides its 4 ulp of fp32
+        return erf_call(x)  # branch-free (erf_poly.py): a 16-bit result hides its 4 ulp of fp32
     return f"libdevice.erf({x})" if c.target == "cuda" else f"tl.math.erf({x})"
 
 

@@ -44,6 +44,7 @@ from ..analysis.op_classes import is_view
 from ..analysis.symbolic import expr, hint, is_symbolic, pexpr, shape_env_of, sizes, storage_offset, strides
 from ..printing import describe_value, target_name
 from .dtypes import LOW_PRECISION, TL_DTYPE, compute_dtype, literal
+from .erf_poly import with_erf_helper
 from .indexing import (IterationSpace, Layout, TiledSpace, index_symbols, needs_int64, print_index, size_symbols,
                        tile_dim)
 from .kernel import Kernel
@@ -195,7 +196,7 @@ class PointwiseEmitter:
         xblock, warps = launch_config(space.numel)
         header = [f"# {len(self.ops)} ops over {describe_value(self.output_nodes[0].meta['val'])}: "
                   f"{', '.join(self.ops)}", "@triton.jit", f"def {self.name}({', '.join(args)}):"]
-        source = "\n".join(header + ["    " + line for line in body]) + "\n"
+        source = with_erf_helper("\n".join(header + ["    " + line for line in body]) + "\n", self.target)
         return Kernel(self.name, "pointwise", source, self.ops, grid=cdiv_source(space.numel, xblock),
                       int_args=[space.numel, *syms], constexprs={"XBLOCK": xblock}, num_warps=warps,
                       outputs=[o.meta["val"] for o in self.output_nodes],
@@ -236,7 +237,7 @@ class PointwiseEmitter:
                   f"({tiles.xnumel});",
                   "# each operand is read along the axis it is contiguous in",
                   "@triton.jit", f"def {self.name}({', '.join(args)}):"]
-        source = "\n".join(header + ["    " + line for line in body]) + "\n"
+        source = with_erf_helper("\n".join(header + ["    " + line for line in body]) + "\n", self.target)
         return Kernel(self.name, "pointwise", source, self.ops, grid=plan.grid,
                       int_args=[tiles.ynumel, tiles.xnumel, *syms], symbols=self._examples(syms),
                       constexprs={"YBLOCK": plan.yblock, "XBLOCK": plan.xblock}, num_warps=plan.num_warps,

@@ -33,6 +33,7 @@ from .indexing import (IterationSpace, Layout, broadcast_strides, index_symbols,
                        size_symbols)
 from . import column_sums as column_epilogue
 from .column_sums import accumulate_line, column_ops, column_strides, column_sums, with_column_sums
+from .erf_poly import with_erf_helper
 from .kernel import Kernel
 from .reduction_schedules import LoopedSchedule, inner_view, lane_reduce
 from .pointwise_ops import LOWERINGS, LowerCtx
@@ -243,7 +244,7 @@ class ReductionEmitter(PointwiseEmitter):
         args = [a for g in pointers for a in groups[g]] + ints + [f"{c}: tl.constexpr" for c in consts]
         header = [f"# {kind} reduction over {describe_value(self.reductions[0].args[0].meta['val'])} dims "
                   f"{list(self.D)}: {', '.join(self.ops)}", "@triton.jit", f"def {name}({', '.join(args)}):"]
-        source = "\n".join(header + ["    " + line for line in body]) + "\n"
+        source = with_erf_helper("\n".join(header + ["    " + line for line in body]) + "\n", self.target)
         if any("_fx_max" in line or "_fx_min" in line for line in body):
             source = COMBINE.lstrip("\n") + "\n\n" + source
         return source

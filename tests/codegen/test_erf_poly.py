@@ -9,20 +9,16 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from fxopt.codegen.erf_poly import CLAMP, SPLIT, erf_expression
+from fxopt.codegen.erf_poly import CLAMP, SPLIT, erf_call, with_erf_helper
 from tests.helpers import compile_fxopt
 
-_SOURCE = f'''
-import triton
-import triton.language as tl
-
-
-@triton.jit
+_KERNEL = f'''@triton.jit
 def erf_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + i, i < n)
-    tl.store(out_ptr + i, {erf_expression("x")}, i < n)
+    tl.store(out_ptr + i, {erf_call("x")}, i < n)
 '''
+_SOURCE = "import triton\nimport triton.language as tl\n\n\n" + with_erf_helper(_KERNEL, "interpret")
 
 
 @pytest.fixture(scope="module")
