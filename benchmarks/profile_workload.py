@@ -31,6 +31,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=10)
     p.add_argument("--top", type=int, default=25, help="rows to print, slowest first (default 25)")
     p.add_argument("--fxopt-option", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--inductor", action="store_true",
+                   help="also profile Inductor's compiled function (torch.profiler, GPU kernel time per call)")
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     extra = dict(measure.parse_fxopt_option(o) for o in args.fxopt_option)
@@ -49,7 +51,28 @@ def main(argv=None) -> int:
         for r in rows:
             pct = f"{r.percent_of_roofline:5.1f}%" if r.percent_of_roofline is not None else "    - "
             print(f"  {r.graph:12s} {r.name[:44]:44s} {r.kind:10s} x{r.calls:<3d} {r.seconds * 1e3:8.4f} ms  {pct}")
+        if args.inductor and device == "cuda":
+            _profile_inductor(w, fn, inputs, args.repeat, args.top)
     return 0
+
+
+def _profile_inductor(w, fn, inputs, repeat: int, top: int) -> None:
+    """Inductor's kernels for the same call, by GPU time per call (torch.profiler), for comparison."""
+    from torch.profiler import ProfilerActivity, profile
+    compiled = measure.compile_for("inductor", fn, w)
+    with measure.grad_mode(w):
+        for _ in range(3):
+            compiled(*inputs)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(repeat):
+                compiled(*inputs)
+            torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    total = sum(e.device_time_total for e in events) / repeat / 1e3
+    print(f"== {w.name} through Inductor: {total:.4f} ms of GPU kernels per call")
+    for e in sorted(events, key=lambda e: -e.device_time_total)[:top]:
+        print(f"  {e.key[:60]:60s} x{e.count // repeat:<3d} {e.device_time_total / repeat / 1e3:8.4f} ms")
 
 
 if __name__ == "__main__":
