@@ -1,0 +1,54 @@
+"""Where fxopt's host time goes: cProfile over repeated calls of a workload, top functions by own time.
+
+    PYTHONPATH=. python -m benchmarks.host_profile --workloads gpt_block_train [--calls 50] [--top 30]
+
+A workload is host-bound when benchmarks/host_time.py shows host_ms near its gpu_ms: then these are the
+lines to make cheaper (Python in the wrapper, launches, dispatcher calls, autograd).
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+
+import torch
+
+from . import measure, workloads
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.host_profile", description=__doc__.splitlines()[0])
+    p.add_argument("--workloads", required=True)
+    p.add_argument("--backend", default="fxopt")
+    p.add_argument("--dtype", default="bf16", choices=sorted(measure.DTYPES))
+    p.add_argument("--calls", type=int, default=50)
+    p.add_argument("--top", type=int, default=30)
+    args = p.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for w in workloads.get(args.workloads):
+        fn, inputs = w.make(device, measure.DTYPES[args.dtype], device == "cpu")
+        compiled = measure.runnable(w, args.backend, fn)
+        with measure.grad_mode(w):
+            for _ in range(3):
+                compiled(*inputs)
+            measure.sync(device)
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(args.calls):
+                compiled(*inputs)
+            measure.sync(device)
+            prof.disable()
+        stats = pstats.Stats(prof)
+        print(f"== {w.name} via {args.backend}: {stats.total_tt / args.calls * 1e3:.3f} ms host per call "
+              f"(cProfile's own overhead included); top {args.top} by own time per call")
+        rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:args.top]
+        for (file, line, name), (cc, nc, tt, ct, _) in rows:
+            where = f"{os.path.basename(file)}:{line}"
+            print(f"  {tt / args.calls * 1e3:7.3f} ms own {ct / args.calls * 1e3:7.3f} ms cum  "
+                  f"x{nc // args.calls:<4d} {name[:40]:40s} {where[:50]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
