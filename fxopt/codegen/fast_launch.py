@@ -25,13 +25,19 @@ except ImportError:  # pragma: no cover - older triton
 
 
 def hooks_installed() -> bool:
-    """Launch hooks (a profiler) need the launch metadata that only Triton's own path computes."""
-    runtime = getattr(_knobs, "runtime", None)
+    """Launch hooks (a profiler) need the launch metadata that only Triton's own path computes.
+    (Runs on every launch: two attribute reads in the common case of no hooks.)"""
+    runtime = _RUNTIME
     if runtime is None:
         return True
-    # None, or (newer triton) a HookChain that may hold no hooks
-    return any(h is not None and (not hasattr(h, "calls") or bool(h.calls))
-               for h in (runtime.launch_enter_hook, runtime.launch_exit_hook))
+    enter, exit_ = runtime.launch_enter_hook, runtime.launch_exit_hook
+    if enter is None and exit_ is None:
+        return False
+    # (newer triton) a HookChain that may hold no hooks
+    return any(h is not None and (not hasattr(h, "calls") or bool(h.calls)) for h in (enter, exit_))
+
+
+_RUNTIME = getattr(_knobs, "runtime", None)
 
 
 def current_stream() -> int:

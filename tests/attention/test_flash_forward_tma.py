@@ -124,3 +124,16 @@ def test_gpu_tma_forward_bf16_is_the_default_and_matches_float64():
         q, k, v = (t.cuda() for t in make_qkv(2, 8, 2, seq_q, seq_k, 128, torch.bfloat16, transposed=True, seed=9))
         assert tma_applies(q, k, v, None)
         check_forward(q, k, v, causal=causal)
+
+
+def test_descriptor_matches_triton_checked_constructor():
+    """descriptor() skips TensorDescriptor's checks (the callers made them): same fields as the checked way."""
+    from dataclasses import fields
+
+    from fxopt.attention.flash_forward_tma import TensorDescriptor, descriptor
+    q = make_qkv(1, 2, 2, 64, 64, 32, torch.float16, transposed=True, seed=1)[0]
+    fast = descriptor(q, 32)
+    checked = TensorDescriptor(q, list(q.shape), list(q.stride()), [1, 1, 32, 32])
+    for f in fields(TensorDescriptor):
+        a, b = getattr(fast, f.name), getattr(checked, f.name)
+        assert a is b if f.name == "base" else a == b, f.name
