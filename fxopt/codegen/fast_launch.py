@@ -84,7 +84,8 @@ class FastKernel:
     def __init__(self, fn):
         self.fn = fn
         self._names = list(fn.arg_names)
-        self._compiled: dict[tuple, object] = {}  # (specialisation, keyword arguments) -> CompiledKernel
+        # (specialisation, keyword arguments) -> (CompiledKernel, its constexpr arguments in order)
+        self._compiled: dict[tuple, tuple] = {}
         self.fast_launches = 0  # how many launches skipped Triton's binding (tests read it)
 
     def __getitem__(self, grid):
@@ -95,9 +96,9 @@ class FastKernel:
 
     def _launch(self, grid, args, kwargs):
         key = (specialisation(args), tuple(kwargs.items()))  # constexprs and options (num_warps, ...) too
-        compiled = self._compiled.get(key)
-        if compiled is not None and not hooks_installed():
-            rest = [kwargs[n] for n in self._names[len(args):]]  # the constexprs, in signature order
+        entry = self._compiled.get(key)
+        if entry is not None and not hooks_installed():
+            compiled, rest = entry
             g = (*grid, 1, 1)
             compiled.run(g[0], g[1], g[2], current_stream(), compiled.function, compiled.packed_metadata, None,
                          None, None, *args, *rest)
@@ -105,7 +106,8 @@ class FastKernel:
             return compiled
         kernel = self.fn[grid](*args, **kwargs)
         if len(self._compiled) < self.MAX_VARIANTS and _launcher_signature_known(kernel):
-            self._compiled[key] = kernel
+            # the constexprs in signature order, fixed for this key (its kwargs are part of it)
+            self._compiled[key] = (kernel, tuple(kwargs[n] for n in self._names[len(args):]))
         return kernel
 
 
