@@ -27,15 +27,29 @@ class LowerCtx:
     target: str  # "cuda" | "interpret"
     out_dtype: torch.dtype  # the dtype eager gives this node's result
     compute: torch.dtype  # the dtype operands were cast to
+    # bf16 or fp16 when every output of the kernel has that dtype: an fp32 intermediate there (the
+    # upcast inside a 16-bit softmax or GELU) is rounded to 16 bits before anyone sees it
+    rounds_to: torch.dtype | None = None
+
+    @property
+    def _fp32_into_16bit(self) -> bool:
+        return self.out_dtype == torch.float32 and self.rounds_to in (torch.bfloat16, torch.float16)
 
     @property
     def approx_ok(self) -> bool:
-        """Hardware approximations allowed: on the GPU, for results eager rounds to bf16."""
+        """Hardware approximations allowed (tanh.approx: 2^-11 relative error): on the GPU, for results
+        eager rounds to bf16 (not for fp32 values on their way there: eager keeps those exact)."""
         return self.target == "cuda" and self.out_dtype == torch.bfloat16
 
     @property
     def exact(self) -> bool:
-        """libdevice (correctly rounded-ish) math: on the GPU for fp32/fp64 results."""
+        """libdevice (correctly rounded-ish) math: on the GPU for fp32/fp64 results, except fp32 values
+        that only reach 16-bit outputs (Triton's exp/rsqrt, a few fp32 ulp, are far inside half a
+        16-bit ulp)."""
+        return self.exact_trig and not self._fp32_into_16bit
+
+    @property
+    def exact_trig(self) -> bool:
         return self.target == "cuda" and self.out_dtype in (torch.float32, torch.float64)
 
 
@@ -83,7 +97,7 @@ def _tanh(c, x):
 
 
 def _erf(c, x):
-    if c.out_dtype in (torch.bfloat16, torch.float16) and c.compute == torch.float32:
+    if c.compute == torch.float32 and (c.out_dtype in (torch.bfloat16, torch.float16) or c._fp32_into_16bit):
         return erf_call(x)  # branch-free (erf_poly.py): a 16-bit result hides its 4 ulp of fp32
     return f"libdevice.erf({x})" if c.target == "cuda" else f"tl.math.erf({x})"
 
@@ -193,8 +207,10 @@ LOWERINGS = {
     aten.log1p.default: lambda c, n, o: _libdevice_or("log1p", lambda x: f"tl.log(1.0 + {x})")(c, o[0]),
     aten.sqrt.default: lambda c, n, o: _sqrt(c, o[0]),
     aten.rsqrt.default: lambda c, n, o: _rsqrt(c, o[0]),
-    aten.sin.default: lambda c, n, o: f"libdevice.sin({o[0]})" if c.exact else f"tl.sin({o[0]})",
-    aten.cos.default: lambda c, n, o: f"libdevice.cos({o[0]})" if c.exact else f"tl.cos({o[0]})",
+    # sin/cos keep libdevice for every fp32 value: the hardware approximations lose accuracy on large
+    # arguments (rotary embeddings' angles reach thousands of radians)
+    aten.sin.default: lambda c, n, o: f"libdevice.sin({o[0]})" if c.exact_trig else f"tl.sin({o[0]})",
+    aten.cos.default: lambda c, n, o: f"libdevice.cos({o[0]})" if c.exact_trig else f"tl.cos({o[0]})",
     aten.tan.default: lambda c, n, o: f"libdevice.tan({o[0]})",
     aten.asin.default: lambda c, n, o: f"libdevice.asin({o[0]})",
     aten.acos.default: lambda c, n, o: f"libdevice.acos({o[0]})",

@@ -152,6 +152,8 @@ class PointwiseEmitter:
         # SymInt inputs (a size used as a number, `x / s1`): computed in the kernel from the size symbols
         self.size_inputs = [p for p in self.placeholders if isinstance(p.meta.get("val"), torch.SymInt)]
         self.vdtype: dict[fx.Node, torch.dtype] = {}  # compute dtype of each value in registers
+        out_dtypes = {o.meta["val"].dtype for o in self.output_nodes if isinstance(o.meta.get("val"), torch.Tensor)}
+        self.rounds_to = next(iter(out_dtypes)) if out_dtypes in ({torch.bfloat16}, {torch.float16}) else None
 
     def _outputs(self):
         out = next(n for n in self.nodes if n.op == "output").args[0]
@@ -338,7 +340,7 @@ class PointwiseEmitter:
             operands = [self._operand(args[0], torch.bool)] + [self._operand(a, want) for a in args[1:]]
         else:
             operands = [self._operand(a, want) for a in args]
-        ctx = LowerCtx(self.target, out, want if want is not None else compute_dtype(out))
+        ctx = LowerCtx(self.target, out, want if want is not None else compute_dtype(out), self.rounds_to)
         expr = LOWERINGS[n.target](ctx, n, operands)
         result = compute_dtype(out)
         if n.target in UNCAST_OPERANDS and out in LOW_PRECISION and n.target is not aten.clone.default:

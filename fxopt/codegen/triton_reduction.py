@@ -407,7 +407,7 @@ class ReductionEmitter(PointwiseEmitter):
     def _exp_of(self, s: fx.Node):
         """The exp the graph's exp node (feeding the paired sum) is lowered to, as a function."""
         e = s.args[0]
-        ctx = LowerCtx(self.target, e.meta["val"].dtype, compute_dtype(e.meta["val"].dtype))
+        ctx = LowerCtx(self.target, e.meta["val"].dtype, compute_dtype(e.meta["val"].dtype), self.rounds_to)
         return lambda x: LOWERINGS[e.target](ctx, e, [f"({x})"])
 
     def _row_ancestors(self, roots: list) -> set:

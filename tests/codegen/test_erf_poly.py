@@ -69,3 +69,19 @@ def test_fp16_gelu_as_accurate_as_eager():
     assert ours.max().item() <= theirs.max().item() + 1.0, (ours.max().item(), theirs.max().item())
     assert ours[x.abs() < 2].max().item() <= 1.0  # no cancellation there: correctly rounded or one ulp off
     assert ours.mean().item() <= 1.1 * theirs.mean().item(), (ours.mean().item(), theirs.mean().item())
+
+
+def test_precision_policy_of_fp32_values_inside_16_bit_kernels():
+    """fp32 intermediates of a kernel whose outputs are all 16-bit (a bf16 softmax's upcast exp) use
+    Triton's exp and the branch-free erf; sin/cos keep libdevice (large angles), tanh.approx stays for
+    bf16 results only; kernels with an fp32 output keep libdevice."""
+    from fxopt.codegen.pointwise_ops import LOWERINGS, LowerCtx
+    aten = torch.ops.aten
+    f32, bf16 = torch.float32, torch.bfloat16
+    inside = LowerCtx("cuda", f32, f32, bf16)
+    plain = LowerCtx("cuda", f32, f32, None)
+    lower = lambda op, c: LOWERINGS[op](c, None, ["x"])  # noqa: E731
+    assert lower(aten.exp.default, inside) == "tl.exp(x)" and lower(aten.exp.default, plain) == "libdevice.exp(x)"
+    assert lower(aten.erf.default, inside) == "_fx_erf(x)" and lower(aten.erf.default, plain) == "libdevice.erf(x)"
+    assert lower(aten.sin.default, inside) == "libdevice.sin(x)"
+    assert not inside.approx_ok and LowerCtx("cuda", bf16, f32).approx_ok
