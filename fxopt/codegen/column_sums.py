@@ -22,6 +22,7 @@ from ..analysis.symbolic import strides, sizes
 from .dtypes import TL_DTYPE, compute_dtype
 from .indexing import print_index
 from .kernel import Kernel
+from .reduction_schedules import mask_line
 
 COLUMN_PROGRAMS = 264  # row-kernel programs to aim for: 2 per SM on an H100/H200-class GPU
 COMBINE_RBLOCK, COMBINE_GBLOCK = 64, 64  # columns per combine program, partial rows per step
@@ -68,7 +69,7 @@ def with_column_sums(em, prelude: list[str], xblock: int, rblock: int, warps: in
     steps = max(1, -(-blocks // programs_wanted))
     programs = -(-blocks // steps)
     if blocks % steps or em.xnumel % xblock:  # the last program runs past the rows: keep the bounds test
-        prelude = [("xmask = xindex < xnumel" if line.startswith("xmask =") else line) for line in prelude]
+        prelude = [(mask_line("x", False) if line.startswith("xmask =") else line) for line in prelude]
     acc_dtype = {n: compute_dtype(n.meta["val"].dtype) for n in cols}
     first = "(tl.program_id(0).to(tl.int64) * XSTEPS + xstep) * XBLOCK" if wide else \
         "(tl.program_id(0) * XSTEPS + xstep) * XBLOCK"
@@ -86,17 +87,14 @@ def with_column_sums(em, prelude: list[str], xblock: int, rblock: int, warps: in
                   em._function(f"{em.name}_rows", kind, body, ["in", "ws", "out"],
                                ["xnumel", "rnumel", "XSTEPS"], ["XBLOCK", "RBLOCK"], len(cols)),
                   em.ops, programs, [em.xnumel, em.rnumel, steps], {"XBLOCK": xblock, "RBLOCK": rblock}, warps,
-                  outputs=[o.meta["val"] for o in em.output_nodes], input_dtypes=em._input_dtypes(),
-                  inputs=[p.meta["val"] for p in em.placeholders], workspaces=workspaces)
+                  workspaces=workspaces, **em.io_meta())
     combine = _combine_body(em, cols, acc_dtype)
     return Kernel(em.name, "reduction",
                   em._function(em.name, "column partials (combine)", combine, ["in", "ws", "out"],
                                ["rnumel", "NPROG"], ["RBLOCK", "GBLOCK"], len(cols)),
                   em.ops, -(-em.rnumel // COMBINE_RBLOCK), [em.rnumel, programs],
-                  {"RBLOCK": COMBINE_RBLOCK, "GBLOCK": COMBINE_GBLOCK}, 4,
-                  outputs=[o.meta["val"] for o in em.output_nodes], input_dtypes=em._input_dtypes(),
-                  inputs=[p.meta["val"] for p in em.placeholders], notes={"reduction": kind},
-                  workspaces=workspaces, prologue=rows)
+                  {"RBLOCK": COMBINE_RBLOCK, "GBLOCK": COMBINE_GBLOCK}, 4, notes={"reduction": kind},
+                  workspaces=workspaces, prologue=rows, **em.io_meta())
 
 
 def _combine_body(em, cols: list[fx.Node], acc_dtype: dict) -> list[str]:

@@ -13,6 +13,10 @@ import torch
 import torch.fx as fx
 
 from ..analysis.op_classes import is_view
+from ..analysis.reductions import reduction_info
+from .dtypes import TL_DTYPE, compute_dtype
+from .kernel import Kernel
+from .online_softmax import find_online_pairs, online_finish, online_init, online_update
 from .triton_pointwise import view_root
 
 
@@ -20,9 +24,7 @@ def inner_view(n: fx.Node) -> bool:
     """A view of a value computed inside the group (a row scalar squeezed, unsqueezed or expanded
     along its row)."""
     return is_view(n) and view_root(n).op != "placeholder"
-from ..analysis.reductions import reduction_info
-from .dtypes import TL_DTYPE, compute_dtype
-from .online_softmax import find_online_pairs, online_finish, online_init, online_update
+
 
 def lane_reduce(kind: str, expr: str, target: str) -> str:
     """Reduce a [XBLOCK, N] block over axis 1 to [XBLOCK, 1].
@@ -36,6 +38,14 @@ def lane_reduce(kind: str, expr: str, target: str) -> str:
             return f"tl.where(tl.max(({expr} != {expr}).to(tl.int32), 1)[:, None] > 0, float('nan'), {plain})"
         return f"tl.reduce({expr}, 1, {'_fx_max' if kind == 'amax' else '_fx_min'})[:, None]"
     return f"tl.sum({expr}, 1)[:, None]"
+
+
+def mask_line(axis: str, exact: bool) -> str:
+    """`xmask`/`rmask`: the bounds test, or a constant true block where the block divides the extent
+    (Triton folds it away: no compare and select per element)."""
+    if exact:
+        return f"{axis}mask = tl.full({'[XBLOCK, 1]' if axis == 'x' else '[1, RBLOCK]'}, 1, tl.int1)  # no tail"
+    return f"{axis}mask = {axis}index < {axis}numel"
 
 
 SPLIT_GUARD = " & first_chunk"  # only chunk 0 stores row scalars in split kernels
@@ -122,8 +132,8 @@ class LoopedSchedule:
                     init = str(torch.iinfo(acc).min if kind == "amax" else torch.iinfo(acc).max)
                 body.append(f"acc_{r.name} = tl.full([XBLOCK, RBLOCK], {init}, {TL_DTYPE[acc]})")
         start = "rstart + roffset" if chunked else "roffset"
-        rmask = "rmask = rindex < rnumel" if chunked or not em.exact_r else "rmask = tl.full([1, RBLOCK], 1, tl.int1)"
-        loop = [f"rindex = {start} + tl.arange(0, RBLOCK)[None, :]", rmask, *em.rcoords]
+        loop = [f"rindex = {start} + tl.arange(0, RBLOCK)[None, :]", mask_line("r", em.exact_r and not chunked),
+                *em.rcoords]
         wanted = em._row_ancestors([r.args[0] for r in reds if r not in self.pairs] +
                                    [em.outs[j][0] for j in stores])
         loop += [em._load(i) for i, ld in enumerate(em.loads) if ld[0] in wanted and ld[0] in em.row_leaves]
@@ -211,3 +221,26 @@ class LoopedSchedule:
             m, pm = pair_max.name, partial_of[pair_max]
             return f"tl.sum(tl.where({pm} == {m}, {v}, {v} * {self.em._exp_of(node)(f'{pm} - {m}')}), 1)[:, None]"
         return f"tl.sum({v}, 1)[:, None]"
+
+
+def split_kernel(em, schedule: LoopedSchedule, prelude: list[str], xblock: int, rblock: int, warps: int,
+                 nchunk: int) -> Kernel:
+    """The (partial kernel, combine kernel) pair of a split reduction: each row cut into `nchunk`
+    chunks of a multiple of RBLOCK; the partial kernel is the combine kernel's prologue."""
+    rchunk = -(-(-(-em.rnumel // nchunk)) // rblock) * rblock  # ceil to a multiple of RBLOCK
+    nchunk = -(-em.rnumel // rchunk)
+    partial, final, results = schedule.split_lines()
+    n_ws = len(results)
+    grid = ((em.xnumel + xblock - 1) // xblock, nchunk)
+    consts = {"XBLOCK": xblock, "RBLOCK": rblock}
+    workspaces = [((nchunk, em.xnumel), compute_dtype(r.meta["val"].dtype)) for r in results]
+    pre = Kernel(f"{em.name}_partial", "reduction",
+                 em._function(f"{em.name}_partial", "split (partials)", prelude + partial, ["in", "ws", "out"],
+                              ["xnumel", "rnumel", "RCHUNK"], ["XBLOCK", "RBLOCK"], n_ws),
+                 em.ops, grid, [em.xnumel, em.rnumel, rchunk], consts, warps, workspaces=workspaces, **em.io_meta())
+    source = em._function(em.name, "split (combine)", prelude + final, ["in", "ws", "out"],
+                          ["xnumel", "rnumel", "RCHUNK", "NCHUNK"], ["XBLOCK", "RBLOCK", "CBLOCK"], n_ws)
+    return Kernel(em.name, "reduction", source, em.ops, grid, [em.xnumel, em.rnumel, rchunk, nchunk],
+                  {**consts, "CBLOCK": 1 << max(0, (nchunk - 1).bit_length())}, warps,
+                  notes={"reduction": f"split into {nchunk} chunks"}, workspaces=workspaces, prologue=pre,
+                  **em.io_meta())

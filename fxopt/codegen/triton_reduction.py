@@ -35,7 +35,7 @@ from . import column_sums as column_epilogue
 from .column_sums import accumulate_line, column_ops, column_strides, column_sums, with_column_sums
 from .erf_poly import with_erf_helper
 from .kernel import Kernel
-from .reduction_schedules import LoopedSchedule, inner_view, lane_reduce
+from .reduction_schedules import LoopedSchedule, inner_view, lane_reduce, mask_line, split_kernel
 from .pointwise_ops import LOWERINGS, LowerCtx
 from .triton_pointwise import PointwiseEmitter, cdiv_source, operand_dtype, view_root
 
@@ -54,13 +54,6 @@ def _fx_max(a, b):
 def _fx_min(a, b):
     return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
 '''
-
-
-def mask_line(axis: str, exact: bool) -> str:
-    """`xmask`/`rmask`: the bounds test, or a constant true block where the block divides the extent."""
-    if exact:
-        return f"{axis}mask = tl.full({'[XBLOCK, 1]' if axis == 'x' else '[1, RBLOCK]'}, 1, tl.int1)  # no tail"
-    return f"{axis}mask = {axis}index < {axis}numel"
 
 
 def _pow2(n) -> int:
@@ -165,7 +158,7 @@ class ReductionEmitter(PointwiseEmitter):
         column = ref[self.D[-1]] != 1 and any(ref[d] == 1 for d in self.xdims)
         # never for a symbolic row; always with column sums (the fuser took them only for rows that fit)
         persistent = bool(self.columns) or _pow2(self.rnumel) <= (64 if column else PERSISTENT_MAX)
-        xblock, rblock, warps = self._config(persistent, column)
+        xblock, rblock, warps = self._config(persistent, column and not self.columns)  # column sums: one row a step
         self.loads, self.outs = loads, outs
         self.syms = size_symbols(self.xnumel, self.rnumel, *self.xaddr, *self.raddr, *xs.sizes, *xs.pitches,
                                  *rs.sizes, *rs.pitches, *self._size_input_exprs())
@@ -187,7 +180,7 @@ class ReductionEmitter(PointwiseEmitter):
         splittable = schedule is not None and schedule.splittable and not self.syms
         nchunk = self._chunks(xblock, rblock) if splittable else 1
         if nchunk > 1:
-            return self._split(schedule, prelude, xblock, rblock, warps, nchunk)
+            return split_kernel(self, schedule, prelude, xblock, rblock, warps, nchunk)
         body = prelude + (self._persistent() if persistent else schedule.lines())
         kind = "persistent" if persistent else "looped"
         ints = ["xnumel", "rnumel"] + [s.name for s in self.syms]
@@ -207,10 +200,13 @@ class ReductionEmitter(PointwiseEmitter):
     def _kernel(self, name, source, grid, consts, warps, kind, setup) -> Kernel:
         return Kernel(name, "reduction", source, self.ops, grid=grid,
                       int_args=[self.xnumel, self.rnumel, *self.syms], constexprs=consts,
-                      num_warps=warps, outputs=[o.meta["val"] for o in self.output_nodes],
-                      input_dtypes=self._input_dtypes(),
-                      inputs=[p.meta["val"] for p in self.placeholders], notes={"reduction": kind},
-                      symbols=self._examples(self.syms), setup=setup)
+                      num_warps=warps, notes={"reduction": kind},
+                      symbols=self._examples(self.syms), setup=setup, **self.io_meta())
+
+    def io_meta(self) -> dict:
+        """The Kernel fields every kernel of this group shares: output, input and pointer dtypes."""
+        return dict(outputs=[o.meta["val"] for o in self.output_nodes], input_dtypes=self._input_dtypes(),
+                    inputs=[p.meta["val"] for p in self.placeholders])
 
     def _persistent_alternative(self, prelude: list[str], ints: list[str]) -> Kernel:
         """The persistent kernel of a symbolic row, launched when the call's row fits in registers
@@ -257,31 +253,6 @@ class ReductionEmitter(PointwiseEmitter):
         most = max(1, self.rnumel // (SPLIT_MIN_BLOCKS * rblock))  # every chunk keeps some blocks of work
         return max(1, min(-(-SPLIT_PROGRAMS // programs), most, 1024))
 
-    def _split(self, schedule, prelude, xblock, rblock, warps, nchunk) -> Kernel:
-        rchunk = -(-(-(-self.rnumel // nchunk)) // rblock) * rblock  # ceil to a multiple of RBLOCK
-        nchunk = -(-self.rnumel // rchunk)
-        partial, final, results = schedule.split_lines()
-        n_ws = len(results)
-        grid = ((self.xnumel + xblock - 1) // xblock, nchunk)
-        consts = {"XBLOCK": xblock, "RBLOCK": rblock}
-        workspaces = [((nchunk, self.xnumel), compute_dtype(r.meta["val"].dtype)) for r in results]
-        pre = Kernel(f"{self.name}_partial", "reduction",
-                     self._function(f"{self.name}_partial", "split (partials)", prelude + partial,
-                                    ["in", "ws", "out"], ["xnumel", "rnumel", "RCHUNK"], ["XBLOCK", "RBLOCK"], n_ws),
-                     self.ops, grid, [self.xnumel, self.rnumel, rchunk], consts, warps,
-                     outputs=[o.meta["val"] for o in self.output_nodes],
-                     input_dtypes=self._input_dtypes(),
-                      inputs=[p.meta["val"] for p in self.placeholders], workspaces=workspaces)
-        source = self._function(self.name, "split (combine)", prelude + final, ["in", "ws", "out"],
-                                ["xnumel", "rnumel", "RCHUNK", "NCHUNK"], ["XBLOCK", "RBLOCK", "CBLOCK"], n_ws)
-        return Kernel(self.name, "reduction", source, self.ops, grid, [self.xnumel, self.rnumel, rchunk, nchunk],
-                      {**consts, "CBLOCK": _pow2(nchunk)}, warps,
-                      outputs=[o.meta["val"] for o in self.output_nodes],
-                      input_dtypes=self._input_dtypes(),
-                      inputs=[p.meta["val"] for p in self.placeholders],
-                      notes={"reduction": f"split into {nchunk} chunks"},
-                      workspaces=workspaces, prologue=pre)
-
     def _config(self, persistent: bool, column: bool) -> tuple[int, int, int]:
         """(XBLOCK, RBLOCK, num_warps), from benchmarks/tune_reduction.py on an H200 (bf16):
         rows of 8192 -> 8 warps (90% of copy bandwidth), 4096 -> 4 warps; strided columns -> 16
@@ -323,10 +294,9 @@ class ReductionEmitter(PointwiseEmitter):
         return f"{var}{self.suffix if has_r else ''} = {load}  # {describe_value(val)}"
 
     def _compute(self, n: fx.Node) -> str:
-        """As for pointwise kernels, except a row value divided by a row scalar (softmax's exp / sum,
-        a mean's normalisation) multiplies by the scalar's reciprocal: one division per row instead of
-        one per element (a correctly rounded fp32 division is a dozen instructions; the product
-        differs from the quotient by at most an ulp)."""
+        """As for pointwise kernels, except a row value divided by a row scalar (softmax's exp / sum)
+        multiplies by the reciprocal: one correctly rounded division (a dozen instructions) per row,
+        not per element; the product is within an ulp of the quotient."""
         a, b = (n.args + (None, None))[:2]
         if (n.target is torch.ops.aten.div.Tensor and not n.kwargs and isinstance(a, fx.Node)
                 and isinstance(b, fx.Node) and self.is_row.get(n) and not self.is_row.get(b, b in self.row_leaves)
