@@ -100,6 +100,13 @@ def format_value(a, names) -> str:
     raise NotImplementedError(f"cannot print argument {a!r} of type {type(a).__name__}")
 
 
+# Views the wrapper writes as Tensor methods: the same ATen op, reached without the Python OpOverload
+# call (~1.4 us less per call on the host; a training step's backward makes dozens of them)
+_ATEN = torch.ops.aten
+VIEW_METHODS = {_ATEN.view.default: "view", _ATEN.permute.default: "permute", _ATEN.t.default: "t",
+                _ATEN.expand.default: "expand", _ATEN.unsqueeze.default: "unsqueeze", _ATEN.squeeze.dim: "squeeze"}
+
+
 def _callee(target) -> str:
     if isinstance(target, torch._ops.OpOverload):
         ns = target.namespace
@@ -224,6 +231,9 @@ def generate_wrapper(gm: fx.GraphModule, kernels: dict[str, Kernel], graph: str,
             if n.name in slots:  # the plan places this ATen result: its out= overload writes the arena view
                 body.append(_arena_view(n.name, slots[n.name], arena, replaced))
                 body += _timed([f"{_callee(out_variant(n))}({', '.join(args + [f'out={n.name}'])})"], n.name, profile)
+            elif n.target in VIEW_METHODS and not n.kwargs:
+                rest = ", ".join(args[1:])
+                body += _timed([f"{n.name} = {args[0]}.{VIEW_METHODS[n.target]}({rest})"], n.name, profile)
             else:
                 body += _timed([f"{n.name} = {_callee(n.target)}({', '.join(args)})"], n.name, profile)
         elif n.op == "get_attr":

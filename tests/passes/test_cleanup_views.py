@@ -25,3 +25,13 @@ def test_transpose_of_transpose_is_folded_in_the_backward_and_gradients_match():
     torch.testing.assert_close(xa.grad, xb.grad)
     for a, b in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_wrapper_calls_views_as_tensor_methods():
+    """The views left in a wrapper are Tensor methods (`x.view(...)`), not OpOverload calls, and the
+    wrapper still computes eager's gradients (the test above)."""
+    model = _linear_mlp().double()
+    rep = fxopt.explain(model, torch.randn(3, 5, 16, dtype=torch.float64, requires_grad=True))
+    sources = [g.wrapper_source for g in rep.graphs]
+    assert any(".view([" in s or ".t()" in s or ".permute([" in s for s in sources)
+    assert not any(f"aten.{op}.default(" in s for s in sources for op in ("view", "permute", "t", "expand"))
