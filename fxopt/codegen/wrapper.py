@@ -105,6 +105,9 @@ def format_value(a, names) -> str:
 _ATEN = torch.ops.aten
 VIEW_METHODS = {_ATEN.view.default: "view", _ATEN.permute.default: "permute", _ATEN.t.default: "t",
                 _ATEN.expand.default: "expand", _ATEN.unsqueeze.default: "unsqueeze", _ATEN.squeeze.dim: "squeeze"}
+# ATen calls the wrapper writes as their torch functions, for the same reason (~1-1.6 us less each)
+TORCH_FUNCTIONS = {_ATEN.mm.default: "torch.mm", _ATEN.addmm.default: "torch.addmm", _ATEN.bmm.default: "torch.bmm",
+                   _ATEN.cat.default: "torch.cat"}
 
 
 def _callee(target) -> str:
@@ -234,6 +237,8 @@ def generate_wrapper(gm: fx.GraphModule, kernels: dict[str, Kernel], graph: str,
             elif n.target in VIEW_METHODS and not n.kwargs:
                 rest = ", ".join(args[1:])
                 body += _timed([f"{n.name} = {args[0]}.{VIEW_METHODS[n.target]}({rest})"], n.name, profile)
+            elif n.target in TORCH_FUNCTIONS and not n.kwargs:
+                body += _timed([f"{n.name} = {TORCH_FUNCTIONS[n.target]}({', '.join(args)})"], n.name, profile)
             else:
                 body += _timed([f"{n.name} = {_callee(n.target)}({', '.join(args)})"], n.name, profile)
         elif n.op == "get_attr":
