@@ -99,5 +99,10 @@ def is_column_sum_of(node: fx.Node, key) -> bool:
     rnumel = 1
     for d in dims:
         rnumel *= shape[d]
-    return (bool(xdims) and info.dims == xdims and dims == tuple(range(len(shape) - len(dims), len(shape)))
+    return (bool(xdims) and info.dims == xdims and reduces_trailing_dims(shape, dims)
             and rnumel <= ROW_IN_REGISTERS and node.meta["val"].dtype.is_floating_point)
+
+
+def reduces_trailing_dims(shape, dims) -> bool:
+    """Whether `dims` are the last dims of `shape` (rows, as a norm or softmax reduces them)."""
+    return tuple(dims) == tuple(range(len(shape) - len(dims), len(shape)))

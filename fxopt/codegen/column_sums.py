@@ -43,6 +43,14 @@ def column_ops(nodes, sums: list[fx.Node]) -> list[fx.Node]:
     return ops
 
 
+def column_config(xblock: int, warps: int, rblock: int) -> tuple[int, int, int]:
+    """(XBLOCK, num_warps, programs wanted), from the row kernel's own XBLOCK and warps: each program
+    walks many rows one after another, so more warps per row hide the loads' latency. On an H200
+    (bf16, 16384 x 4096) 16 warps on 264 programs ran LayerNorm backward at 62.7% of copy bandwidth
+    and RMSNorm backward at 65.8%, against 46.6 / 55.4% with the row kernel's 4 warps on 512 programs."""
+    return xblock, max(warps, min(16, xblock * rblock // 256)), COLUMN_PROGRAMS
+
+
 def column_strides(em, out: fx.Node) -> tuple:
     """A column sum's strides over the group's full shape S: 0 along the rows, its own along the row's dims."""
     st = strides(out.meta["val"])

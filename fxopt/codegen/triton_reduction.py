@@ -31,8 +31,8 @@ from ..printing import describe_value, target_name
 from .dtypes import TL_DTYPE, compute_dtype, literal
 from .indexing import (IterationSpace, Layout, broadcast_strides, index_symbols, needs_int64, print_index,
                        size_symbols)
-from . import column_sums as column_epilogue
-from .column_sums import accumulate_line, column_ops, column_strides, column_sums, with_column_sums
+from .column_sums import (accumulate_line, column_config, column_ops, column_strides, column_sums,
+                          with_column_sums)
 from .erf_poly import with_erf_helper
 from .kernel import Kernel
 from .reduction_schedules import LoopedSchedule, inner_view, lane_reduce, mask_line, split_kernel
@@ -268,12 +268,9 @@ class ReductionEmitter(PointwiseEmitter):
         return 1, LOOP_RBLOCK, 16
 
     def _column_config(self, xblock: int, warps: int) -> tuple[int, int, int]:
-        """(XBLOCK, num_warps, programs wanted) of a row kernel with column sums (column_sums.py): each
-        program walks many rows one after another, so more warps per row hide the loads' latency; on
-        an H200 (bf16, 16384 x 4096) 16 warps on 264 programs ran LayerNorm backward at 62.7% of copy
-        bandwidth and RMSNorm backward at 65.8%, against 46.6 / 55.4% with the row kernel's own 4 warps
-        on 512 programs (benchmarks/tune_reduction.py replaces this method to try others)."""
-        return xblock, max(warps, min(16, xblock * _pow2(self.rnumel) // 256)), column_epilogue.COLUMN_PROGRAMS
+        """(XBLOCK, num_warps, programs wanted) of a row kernel with column sums (column_sums.
+        column_config; benchmarks/tune_reduction.py replaces this method to try others)."""
+        return column_config(xblock, warps, _pow2(self.rnumel))
 
     # -- code for loads, nodes, reductions, stores ----
     def _load(self, i: int) -> str:

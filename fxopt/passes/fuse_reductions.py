@@ -36,8 +36,8 @@ from torch.fx.passes.operator_support import OperatorSupportBase
 
 from ..analysis.op_classes import is_view, pointwise_unsupported_reason
 from ..analysis.symbolic import sizes
-from ..analysis.reductions import (COLUMN_SUM, dropped_shape, is_column_sum_of, kept_shape, reduction_info,
-                                   reduction_unsupported_reason)
+from ..analysis.reductions import (COLUMN_SUM, dropped_shape, is_column_sum_of, kept_shape, reduces_trailing_dims,
+                                   reduction_info, reduction_unsupported_reason)
 from ..pass_manager import PassContext, PassResult
 from .fuse import _NO_HORIZONTAL, FUSED_PREFIX, absorb_input_views
 from .recompute import RESERVED_FOR
@@ -122,8 +122,8 @@ class FuseReductions:
                                                  for n in p.nodes)]
             if not groups:
                 continue
-            _merge_column_partitions(gm, groups, [p for p in proposed if p not in groups and any(
-                n.meta.get(COLUMN_SUM) or is_column_sum_of(n, key) for n in p.nodes)])
+            _merge_column_partitions(gm, groups, [p for p in proposed if p not in groups
+                                                  and any(is_column_sum_of(n, key) for n in p.nodes)])
             for p in groups:
                 for n in p.nodes:
                     if reduction_info(n) is not None and reduction_info(n).key != key:
@@ -143,8 +143,7 @@ class FuseReductions:
 def _columns_last(key) -> bool:
     """Row groups (reducing trailing dims) are formed before column groups, so that column sums can
     join the row kernels that compute their inputs."""
-    shape, dims, _ = key
-    return dims != tuple(range(len(shape) - len(dims), len(shape)))
+    return not reduces_trailing_dims(*key[:2])
 
 
 def _merge_column_partitions(gm: fx.GraphModule, rows: list, columns: list) -> None:
