@@ -13,10 +13,18 @@ own `JITFunction.run` ends with). Anything else takes Triton's path, which stays
   - a Triton without the `CompiledKernel.run` signature of 3.3 and later (checked at the first launch).
 The specialisation is recomputed on every call (a pointer modulo 16 and two int tests per argument,
 about 0.3 us each), so a fast launch never runs a kernel compiled for other arguments.
+
+A fast launch goes through torch's C launcher where it can take the kernel (codegen/static_launch.py:
+no Python between the wrapper and cuLaunchKernel), else through Triton's `CompiledKernel.run`.
+`FXOPT_STATIC_LAUNCH=0` keeps every launch on Triton's launcher (to compare, or to rule it out).
 """
 from __future__ import annotations
 
+import os
+
 import torch
+
+from .static_launch import StaticLaunch, plan_static_launch
 
 try:  # triton >= 3.4 keeps the launch hooks in knobs; older ones on CompiledKernel
     from triton import knobs as _knobs
@@ -40,18 +48,21 @@ def hooks_installed() -> bool:
 _RUNTIME = getattr(_knobs, "runtime", None)
 
 
-def current_stream() -> int:
-    """The raw CUDA stream a launch goes to (the capturing stream inside a CUDA graph capture), read
-    the way Triton's own launcher reads it: two C calls, where torch.cuda.current_stream() builds a
-    Stream object through device-index normalisation (about 25 us per launch on the H200 host)."""
-    return _raw_stream(_current_device())
+def launch_target() -> tuple[int, int]:
+    """The device and raw CUDA stream a launch goes to (the capturing stream inside a CUDA graph
+    capture), read the way Triton's own launcher reads them: two C calls, where
+    torch.cuda.current_stream() builds a Stream object through device-index normalisation (about 25 us
+    per launch on the H200 host)."""
+    device = _current_device()
+    return device, _raw_stream(device)
 
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _current_device = getattr(torch._C, "_cuda_getDevice", None)
 if _raw_stream is None or _current_device is None:  # pragma: no cover - a torch without these
-    def current_stream() -> int:  # noqa: F811
-        return torch.cuda.current_stream().cuda_stream
+    def launch_target() -> tuple[int, int]:  # noqa: F811
+        stream = torch.cuda.current_stream()
+        return stream.device.index, stream.cuda_stream
 
 _INT32 = (-2**31, 2**31)
 
@@ -84,9 +95,13 @@ class FastKernel:
     def __init__(self, fn):
         self.fn = fn
         self._names = list(fn.arg_names)
-        # (specialisation, keyword arguments) -> (CompiledKernel, its constexpr arguments in order)
+        # (device, specialisation, keyword arguments) -> (CompiledKernel, its constexpr arguments in
+        # order, its StaticLaunch or None)
         self._compiled: dict[tuple, tuple] = {}
-        self.fast_launches = 0  # how many launches skipped Triton's binding (tests read it)
+        self._static = os.environ.get("FXOPT_STATIC_LAUNCH", "1") != "0"
+        self.fast_launches = 0  # launches that skipped Triton's binding (tests read it)
+        self.static_launches = 0  # ... of which went through torch's C launcher
+        self.static_refused: str | None = None  # why the last kernel compiled keeps Triton's launcher
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self._launch(grid, args, kwargs)
@@ -95,20 +110,38 @@ class FastKernel:
         return getattr(self.fn, name)
 
     def _launch(self, grid, args, kwargs):
-        key = (specialisation(args), tuple(kwargs.items()))  # constexprs and options (num_warps, ...) too
+        device, stream = launch_target()
+        # constexprs and options (num_warps, ...) are part of the key; so is the device, since a loaded
+        # kernel belongs to one device's context
+        key = (device, specialisation(args), tuple(kwargs.items()))
         entry = self._compiled.get(key)
         if entry is not None and not hooks_installed():
-            compiled, rest = entry
+            compiled, rest, static = entry
             g = (*grid, 1, 1)
-            compiled.run(g[0], g[1], g[2], current_stream(), compiled.function, compiled.packed_metadata, None,
-                         None, None, *args, *rest)
             self.fast_launches += 1
+            if static is not None:
+                static.launch(g[0], g[1], g[2], stream, args)
+                self.static_launches += 1
+            else:
+                compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, None,
+                             None, None, *args, *rest)
             return compiled
         kernel = self.fn[grid](*args, **kwargs)
         if len(self._compiled) < self.MAX_VARIANTS and _launcher_signature_known(kernel):
             # the constexprs in signature order, fixed for this key (its kwargs are part of it)
-            self._compiled[key] = (kernel, tuple(kwargs[n] for n in self._names[len(args):]))
+            rest = tuple(kwargs[n] for n in self._names[len(args):])
+            self._compiled[key] = (kernel, rest, self._static_launch(kernel, len(args), device))
         return kernel
+
+    def _static_launch(self, kernel, n_args: int, device: int) -> StaticLaunch | None:
+        if not self._static:
+            self.static_refused = "FXOPT_STATIC_LAUNCH=0"
+            return None
+        plan = plan_static_launch(kernel, n_args, device)
+        if isinstance(plan, str):
+            self.static_refused = plan
+            return None
+        return plan
 
 
 def _launcher_signature_known(kernel) -> bool:

@@ -33,7 +33,7 @@ class StandIn:
 
 @pytest.fixture(autouse=True)
 def no_cuda_stream(monkeypatch):
-    monkeypatch.setattr(fast_launch, "current_stream", lambda: 7)
+    monkeypatch.setattr(fast_launch, "launch_target", lambda: (0, 7))
 
 
 def test_second_launch_with_the_same_specialisation_is_fast():
@@ -44,6 +44,48 @@ def test_second_launch_with_the_same_specialisation_is_fast():
     assert [e[0] for e in fn.log] == ["triton", "fast"]
     assert fn.log[1] == ("fast", (4, 1, 1), 7, (x, 64, 16))  # every argument in signature order, grid padded
     assert k.fast_launches == 1
+    assert k.static_launches == 0 and k.static_refused  # the stand-in has no cubin: Triton's launcher
+
+
+class Recording:
+    """A StaticLaunch stand-in: records what the C launcher would be given."""
+    def __init__(self, log):
+        self.log = log
+
+    def launch(self, gx, gy, gz, stream, args):
+        self.log.append(("static", (gx, gy, gz), stream, args))
+
+
+def test_a_kernel_the_c_launcher_takes_goes_through_it(monkeypatch):
+    fn, x = StandIn(), torch.empty(64)
+    planned = []
+    monkeypatch.setattr(fast_launch, "plan_static_launch",
+                        lambda compiled, n_args, device: planned.append((n_args, device)) or Recording(fn.log))
+    k = FastKernel(fn)
+    k[(4, 2)](x, 64, BLOCK=16)
+    k[(4, 2)](x, 64, BLOCK=16)
+    assert planned == [(2, 0)]  # planned once, for the positional arguments, on the launch's device
+    assert fn.log[1] == ("static", (4, 2, 1), 7, (x, 64))  # constexprs are in the cubin, not passed
+    assert (k.fast_launches, k.static_launches) == (1, 1)
+
+
+def test_static_launch_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv("FXOPT_STATIC_LAUNCH", "0")
+    monkeypatch.setattr(fast_launch, "plan_static_launch", lambda *a: pytest.fail("planned"))
+    fn, x = StandIn(), torch.empty(64)
+    k = FastKernel(fn)
+    k[(4,)](x, 64, BLOCK=16)
+    k[(4,)](x, 64, BLOCK=16)
+    assert [e[0] for e in fn.log] == ["triton", "fast"] and k.static_refused == "FXOPT_STATIC_LAUNCH=0"
+
+
+def test_another_device_compiles_its_own_entry(monkeypatch):
+    fn, x = StandIn(), torch.empty(64)
+    k = FastKernel(fn)
+    k[(4,)](x, 64, BLOCK=16)
+    monkeypatch.setattr(fast_launch, "launch_target", lambda: (1, 9))
+    k[(4,)](x, 64, BLOCK=16)  # a kernel loaded for device 0 is not launched on device 1
+    assert [e[0] for e in fn.log] == ["triton", "triton"]
 
 
 @pytest.mark.parametrize("change", ["misaligned", "size_one", "int64", "constexpr", "num_warps", "dtype"])

@@ -1,0 +1,88 @@
+"""codegen/static_launch.py: which kernels torch's C launcher takes, and with which arguments.
+
+On the CPU the kernels are compiled offline for sm_90 (Triton's own compiler and ptxas, no GPU needed)
+and the launch plan is read from their real metadata; the launches themselves run in the GPU tests."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from fxopt.codegen import static_launch
+from fxopt.codegen.fast_launch import FastKernel
+from fxopt.codegen.static_launch import launch_attributes, parameter_codes, plan_static_launch
+from fxopt.compile import _triton_interpreter
+
+with _triton_interpreter(False):  # compiled kernels, whatever TRITON_INTERPRET says for the tests
+    @triton.jit
+    def axpb(x_ptr, y_ptr, n, one, big, s, BLOCK: tl.constexpr):
+        """y = x * s + (big - 2**40) * one over n elements (one is specialised to a constant 1)."""
+        o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = o < n
+        tl.store(y_ptr + o, tl.load(x_ptr + o, mask=m) * s + (big - 1099511627776) * one, mask=m)
+
+
+def _offline(signature, constexprs):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    return triton.compile(ASTSource(axpb, signature=signature, constexprs=constexprs),
+                          target=GPUTarget("cuda", 90, 32))
+
+
+SIGNATURE = {"x_ptr": "*fp32", "y_ptr": "*fp32", "n": "i32", "one": "constexpr", "big": "i64", "s": "fp32",
+             "BLOCK": "constexpr"}
+
+
+def test_constants_are_dropped_and_scalars_typed_from_a_real_compile():
+    compiled = _offline(SIGNATURE, {"one": 1, "BLOCK": 64})
+    codes, keep, scratch = parameter_codes(compiled, n_args=6)
+    assert keep == [0, 1, 2, 4, 5]  # `one` == 1 was folded into the cubin
+    assert codes == "OOilf" + "O" * scratch  # two pointers, i32, i64, fp32, then null scratch pointers
+    assert launch_attributes(compiled) is None
+
+
+def test_a_16_bit_scalar_keeps_tritons_launcher():
+    compiled = _offline({**SIGNATURE, "s": "fp16"}, {"one": 1, "BLOCK": 64})
+    assert "fp16" in parameter_codes(compiled, n_args=6)
+
+
+def _fake(signature, constants=None, **meta):
+    return SimpleNamespace(src=SimpleNamespace(signature=signature, constants=constants or {}),
+                           metadata=SimpleNamespace(**meta), asm={"cubin": b""})
+
+
+def test_tensor_descriptors_scratch_and_launch_attributes_are_refused():
+    assert "tensordesc" in parameter_codes(_fake({"d": "tensordesc<fp16[64, 64]>"}), 1)
+    assert "global_scratch_size" in parameter_codes(_fake({"x": "*fp32"}, global_scratch_size=128), 1)
+    assert "not positional" in parameter_codes(_fake({"x": "*fp32", "y": "*fp32"}), 1)
+    assert launch_attributes(SimpleNamespace(metadata=SimpleNamespace(num_ctas=2))) == "num_ctas 2"
+    assert launch_attributes(SimpleNamespace(metadata=SimpleNamespace(num_ctas=1, launch_pdl=True))) == "launch_pdl"
+    assert "cluster_dims" in launch_attributes(SimpleNamespace(metadata=SimpleNamespace(cluster_dims=(2, 1, 1))))
+
+
+def test_constants_keyed_by_name_or_index_are_both_folded():
+    fake = _fake({"x": "*fp32", "n": "i32", "m": "i32"}, constants={"n": 1, (2,): 1})
+    assert parameter_codes(fake, 3) == ("O", [0], 0)
+
+
+@pytest.mark.skipif(static_launch._LAUNCHER is not None, reason="this torch has the C launcher")
+def test_without_the_c_launcher_the_reason_is_given():
+    assert plan_static_launch(_fake({"x": "*fp32"}), 1, 0) == "torch has no _StaticCudaLauncher"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1000, 64])
+def test_launches_through_the_c_launcher_match_tritons(n):
+    x = torch.randn(n, device="cuda")
+    k = FastKernel(axpb)
+    outs = []
+    for _ in range(3):
+        y = torch.full_like(x, float("nan"))
+        k[(triton.cdiv(n, 128),)](x, y, n, 1, 2**40 + 3, 0.5, BLOCK=128)
+        outs.append(y)
+    torch.cuda.synchronize()
+    want = x.double() * 0.5 + 3
+    for y in outs:  # the first launch through Triton, the others through torch's C launcher
+        torch.testing.assert_close(y.double(), want, rtol=1e-6, atol=1e-6)
+    assert k.static_refused is None and (k.fast_launches, k.static_launches) == (2, 2)
