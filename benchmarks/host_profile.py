@@ -17,6 +17,22 @@ import torch
 from . import measure, workloads
 
 
+def launch_paths() -> str:
+    """How fxopt's kernels were launched in this process: Triton's JIT path, the fast path through
+    Triton's launcher or through torch's C launcher, and why kernels kept Triton's launcher."""
+    from fxopt.codegen import fast_launch
+    from fxopt.compile import _KERNELS
+    kernels = {id(k): k for k in [*_KERNELS.values(), *fast_launch._FAST.values()]
+               if isinstance(k, fast_launch.FastKernel)}.values()
+    refused: dict[str, int] = {}
+    for k in kernels:
+        if k.static_refused:
+            refused[k.static_refused] = refused.get(k.static_refused, 0) + 1
+    total = lambda attr: sum(getattr(k, attr) for k in kernels)  # noqa: E731
+    return (f"launch paths: {total('triton_launches')} through Triton's JIT, {total('fast_launches')} fast, of "
+            f"which {total('static_launches')} through torch's C launcher; kernels refused by it: {refused or 'none'}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.host_profile", description=__doc__.splitlines()[0])
     p.add_argument("--workloads", required=True)
@@ -47,6 +63,8 @@ def main(argv=None) -> int:
             where = f"{os.path.basename(file)}:{line}"
             print(f"  {tt / args.calls * 1e3:7.3f} ms own {ct / args.calls * 1e3:7.3f} ms cum  "
                   f"x{nc // args.calls:<4d} {name[:40]:40s} {where[:50]}")
+        if args.backend.startswith("fxopt"):
+            print("  " + launch_paths())
     return 0
 
 

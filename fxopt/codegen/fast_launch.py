@@ -99,6 +99,7 @@ class FastKernel:
         # order, its StaticLaunch or None)
         self._compiled: dict[tuple, tuple] = {}
         self._static = os.environ.get("FXOPT_STATIC_LAUNCH", "1") != "0"
+        self.triton_launches = 0  # launches through Triton's JITFunction (binding, cache lookup)
         self.fast_launches = 0  # launches that skipped Triton's binding (tests read it)
         self.static_launches = 0  # ... of which went through torch's C launcher
         self.static_refused: str | None = None  # why the last kernel compiled keeps Triton's launcher
@@ -127,6 +128,7 @@ class FastKernel:
                              None, None, *args, *rest)
             return compiled
         kernel = self.fn[grid](*args, **kwargs)
+        self.triton_launches += 1
         if len(self._compiled) < self.MAX_VARIANTS and _launcher_signature_known(kernel):
             # the constexprs in signature order, fixed for this key (its kwargs are part of it)
             rest = tuple(kwargs[n] for n in self._names[len(args):])
