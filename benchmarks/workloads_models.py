@@ -3,6 +3,7 @@ workloads.WORKLOADS.
 
   gpt_block_mixed / llama_block_mixed   inference of an fp32 model in mixed precision
   gpt_block_train / llama_block_train   forward + backward of an fp32 model in mixed precision
+  gpt_block_train_cg                    the GPT-2 training step with CUDA graphs on both compilers
   gpt_block_b1 / gpt_block_b1_cg        a launch-bound GPT block forward (1 x 16 tokens), without and
                                         with CUDA graphs
 
@@ -206,6 +207,11 @@ def make_llama_block_mixed(device, dtype, quick):
 def make_gpt_block_train(device, dtype, quick):
     block, x = _gpt(device, torch.float32, quick, 8, 1024, train=True)
     return _block_train, (block, x, torch.randn_like(x).requires_grad_(False))
+
+
+workload("gpt_block_train_cg", "as gpt_block_train with CUDA graphs: Inductor mode='reduce-overhead', fxopt "
+         "cudagraphs=True (the step without launch cost)", training=True, flops=_train_flops, min_bytes=_io_bytes,
+         anchor=_block_train_sdpa, cudagraphs=True, **MIXED)(make_gpt_block_train)
 
 
 @workload("llama_block_train", "Llama block fwd+bwd (out, dx, all param grads), fp32 params; autocast(bf16) "

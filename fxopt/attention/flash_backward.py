@@ -33,6 +33,7 @@ from .flash_common import (
 )
 from .flash_backward_tma import flash_backward_tma
 from .flash_forward_tma import tiles_fit, tma_applies, tma_readable
+from .launch_plans import frozen, planned
 
 __all__ = ["flash_backward", "backward_config"]
 
@@ -46,12 +47,9 @@ def flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     overrides of `backward_config`'s DKDV_BLOCK_M, DKDV_BLOCK_N, DQ_BLOCK_M, DQ_BLOCK_N, num_warps,
     num_stages and TMA (dK/dV and dQ through TMA descriptors where the inputs allow it,
     flash_backward_tma.py; on by default for 16-bit inputs on sm90+)."""
-    check_attention_inputs("flash_backward", q, k, v, mask, causal, scale)
-    _check_saved(dout, out, lse, q)
+    use_tma, cfg = _backward_plan((dout, q, k, v, out, lse, mask), scale, causal, frozen(config))
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
-    cfg = resolve_config(config, backward_config(head_dim, causal, q.dtype, seq_q, seq_k, q.device.type),
-                         "flash_backward")
     block_d = triton.next_power_of_2(head_dim)
     lse = lse.contiguous()
     delta = torch.empty_like(lse)
@@ -64,9 +62,7 @@ def flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     launcher(_delta_kernel, (triton.cdiv(seq_q, block_m), batch * heads), q.device)(
         out, dout, delta, *out.stride(), *dout.stride(), heads, seq_q,
         BLOCK_M=block_m, EVEN_M=seq_q % block_m == 0, **shared)
-    if (cfg.pop("TMA") and tma_applies(q, k, v, mask) and tma_readable(dout)
-            and tiles_fit(q, k, cfg["DKDV_BLOCK_M"], cfg["DKDV_BLOCK_N"])
-            and tiles_fit(q, k, cfg["DQ_BLOCK_M"], cfg["DQ_BLOCK_N"])):
+    if use_tma:
         return flash_backward_tma(dout, q, k, v, lse, delta, scale=scale, causal=causal, cfg=cfg)
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))  # each laid out like its input
 
@@ -84,6 +80,21 @@ def flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
         heads, heads // kv_heads, seq_q, seq_k, scale, scale * LOG2E.value,
         BLOCK_M=block_m, BLOCK_N=block_n, EVEN_M=seq_q % block_m == 0, EVEN_N=seq_k % block_n == 0, **attention)
     return dq, dk, dv
+
+
+@planned
+def _backward_plan(tensors: tuple, scale: float, causal: bool, config) -> tuple[bool, dict]:
+    """(dK/dV and dQ through TMA descriptors?, the resolved config) for these inputs, after checking
+    them; kept per layout (launch_plans.py), so callers must not change the config they get."""
+    dout, q, k, v, out, lse, mask = tensors
+    check_attention_inputs("flash_backward", q, k, v, mask, causal, scale)
+    _check_saved(dout, out, lse, q)
+    defaults = backward_config(q.shape[-1], causal, q.dtype, q.shape[2], k.shape[2], q.device.type)
+    cfg = resolve_config(None if config is None else dict(config), defaults, "flash_backward")
+    use_tma = (cfg.pop("TMA") and tma_applies(q, k, v, mask) and tma_readable(dout)
+               and tiles_fit(q, k, cfg["DKDV_BLOCK_M"], cfg["DKDV_BLOCK_N"])
+               and tiles_fit(q, k, cfg["DQ_BLOCK_M"], cfg["DQ_BLOCK_N"]))
+    return use_tma, cfg
 
 
 def _check_saved(dout, out, lse, q: Tensor) -> None:

@@ -35,6 +35,7 @@ from .flash_common import (
     mask_arguments, resolve_config, store_rows, store_tile, tile_ptrs, visible,
 )
 from .flash_forward_tma import flash_forward_tma, tiles_fit, tma_applies
+from .launch_plans import frozen, planned
 
 __all__ = ["flash_forward", "forward_config"]
 
@@ -53,14 +54,11 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool
     so the model's `out.transpose(1, 2).reshape(B, T, H * D)` needs no copy); lse: float32 [B, H, Tq], contiguous,
     the natural-log log-sum-exp of each row's scaled, masked scores.
     """
-    check_attention_inputs("flash_forward", q, k, v, mask, causal, scale)
+    use_tma, cfg = _forward_plan((q, k, v, mask), scale, causal, frozen(config))
+    if use_tma:
+        return flash_forward_tma(q, k, v, scale=scale, causal=causal, cfg=cfg)
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
-    defaults = forward_config(head_dim, causal, q.dtype, seq_q, seq_k, q.device.type, has_mask=mask is not None)
-    cfg = resolve_config(config, defaults, "flash_forward")
-    if (cfg.pop("TMA") and scale > 0 and tma_applies(q, k, v, mask)
-            and tiles_fit(q, k, cfg["BLOCK_M"], cfg["BLOCK_N"])):
-        return flash_forward_tma(q, k, v, scale=scale, causal=causal, cfg=cfg)
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     block_d = triton.next_power_of_2(head_dim)
 
@@ -76,6 +74,20 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool
         EVEN_D=head_dim == block_d, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out, lse
+
+
+@planned
+def _forward_plan(tensors: tuple, scale: float, causal: bool, config) -> tuple[bool, dict]:
+    """(through TMA descriptors?, the resolved config) for these inputs, after checking them; kept per
+    layout (launch_plans.py), so callers must not change the config they get."""
+    q, k, v, mask = tensors
+    check_attention_inputs("flash_forward", q, k, v, mask, causal, scale)
+    defaults = forward_config(q.shape[-1], causal, q.dtype, q.shape[2], k.shape[2], q.device.type,
+                              has_mask=mask is not None)
+    cfg = resolve_config(None if config is None else dict(config), defaults, "flash_forward")
+    use_tma = (cfg.pop("TMA") and scale > 0 and tma_applies(q, k, v, mask)
+               and tiles_fit(q, k, cfg["BLOCK_M"], cfg["BLOCK_N"]))
+    return use_tma, cfg
 
 
 @triton.jit

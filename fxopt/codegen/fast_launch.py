@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 
 import torch
+from torch import Tensor
 
 from .static_launch import StaticLaunch, plan_static_launch
 
@@ -64,21 +65,18 @@ if _raw_stream is None or _current_device is None:  # pragma: no cover - a torch
         stream = torch.cuda.current_stream()
         return stream.device.index, stream.cuda_stream
 
-_INT32 = (-2**31, 2**31)
-
-
 def specialisation(args) -> tuple:
     """What Triton specialises a launch on, per argument: a pointer's dtype and 16-byte alignment; a
     tensor descriptor's dtype and tile; an int's divisibility by 16, being 1, and whether it fits in
-    32 bits; the type of anything else. (Runs on every launch: plain loops, no helper calls.)"""
+    32 bits; the type of anything else. (Runs on every launch: one plain loop, ints tested first, no
+    global lookups inside it: about 0.25 us per argument.)"""
     key = []
     append = key.append
-    lo, hi = _INT32
     for a in args:
-        if isinstance(a, torch.Tensor):
+        if type(a) is int:  # not bool: Triton types True as a constexpr-like i1
+            append((not a & 15, a == 1, -2147483648 <= a < 2147483648))
+        elif isinstance(a, Tensor):
             append((a.dtype, not a.data_ptr() & 15))
-        elif type(a) is int:  # not bool: Triton types True as a constexpr-like i1
-            append((not a & 15, a == 1, lo <= a < hi))
         elif hasattr(a, "block_shape") and hasattr(a, "base"):  # a TMA TensorDescriptor: compiled for its tile
             append(("desc", a.base.dtype, tuple(a.block_shape), getattr(a, "padding", None)))
         else:
@@ -116,7 +114,9 @@ class FastKernel:
         # kernel belongs to one device's context
         key = (device, specialisation(args), tuple(kwargs.items()))
         entry = self._compiled.get(key)
-        if entry is not None and not hooks_installed():
+        rt = _RUNTIME  # no launch hooks (two attribute reads); else hooks_installed() decides
+        if entry is not None and ((rt is not None and rt.launch_enter_hook is None and rt.launch_exit_hook is None)
+                                  or not hooks_installed()):
             compiled, rest, static = entry
             g = (*grid, 1, 1)
             self.fast_launches += 1
