@@ -35,7 +35,10 @@ def main(argv=None) -> int:
     p.add_argument("--backends", default="inductor,fxopt")
     p.add_argument("--dtype", default="bf16", choices=sorted(measure.DTYPES))
     p.add_argument("--calls", type=int, default=30)
+    p.add_argument("--dynamic", action="store_true", help="compile with dynamic=True (symbolic sizes)")
     args = p.parse_args(argv)
+    if args.dynamic:
+        measure.DYNAMIC[0] = True
     if not torch.cuda.is_available():
         print("host_time needs a CUDA device")
         return 0

@@ -69,6 +69,7 @@ class Environment:
     log_level: str | None = None  # FXOPT_LOG
     dump_all_passes: bool = False  # FXOPT_DUMP_ALL=1: dumps print passes that changed nothing too
     poison_freed: bool = False  # FXOPT_POISON_FREED=1: memory_plan="apply" wrappers NaN-fill dead arena regions
+    static_launch: bool = True  # FXOPT_STATIC_LAUNCH=0: launch through Triton's launcher, not torch's C one
 
     @classmethod
     def read(cls) -> "Environment":
@@ -80,6 +81,7 @@ class Environment:
             log_level=os.environ.get("FXOPT_LOG") or None,
             dump_all_passes=os.environ.get("FXOPT_DUMP_ALL", "0") == "1",
             poison_freed=os.environ.get("FXOPT_POISON_FREED", "0") == "1",
+            static_launch=os.environ.get("FXOPT_STATIC_LAUNCH", "1") != "0",
         )
 
 

@@ -20,11 +20,10 @@ no Python between the wrapper and cuLaunchKernel), else through Triton's `Compil
 """
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
+from ..options import Environment
 from .static_launch import StaticLaunch, plan_static_launch
 
 try:  # triton >= 3.4 keeps the launch hooks in knobs; older ones on CompiledKernel
@@ -35,18 +34,23 @@ except ImportError:  # pragma: no cover - older triton
 
 def hooks_installed() -> bool:
     """Launch hooks (a profiler) need the launch metadata that only Triton's own path computes.
-    (Runs on every launch: two attribute reads in the common case of no hooks.)"""
+    Runs on every launch, so the common case is a few attribute reads: triton >= 3.5 keeps the hooks in
+    HookChain objects whose `calls` list is empty when no hook is installed (older ones keep None)."""
     runtime = _RUNTIME
     if runtime is None:
         return True
     enter, exit_ = runtime.launch_enter_hook, runtime.launch_exit_hook
     if enter is None and exit_ is None:
         return False
-    # (newer triton) a HookChain that may hold no hooks
+    if enter is _CHAINS[0] and exit_ is _CHAINS[1] and not _CHAIN_CALLS[0] and not _CHAIN_CALLS[1]:
+        return False  # the chains Triton started with, still empty
     return any(h is not None and (not hasattr(h, "calls") or bool(h.calls)) for h in (enter, exit_))
 
 
 _RUNTIME = getattr(_knobs, "runtime", None)
+# the hook chains this triton was imported with and their call lists (HookChain.add appends to the list)
+_CHAINS = (getattr(_RUNTIME, "launch_enter_hook", None), getattr(_RUNTIME, "launch_exit_hook", None))
+_CHAIN_CALLS = tuple(h.calls if isinstance(getattr(h, "calls", None), list) else [None] for h in _CHAINS)
 
 
 def launch_target() -> tuple[int, int]:
@@ -96,7 +100,7 @@ class FastKernel:
         # (device, specialisation, keyword arguments) -> (CompiledKernel, its constexpr arguments in
         # order, its StaticLaunch or None)
         self._compiled: dict[tuple, tuple] = {}
-        self._static = os.environ.get("FXOPT_STATIC_LAUNCH", "1") != "0"
+        self._static = Environment.read().static_launch  # FXOPT_STATIC_LAUNCH, read when the kernel is loaded
         self.triton_launches = 0  # launches through Triton's JITFunction (binding, cache lookup)
         self.fast_launches = 0  # launches that skipped Triton's binding (tests read it)
         self.static_launches = 0  # ... of which went through torch's C launcher
@@ -114,9 +118,7 @@ class FastKernel:
         # kernel belongs to one device's context
         key = (device, specialisation(args), tuple(kwargs.items()))
         entry = self._compiled.get(key)
-        rt = _RUNTIME  # no launch hooks (two attribute reads); else hooks_installed() decides
-        if entry is not None and ((rt is not None and rt.launch_enter_hook is None and rt.launch_exit_hook is None)
-                                  or not hooks_installed()):
+        if entry is not None and not hooks_installed():
             compiled, rest, static = entry
             g = (*grid, 1, 1)
             self.fast_launches += 1

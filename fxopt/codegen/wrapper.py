@@ -33,16 +33,10 @@ import torch
 import triton
 import triton.language as tl
 {libdevice}{extra}
+from fxopt.codegen.wrapper_runtime import check_layout, device_guard, empty_strided_cpu, empty_strided_cuda
 aten = torch.ops.aten
 prims = torch.ops.prims
 empty_strided = torch.empty_strided
-
-
-def check_layout(t, size, stride, name):
-    """Kernels index inputs with the strides seen at compile time; refuse anything else."""
-    if tuple(t.shape) != size or tuple(t.stride()) != stride:
-        raise RuntimeError(f"fxopt: input '{{name}}' has shape {{tuple(t.shape)}} stride {{tuple(t.stride())}}, "
-                           f"compiled for shape {{size}} stride {{stride}}; recompile for this layout")
 
 '''
 
@@ -182,6 +176,7 @@ def generate_wrapper(gm: fx.GraphModule, kernels: dict[str, Kernel], graph: str,
     plan: a memory plan to apply (kernel outputs become arena views); poison: fill each arena region
     with 0xFF bytes after its last use (debugging: a later read sees NaN)."""
     names: dict[fx.Node, str] = {n: n.name for n in gm.graph.nodes}
+    guarded = cuda_device_index(gm, kernels) if mode == "triton" else None
     slots, arena_device = _arena_slots(gm, kernels, plan, mode)
     arena = "arena" if "arena" not in names.values() else "arena_"
     replaced = {dying: born for dying, born in getattr(plan, "inplace", ()) if born in slots}
@@ -223,7 +218,7 @@ def generate_wrapper(gm: fx.GraphModule, kernels: dict[str, Kernel], graph: str,
                     f"  # the memory plan's arena ({plan.strategy}): {len(slots)} intermediates are views of it")
     for position, n in enumerate(gm.graph.nodes):
         if n.op == "call_module":
-            launch = _launch(n, kernels[n.target], names, mode, slots, arena, replaced)
+            launch = _launch(n, kernels[n.target], names, mode, slots, arena, replaced, guarded)
             body += _timed(launch, kernels[n.target].name, profile)
         elif n.op == "call_function" and n.target is operator.getitem:
             if n.args[0].op != "call_module":
@@ -267,9 +262,42 @@ def generate_wrapper(gm: fx.GraphModule, kernels: dict[str, Kernel], graph: str,
     if mode == "triton":
         for k in kernels.values():
             src += "\n" + k.full_source() + "\n"
+    if guarded is not None:  # the whole call on the graph's device (wrapper_runtime.py says why)
+        body = body[:2] + [f"with device_guard({guarded}):"] + [f"    {line}" for line in body[2:]]
     src += "\n\ndef call(args):\n" + "".join(f"    {line}\n" for line in body)
     src += f"\n\nINPUT_SPECS = [{', '.join(specs)}]\n" + MAIN
     return src
+
+
+def cuda_device_index(gm: fx.GraphModule, kernels: dict[str, Kernel]) -> int | None:
+    """The index of the one CUDA device a graph's tensors live on (its wrapper runs under a device guard
+    and allocates through the current device); None for CPU graphs, and for graphs with no CUDA index
+    or more than one device (those allocate with an explicit device)."""
+    devices = {v.device for n in gm.graph.nodes for v in _tensor_vals(n.meta.get("val"))}
+    devices |= {o.device for k in kernels.values() for o in k.outputs}
+    if len(devices) != 1:
+        return None
+    (device,) = devices
+    return device.index if device.type == "cuda" else None
+
+
+def _tensor_vals(val) -> list:
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (tuple, list)):
+        return [v for v in val if isinstance(v, torch.Tensor)]
+    return []
+
+
+def allocation(o, guarded: int | None) -> str:
+    """Source allocating a kernel output like `o`: torch's C allocator for CPU tensors and for the
+    guarded CUDA device (wrapper_runtime.py), torch.empty_strided with the device otherwise."""
+    size, stride = ptuple(sizes(o)), ptuple(strides(o))
+    if o.device.type == "cpu":
+        return f"empty_strided_cpu({size}, {stride}, {o.dtype})"
+    if o.device.type == "cuda" and guarded is not None and o.device.index == guarded:
+        return f"empty_strided_cuda({size}, {stride}, {o.dtype})"
+    return f"empty_strided({size}, {stride}, dtype={o.dtype}, device={_dev(o.device)})"
 
 
 def _timed(lines: list[str], name: str, profile: bool) -> list[str]:
@@ -306,7 +334,7 @@ def _arena_view(name: str, slot, arena: str, replaced) -> str:
 
 
 def _launch(n: fx.Node, k: Kernel, names, mode: str, slots=None, arena: str = "arena",
-            replaced=None) -> list[str]:
+            replaced=None, guarded: int | None = None) -> list[str]:
     """Allocate the group's outputs (planned ones as arena views) and launch its kernel (or call its
     subgraph in eager mode)."""
     val = n.meta["val"]
@@ -326,8 +354,7 @@ def _launch(n: fx.Node, k: Kernel, names, mode: str, slots=None, arena: str = "a
         if slots and name in slots:
             lines.append(_arena_view(name, slots[name], arena, replaced))
             continue
-        lines.append(f"{name} = empty_strided({ptuple(sizes(o))}, {ptuple(strides(o))}, dtype={o.dtype}, "
-                     f"device={_dev(o.device)})")
+        lines.append(f"{name} = {allocation(o, guarded)}")
     device = _dev(k.outputs[0].device)
     scratch = [f"ws_{n.name}_{i}" for i in range(len(k.workspaces))]
     for name, (shape, dtype) in zip(scratch, k.workspaces):

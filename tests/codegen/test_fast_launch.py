@@ -121,6 +121,18 @@ def test_launch_hooks_take_tritons_path(monkeypatch):
     assert [e[0] for e in fn.log] == ["triton", "triton"]
 
 
+@pytest.mark.skipif(not hasattr(fast_launch._CHAINS[0], "add"), reason="this triton has no HookChain")
+def test_a_hook_added_to_tritons_chain_is_seen():
+    assert not fast_launch.hooks_installed()
+    hook = lambda *a: None  # noqa: E731
+    fast_launch._CHAINS[0].add(hook)
+    try:
+        assert fast_launch.hooks_installed()
+    finally:
+        fast_launch._CHAINS[0].remove(hook)
+    assert not fast_launch.hooks_installed()
+
+
 def test_specialisation_reads_alignment_divisibility_and_width():
     x = torch.empty(8)
     assert specialisation([x, 32, 1, 2**40, 0.5]) == (

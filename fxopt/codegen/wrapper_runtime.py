@@ -1,0 +1,44 @@
+"""What generated wrappers call on every step besides kernels: buffer allocation and input checks.
+
+A training step's wrappers allocate dozens of buffers and check every input's layout, so each of these
+is on the host's critical path once launches are cheap (benchmarks/results/2026-12-01-h200-c.md). They
+use torch's own C entry points, the ones Inductor's wrappers use:
+  - `empty_strided_<device>(size, stride, dtype)`: `torch._C._dynamo.guards._empty_strided_cpu/cuda`,
+    an allocation without the dispatcher (torch.empty_strided goes through it). The CUDA one allocates
+    on the current device, so CUDA wrappers run inside `device_guard(index)` (the graph's device),
+    which also makes Triton launch on that device whatever device the caller left current.
+  - `check_layout`: `assert_size_stride` in C (sizes, and strides of dims longer than 1, the only ones
+    a kernel's indexing reads), with fxopt's message when it fails.
+A torch without these entry points gets the plain torch calls (same results, slower).
+"""
+from __future__ import annotations
+
+import torch
+
+_GUARDS = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
+_assert_size_stride = getattr(_GUARDS, "assert_size_stride", None)
+
+
+def _fallback(device: str):
+    def empty(size, stride, dtype):
+        return torch.empty_strided(size, stride, dtype=dtype, device=device)
+    return empty
+
+
+empty_strided_cpu = getattr(_GUARDS, "_empty_strided_cpu", None) or _fallback("cpu")
+empty_strided_cuda = getattr(_GUARDS, "_empty_strided_cuda", None) or _fallback("cuda")
+device_guard = torch.cuda._DeviceGuard  # set the current CUDA device for a block, restored after
+
+
+def check_layout(t, size, stride, name):
+    """Kernels index inputs with the strides seen at compile time; refuse anything else."""
+    if _assert_size_stride is not None:
+        try:
+            _assert_size_stride(t, size, stride)
+            return
+        except AssertionError:
+            pass
+    elif tuple(t.shape) == size and all(a == b for a, b, n in zip(t.stride(), stride, size) if n > 1):
+        return
+    raise RuntimeError(f"fxopt: input '{name}' has shape {tuple(t.shape)} stride {tuple(t.stride())}, "
+                       f"compiled for shape {size} stride {stride}; recompile for this layout")
