@@ -7,6 +7,7 @@ from .passes.cleanup import Cleanup
 from .passes.cross_entropy import FuseCrossEntropy
 from .passes.fuse import FusePointwise
 from .passes.fuse_reductions import FuseReductions
+from .passes.matmul_casts import FoldMatmulCasts
 from .passes.precision import LOW_DTYPES, MixedPrecision
 from .passes.recompute import RecomputeForReductions
 
@@ -28,6 +29,7 @@ def post_grad_passes(options: Options) -> list:
     """On each ATen graph aot_autograd hands over (forward, backward, or inference)."""
     return [
         Cleanup(),  # drop aliases, no-op views/casts and duplicates first, so groups come out larger
+        FoldMatmulCasts(),  # (CUDA) mm(bf16) -> cast to fp32 becomes mm(..., out_dtype=fp32): no cast kernel
         RecomputeForReductions(),  # column sums (dw, db) get their own copy of cheap row math
         FuseReductions(),  # reductions take their pointwise producers and consumers first (softmax, norms)
         FusePointwise(),  # the remaining elementwise chains -> one submodule (one Triton kernel) per group
