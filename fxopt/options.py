@@ -7,6 +7,9 @@ from dataclasses import dataclass, fields
 
 PRECISIONS = (None, "fp32", "bf16", "fp16")
 MEMORY_PLANS = (False, True, "apply")
+# passes that only make the result faster and can be left out one by one (fuse=False, attention=False and
+# precision=None switch off the others)
+SKIPPABLE_PASSES = ("sums_through_views", "fold_matmul_casts", "recompute_for_reductions")
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,7 @@ class Options:
     # None: 1e-3, or the low dtype's rounding when precision is bf16 (3e-2) / fp16 (5e-3)
     keep_graphs: bool = False  # keep a copy of the graph after every pass (explain sets this)
     profile: bool = False  # wrappers time each kernel and ATen call in a named region (fxopt.profile sets this)
+    skip_passes: tuple = ()  # optional graph passes to leave out, by name (SKIPPABLE_PASSES): see or rule out one
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -34,6 +38,9 @@ class Options:
             raise ValueError(f"fxopt: memory_plan={self.memory_plan!r} is not one of {MEMORY_PLANS}")
         if not isinstance(self.cudagraphs, bool):
             raise TypeError(f"fxopt: cudagraphs={self.cudagraphs!r} must be True or False")
+        if isinstance(self.skip_passes, str) or not set(self.skip_passes) <= set(SKIPPABLE_PASSES):
+            raise ValueError(f"fxopt: skip_passes={self.skip_passes!r} must be a tuple of names from "
+                             f"{SKIPPABLE_PASSES}")
         if self.precision_policy is not None:
             from .analysis.precision_policy import check_overrides  # lazily: it loads the attention op
             check_overrides(self.precision_policy, self.precision)

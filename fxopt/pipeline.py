@@ -10,6 +10,7 @@ from .passes.fuse_reductions import FuseReductions
 from .passes.matmul_casts import FoldMatmulCasts
 from .passes.precision import LOW_DTYPES, MixedPrecision
 from .passes.recompute import RecomputeForReductions
+from .passes.sum_views import SumsThroughViews
 
 
 def pre_autograd_passes(options: Options) -> list:
@@ -27,11 +28,13 @@ def pre_autograd_passes(options: Options) -> list:
 
 def post_grad_passes(options: Options) -> list:
     """On each ATen graph aot_autograd hands over (forward, backward, or inference)."""
-    return [
+    passes = [
         Cleanup(),  # drop aliases, no-op views/casts and duplicates first, so groups come out larger
+        SumsThroughViews(),  # sum(view(dy, [B*T, C]), 0) -> sum(dy, (0, 1)): a bias gradient the row kernel can sum
         FoldMatmulCasts(),  # (CUDA) mm(bf16) -> cast to fp32 becomes mm(..., out_dtype=fp32): no cast kernel
         RecomputeForReductions(),  # column sums (dw, db) get their own copy of cheap row math
         FuseReductions(),  # reductions take their pointwise producers and consumers first (softmax, norms)
         FusePointwise(),  # the remaining elementwise chains -> one submodule (one Triton kernel) per group
         Cleanup(name="cleanup_after_fuse"),  # views that fed a group and are now unused disappear
     ]
+    return [p for p in passes if p.name not in options.skip_passes]  # Options.skip_passes: see one pass's effect
