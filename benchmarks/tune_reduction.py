@@ -14,6 +14,7 @@ import torch
 import triton.testing
 
 from benchmarks.workloads import WORKLOADS, io_bytes
+from fxopt.codegen import column_sums
 from fxopt.codegen import triton_reduction as tr
 
 # (XBLOCK, num_warps, programs wanted) of a row kernel with column sums
@@ -26,6 +27,9 @@ CANDIDATES = {
     "softmax_long": [(1, r, w) for r in (2048, 4096, 8192) for w in (8, 16)],
     "ln_bwd": [("col", x, w, p) for x, w, p in COLUMN_CONFIGS],
     "rms_bwd": [("col", x, w, p) for x, w, p in COLUMN_CONFIGS],
+    # the default program config with the row loop software-pipelined over 2 or 3 stages
+    "ln_bwd_stages": [("col", 1, 16, 264, s) for s in (1, 2, 3)] + [("col", 1, 8, 528, s) for s in (2, 3)],
+    "rms_bwd_stages": [("col", 1, 16, 264, s) for s in (1, 2, 3)] + [("col", 1, 8, 528, s) for s in (2, 3)],
 }
 
 
@@ -41,8 +45,9 @@ def main(names):
     print(f"copy ceiling {ceiling:.0f} GB/s")
     original = tr.ReductionEmitter._config
     original_column = tr.ReductionEmitter._column_config
+    stages = column_sums.COLUMN_STAGES
     for name in names:
-        fn, inputs = WORKLOADS[name].make("cuda", torch.bfloat16, False)
+        fn, inputs = WORKLOADS[name.removesuffix("_stages")].make("cuda", torch.bfloat16, False)
         with torch.no_grad():
             nbytes = io_bytes(inputs, fn(*inputs))
             for cand in [None] + CANDIDATES.get(name, []):
@@ -55,7 +60,8 @@ def main(names):
                     return cand[0], (min(cand[1], base[1]) if persistent else cand[1]), cand[2]
 
                 def column_config(self, xblock, warps, cand=cand):
-                    return tuple(cand[1:]) if cand and cand[0] == "col" else original_column(self, xblock, warps)
+                    return tuple(cand[1:4]) if cand and cand[0] == "col" else original_column(self, xblock, warps)
+                column_sums.COLUMN_STAGES = cand[4] if cand and cand[0] == "col" and len(cand) > 4 else stages
                 tr.ReductionEmitter._config = config
                 tr.ReductionEmitter._column_config = column_config
                 torch._dynamo.reset()
@@ -69,6 +75,7 @@ def main(names):
                     print(f"{name:13s} {str(cand):18s} failed: {type(exc).__name__}: {str(exc)[:80]}")
     tr.ReductionEmitter._config = original
     tr.ReductionEmitter._column_config = original_column
+    column_sums.COLUMN_STAGES = stages
 
 
 if __name__ == "__main__":

@@ -26,6 +26,11 @@ from .reduction_schedules import mask_line
 
 COLUMN_PROGRAMS = 264  # row-kernel programs to aim for: 2 per SM on an H100/H200-class GPU
 COMBINE_RBLOCK, COMBINE_GBLOCK = 64, 64  # columns per combine program, partial rows per step
+# Software pipelining of the row loop: with more than one stage Triton copies the next rows' loads into
+# shared memory (cp.async) while this row is computed, instead of each row waiting for its own loads
+# (the row kernels are latency-bound: each program walks its rows one after another). 1: no pipelining.
+# benchmarks/tune_reduction.py measures the choices ("col" candidates with a stage count).
+COLUMN_STAGES = 1
 
 
 def column_sums(nodes) -> list[fx.Node]:
@@ -82,7 +87,8 @@ def with_column_sums(em, prelude: list[str], xblock: int, rblock: int, warps: in
     first = "(tl.program_id(0).to(tl.int64) * XSTEPS + xstep) * XBLOCK" if wide else \
         "(tl.program_id(0) * XSTEPS + xstep) * XBLOCK"
     body = [f"colacc_{n.name} = tl.zeros([XBLOCK, RBLOCK], {TL_DTYPE[acc_dtype[n]]})" for n in cols]
-    body.append("for xstep in range(0, XSTEPS):")
+    body.append("for xstep in range(0, XSTEPS):" if COLUMN_STAGES <= 1 else
+                f"for xstep in tl.range(0, XSTEPS, num_stages={COLUMN_STAGES}):")
     body += ["    " + line for line in [f"xoffset = {first}"] + prelude[1:] + em._persistent()]
     body += ["# -- this program's column partials ----", "rindex = tl.arange(0, RBLOCK)[None, :]",
              "rmask = rindex < rnumel"]

@@ -142,3 +142,16 @@ def test_rows_read_across_strides(device):
         torch.testing.assert_close(o.double(), r, rtol=1e-4, atol=1e-5)
     ks, _ = backward_kernels(ln_backward, *args)
     assert any("column sum" in (k.schedule or "") for k in ks)
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_a_software_pipelined_row_loop_gives_the_same_sums(device, monkeypatch, stages):
+    """COLUMN_STAGES > 1 runs the row loop through tl.range(num_stages=...) (cp.async prefetch on a GPU)."""
+    monkeypatch.setattr(column_sums, "COLUMN_PROGRAMS", 3)
+    monkeypatch.setattr(column_sums, "COLUMN_STAGES", stages)
+    args = ln_inputs(37, 100, torch.float16, device, seed=1)
+    ks, _ = backward_kernels(ln_backward, *args)
+    assert any(f"num_stages={stages}" in k.source for k in ks)
+    out = compile_fxopt(ln_backward)(*args)
+    for o, r in zip(out, ln_backward(*(t.double() for t in args))):
+        assert_close_to_reference(o, r, torch.float16)
