@@ -57,6 +57,8 @@ SUPPORTED_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16, torc
 _MATMUL = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
            aten.convolution.default, aten._scaled_dot_product_flash_attention.default,
            aten._scaled_dot_product_efficient_attention.default}
+if hasattr(aten.mm, "dtype"):
+    _MATMUL.add(aten.mm.dtype)  # a 16-bit mm writing fp32 (passes/matmul_casts.py)
 
 
 def is_view(node: fx.Node) -> bool:

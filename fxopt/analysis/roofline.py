@@ -65,7 +65,7 @@ def _numel(node: fx.Node) -> int:
 def matmul_flops(node: fx.Node) -> int:
     t, args = node.target, node.args
     shape = lambda a: tuple(hint(s) for s in a.meta["val"].shape)  # noqa: E731  (example sizes)
-    if t is aten.mm.default:
+    if t is aten.mm.default or t is getattr(aten.mm, "dtype", None):  # mm.dtype: fp32 out (matmul_casts.py)
         (m, k), (_, n) = shape(args[0]), shape(args[1])
         return 2 * m * n * k
     if t is aten.addmm.default:
