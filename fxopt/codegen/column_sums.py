@@ -30,7 +30,7 @@ COMBINE_RBLOCK, COMBINE_GBLOCK = 64, 64  # columns per combine program, partial 
 # shared memory (cp.async) while this row is computed, instead of each row waiting for its own loads
 # (the row kernels are latency-bound: each program walks its rows one after another). 1: no pipelining.
 # benchmarks/tune_reduction.py measures the choices ("col" candidates with a stage count).
-COLUMN_STAGES = 1
+COLUMN_STAGES = 3
 
 
 def column_sums(nodes) -> list[fx.Node]:

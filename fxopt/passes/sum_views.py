@@ -4,7 +4,7 @@ A Linear's backward sums its output gradient over the tokens for the bias gradie
 flattened it: `sum(view(dy, [B*T, C]), [0])`. Summing `dy` [B, T, C] over dims (0, 1) is the same
 number, and in that form the sum has the shape of the row kernel that computed `dy` (a norm's
 backward), so the fuser can produce it as that kernel's column sums instead of reading `dy` back in a
-kernel of its own (fuse_reductions.py). Only static sizes and views whose leading dims are exactly the
+kernel of its own (fuse_reductions.py). Only for a `dy` that is such a row kernel's value (`row_value`). Only static sizes and views whose leading dims are exactly the
 flattened ones; a `keepdim=True` sum only where every use views its [1, C] down to [C] (autograd's
 bias gradient: `sum(dy2d, [0], True).view(C)`), which then reads the new sum directly. The values are
 the same tensors (shape, dtype), so nothing downstream changes.
@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from ..analysis.op_classes import classify, is_view
+from ..analysis.reductions import reduces_trailing_dims, reduction_info
 from ..analysis.symbolic import is_symbolic
 from ..pass_manager import PassContext, PassResult
 
@@ -38,6 +40,31 @@ def flattened_lead(view: fx.Node) -> int | None:
     if k < 2 or xs[k:] != os_[1:] or math.prod(xs[:k]) != os_[0]:
         return None
     return k
+
+
+def row_value(x: fx.Node, limit: int = 64) -> bool:
+    """Whether `x` is computed, through pointwise ops, from a reduction over its own trailing dims (a
+    norm backward's dx is, through its row sums): then a sum of x over its leading dims is a column sum
+    the row kernel produces from registers (fuse_reductions.py). A sum of any other tensor stays a sum
+    of the 2-D view: fused with pointwise producers instead, it would move their work into the
+    column-sum schedule (few programs, strided columns), which measured slower on the H200 (GPT-2
+    block backward 2.09 -> 2.51 ms, benchmarks/results/2026-12-01-h200-c.md)."""
+    shape = tuple(x.meta["val"].shape)
+    seen, stack = set(), [x]
+    while stack and len(seen) < limit:
+        n = stack.pop()
+        if n in seen or n.op != "call_function":
+            continue
+        seen.add(n)
+        info = reduction_info(n)
+        if info is not None:
+            if info.in_shape == shape and reduces_trailing_dims(shape, info.dims):
+                return True
+            continue
+        if is_view(n) or classify(n) != "pointwise":
+            continue
+        stack += n.all_input_nodes
+    return False
 
 
 def sum_over_dim0(node: fx.Node) -> bool | None:
@@ -73,6 +100,8 @@ class SumsThroughViews:
             if k is None:
                 continue
             x = node.args[0].args[0]
+            if not row_value(x):
+                continue
             rest = tuple(x.meta["val"].shape[k:])
             # keepdim: [1, *rest] only where every use views it down to [*rest]
             replaced = list(node.users) if keepdim else [node]
