@@ -27,6 +27,11 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 HEAD_DIMS = (16, 256)
 MAX_GRID_AXIS_1 = 65535  # CUDA's limit on the grid's y axis, which carries batch * heads
 
+# The TMA kernels are the default only where both sequences have at least this many rows: below it a
+# call is launch-bound, and the TMA path costs more host time (tensor descriptors encoded by Triton's
+# Python launcher on every launch; torch's C launcher takes no descriptors) for no GPU time to save.
+TMA_MIN_SEQ = 128
+
 # 16-bit inputs on an H100/H200-class GPU, by the largest head dim served; causal and non-causal
 # share a row (the same tiles won both when measured on an H200, bf16, B8 H16 T2048).
 # Forward: bigger head dims hold a wider q tile and accumulator in registers.
@@ -81,7 +86,7 @@ def forward_config(head_dim: int, causal: bool, dtype, seq_q: int, seq_k: int, d
     """Default launch parameters for flash_forward (a fresh dict). With a mask, its [BLOCK_M, BLOCK_N]
     tile is pipelined through shared memory next to K and V: BLOCK_N at most 64 keeps all three in
     an H200's 227 KB (128 x 128 tiles, 3 stages, need 352 KB)."""
-    tma = device_type == "cuda" and dtype != torch.float32 and not has_mask
+    tma = device_type == "cuda" and dtype != torch.float32 and not has_mask and min(seq_q, seq_k) >= TMA_MIN_SEQ
     if device_type == "cpu":
         cfg = dict(_FORWARD_CPU)
     else:
@@ -95,7 +100,8 @@ def forward_config(head_dim: int, causal: bool, dtype, seq_q: int, seq_k: int, d
 
 def backward_config(head_dim: int, causal: bool, dtype, seq_q: int, seq_k: int, device_type: str) -> dict:
     """Default launch parameters for flash_backward (a fresh dict)."""
-    tma = device_type == "cuda" and dtype != torch.float32 and head_dim <= max(_BACKWARD_GPU_TMA)
+    tma = (device_type == "cuda" and dtype != torch.float32 and head_dim <= max(_BACKWARD_GPU_TMA)
+           and min(seq_q, seq_k) >= TMA_MIN_SEQ)
     if device_type == "cpu":
         cfg = dict(_BACKWARD_CPU)
     else:

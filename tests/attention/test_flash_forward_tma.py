@@ -97,6 +97,15 @@ def test_tma_backward_default_is_16_bit_gpu_inputs_up_to_head_dim_128():
     assert not backward_config(128, True, torch.float16, 2048, 2048, "cpu")["TMA"]
 
 
+def test_short_sequences_default_to_the_pointer_kernels():
+    """Launch-bound calls (either sequence under TMA_MIN_SEQ) skip the descriptors' host cost."""
+    from fxopt.attention.flash_common import TMA_MIN_SEQ, forward_config
+    for config in (forward_config, backward_config):
+        assert config(64, True, torch.bfloat16, TMA_MIN_SEQ, TMA_MIN_SEQ, "cuda")["TMA"]
+        assert not config(64, True, torch.bfloat16, 16, 16, "cuda")["TMA"]
+        assert not config(64, False, torch.bfloat16, 4096, TMA_MIN_SEQ - 1, "cuda")["TMA"]
+
+
 def test_tma_backward_is_off_on_the_cpu_by_default_and_skips_masks(tma_backward_calls):
     q, k, v = make_qkv(1, 2, 2, 32, 32, 32, torch.float16, seed=8)
     check_backward(q, k, v, causal=True)  # the CPU default config: pointer kernels
