@@ -86,3 +86,44 @@ def test_launches_through_the_c_launcher_match_tritons(n):
     for y in outs:  # the first launch through Triton, the others through torch's C launcher
         torch.testing.assert_close(y.double(), want, rtol=1e-6, atol=1e-6)
     assert k.static_refused is None and (k.fast_launches, k.static_launches) == (2, 2)
+
+
+class FakeLauncher:
+    """torch._C._StaticCudaLauncher's two calls, recorded (the CPU build has no such launcher)."""
+    def __init__(self, returns_module=True):
+        self.loaded, self.launched, self.returns_module = [], [], returns_module
+
+    def _load_kernel(self, path, name, shared, device):
+        with open(path, "rb") as f:
+            self.loaded.append((f.read(), name, shared, device))
+        return (11, 22, 32, 0) if self.returns_module else (22, 32, 0)
+
+    def _launch_kernel(self, function, gx, gy, gz, warps, shared, codes, args, stream):
+        self.launched.append((function, (gx, gy, gz), warps, codes, args, stream))
+
+
+@pytest.mark.parametrize("returns_module", [True, False], ids=["torch>=2.12", "older"])
+def test_the_plan_loads_the_cubin_once_and_passes_only_the_cubins_arguments(monkeypatch, returns_module):
+    fake = FakeLauncher(returns_module)
+    monkeypatch.setattr(static_launch, "_LAUNCHER", fake)
+    compiled = _offline(SIGNATURE, {"one": 1, "BLOCK": 64})
+    plan = plan_static_launch(compiled, 6, device=3)
+    assert fake.loaded == [(compiled.asm["cubin"], compiled.metadata.name, compiled.metadata.shared, 3)]
+    assert (plan.module, plan.function) == ((11, 22) if returns_module else (None, 22))
+    x, y = object(), object()
+    plan.launch(4, 1, 1, 7, (x, y, 100, 1, 2**40, 0.5))
+    plan.launch(0, 1, 1, 7, (x, y, 100, 1, 2**40, 0.5))  # an empty grid launches nothing
+    (function, grid, warps, codes, args, stream), = fake.launched
+    scratch = len(codes) - 5
+    assert (function, grid, warps, stream) == (22, (4, 1, 1), compiled.metadata.num_warps, 7)
+    assert args == (x, y, 100, 2**40, 0.5) + (None,) * scratch  # `one` (== 1) is in the cubin
+
+
+def test_when_nothing_is_folded_the_arguments_pass_as_they_are(monkeypatch):
+    fake = FakeLauncher()
+    monkeypatch.setattr(static_launch, "_LAUNCHER", fake)
+    plan = plan_static_launch(_offline({**SIGNATURE, "one": "i32"}, {"BLOCK": 64}), 6, device=0)
+    args = (object(), object(), 100, 7, 2**40, 0.5)
+    plan.launch(2, 3, 1, 0, args)
+    (_, grid, _, codes, passed, _), = fake.launched
+    assert grid == (2, 3, 1) and codes.startswith("OOiilf") and passed[:6] == args
