@@ -176,7 +176,7 @@ def generate_wrapper(gm: fx.GraphModule, kernels: dict[str, Kernel], graph: str,
     plan: a memory plan to apply (kernel outputs become arena views); poison: fill each arena region
     with 0xFF bytes after its last use (debugging: a later read sees NaN)."""
     names: dict[fx.Node, str] = {n: n.name for n in gm.graph.nodes}
-    guarded = cuda_device_index(gm, kernels) if mode == "triton" else None
+    guarded = cuda_device_index(gm) if mode == "triton" else None
     slots, arena_device = _arena_slots(gm, kernels, plan, mode)
     arena = "arena" if "arena" not in names.values() else "arena_"
     replaced = {dying: born for dying, born in getattr(plan, "inplace", ()) if born in slots}
@@ -269,24 +269,19 @@ def generate_wrapper(gm: fx.GraphModule, kernels: dict[str, Kernel], graph: str,
     return src
 
 
-def cuda_device_index(gm: fx.GraphModule, kernels: dict[str, Kernel]) -> int | None:
+def cuda_device_index(gm: fx.GraphModule) -> int | None:
     """The index of the one CUDA device a graph's tensors live on (its wrapper runs under a device guard
     and allocates through the current device); None for CPU graphs, and for graphs with no CUDA index
-    or more than one device (those allocate with an explicit device)."""
-    devices = {v.device for n in gm.graph.nodes for v in _tensor_vals(n.meta.get("val"))}
-    devices |= {o.device for k in kernels.values() for o in k.outputs}
+    or more than one device (those allocate with an explicit device). Kernel outputs are the values of
+    the graph's call_module nodes, so the nodes' values cover them."""
+    devices = set()
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        devices |= {v.device for v in (val if isinstance(val, (tuple, list)) else (val,)) if isinstance(v, torch.Tensor)}
     if len(devices) != 1:
         return None
     (device,) = devices
     return device.index if device.type == "cuda" else None
-
-
-def _tensor_vals(val) -> list:
-    if isinstance(val, torch.Tensor):
-        return [val]
-    if isinstance(val, (tuple, list)):
-        return [v for v in val if isinstance(v, torch.Tensor)]
-    return []
 
 
 def allocation(o, guarded: int | None) -> str:
