@@ -5,7 +5,9 @@ forward graph holds one `flash_attention` node and the backward graph one `flash
 node. The op picks its implementation when it runs:
   - CUDA tensors: fxopt's Triton kernels (split-KV decode for short queries over long keys, else the
     flash forward); the backward is fxopt's flash backward.
-  - CPU tensors under TRITON_INTERPRET=1: the same Triton kernels in the interpreter (how tests check them).
+  - CPU tensors under TRITON_INTERPRET=1: the same Triton kernels in the interpreter (how tests check
+    them), except bfloat16 ones: the interpreter (triton 3.6-3.9) multiplies bf16 `tl.dot` operands as
+    their raw 16-bit patterns, so its bf16 attention is garbage; those take the reference, logged once.
   - other CPU tensors: `reference.attention` in plain torch ops.
 
 Contract (the matcher builds calls that meet it): q [B, H, Tq, D], k and v [B, Hkv, Tk, D] with H a
@@ -22,6 +24,7 @@ CPU reference copy into it (`_laid_out_like`).
 """
 from __future__ import annotations
 
+import logging
 import os
 from typing import Optional
 
@@ -31,9 +34,24 @@ from torch import Tensor
 from . import reference
 
 
+_log = logging.getLogger("fxopt.attention")
+_BF16_NOTED: list[bool] = []
+
+
 def _on_triton(t: Tensor) -> bool:
-    """CUDA tensors, or CPU tensors when the Triton interpreter is on."""
-    return t.is_cuda or (t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1")
+    """CUDA tensors, or CPU tensors when the Triton interpreter is on, unless bfloat16 (see the module
+    docstring: the interpreter's bf16 matrix products are wrong)."""
+    if t.is_cuda:
+        return True
+    if t.device.type != "cpu" or os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return False
+    if t.dtype == torch.bfloat16:
+        if not _BF16_NOTED:
+            _BF16_NOTED.append(True)
+            _log.warning("fxopt attention: bfloat16 CPU tensors run the torch reference, not the Triton "
+                         "interpreter, whose bf16 tl.dot is wrong; use float16/float32 to run the kernels on CPU")
+        return False
+    return True
 
 
 def _triton_call(t: Tensor, fn, *args, **kwargs):

@@ -247,6 +247,21 @@ def test_cpu_tensors_without_the_interpreter_raise_value_error():
     assert "needs TRITON_INTERPRET=1" in run.stdout, run.stdout + run.stderr
 
 
+def test_bf16_cpu_attention_through_the_op_is_right_despite_the_interpreter():
+    """The interpreter's bf16 tl.dot is wrong, so the op sends bf16 CPU tensors to the torch reference
+    (with a warning): forward and gradients match float64, instead of the garbage the kernels give there."""
+    from fxopt.attention.op import flash_attention
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 4, 2, 24, 24, 32, torch.bfloat16, seed=3))
+    out = flash_attention(q, k, v, None, 0.2, True)[0]
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    want = reference(q64, k64, v64, scale=0.2, causal=True)[0]
+    assert_close(out, want, OUT_TOL[torch.bfloat16])
+    dout = torch.randn_like(want)
+    got_grads = torch.autograd.grad(out, (q, k, v), dout.to(torch.bfloat16))
+    for got, want_grad in zip(got_grads, torch.autograd.grad(want, (q64, k64, v64), dout)):
+        assert_close(got, want_grad, GRAD_TOL[torch.bfloat16])
+
+
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("head_dim", [16, 64, 80, 128, 256])
