@@ -207,7 +207,7 @@ def _load(gm: fx.GraphModule, kernels: dict[str, Kernel], record: GraphReport, e
         if mode == "triton":
             key = (source_hash(k.source), record.target)  # an interpreted kernel never serves CUDA
             fn = getattr(module, k.name)
-            fn = GuardedKernel(fn) if record.target == "interpret" else FastKernel(fn)  # codegen/fast_launch.py
+            fn = GuardedKernel(fn) if record.target == "interpret" else FastKernel(fn, _allocated(k))  # fast_launch.py
             setattr(module, k.name, _KERNELS.setdefault(key, fn))
     for node in gm.graph.nodes:
         if node.op == "get_attr":
@@ -220,6 +220,13 @@ def _load(gm: fx.GraphModule, kernels: dict[str, Kernel], record: GraphReport, e
     call = module.call
     call._boxed_call = True
     return call
+
+
+def _allocated(k: Kernel) -> range:
+    """The argument positions of k's workspaces and outputs: (inputs..., workspaces..., outputs..., ints),
+    buffers the wrapper allocates itself on every call (fast_launch.FastKernel does not re-check them)."""
+    start = len(k.input_dtypes)
+    return range(start, start + len(k.workspaces) + len(k.outputs))
 
 
 def _launched(kernels: dict[str, Kernel]) -> list[Kernel]:

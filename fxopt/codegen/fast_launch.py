@@ -12,7 +12,10 @@ own `JITFunction.run` ends with). Anything else takes Triton's path, which stays
   - launch hooks installed (profilers read `launch_metadata`, computed only on Triton's path);
   - a Triton without the `CompiledKernel.run` signature of 3.3 and later (checked at the first launch).
 The specialisation is recomputed on every call (a pointer modulo 16 and two int tests per argument,
-about 0.3 us each), so a fast launch never runs a kernel compiled for other arguments.
+about 0.3 us each), so a fast launch never runs a kernel compiled for other arguments; the exception
+is `allocated`, the argument positions a generated wrapper always fills with buffers it allocated
+itself (workspaces and outputs: the caching allocator's blocks and the memory plan's 256-byte aligned
+regions, in the dtypes the kernel's source stores), which are aligned on every call by construction.
 
 A fast launch goes through torch's C launcher where it can take the kernel (codegen/static_launch.py:
 no Python between the wrapper and cuLaunchKernel), else through Triton's `CompiledKernel.run`.
@@ -90,8 +93,9 @@ class FastKernel:
 
     MAX_VARIANTS = 16
 
-    def __init__(self, fn):
+    def __init__(self, fn, allocated: range = range(0)):
         self.fn = fn
+        self._allocated = (allocated.start, allocated.stop) if len(allocated) else None
         self._names = list(fn.arg_names)
         # (device, specialisation, keyword arguments) -> (CompiledKernel, its constexpr arguments in
         # order, its StaticLaunch or None)
@@ -112,7 +116,9 @@ class FastKernel:
         device, stream = launch_target()
         # constexprs and options (num_warps, ...) are part of the key; so is the device, since a loaded
         # kernel belongs to one device's context
-        key = (device, specialisation(args), tuple(kwargs.items()))
+        skip = self._allocated
+        key = (device, specialisation(args if skip is None else args[:skip[0]] + args[skip[1]:]),
+               tuple(kwargs.items()))
         entry = self._compiled.get(key)
         if entry is not None and not hooks_installed():
             compiled, rest, static = entry

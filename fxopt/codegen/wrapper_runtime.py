@@ -7,6 +7,9 @@ use torch's own C entry points, the ones Inductor's wrappers use:
     an allocation without the dispatcher (torch.empty_strided goes through it). The CUDA one allocates
     on the current device, so CUDA wrappers run inside `device_guard(index)` (the graph's device),
     which also makes Triton launch on that device whatever device the caller left current.
+  - `reinterpret_tensor(base, size, stride, offset)`: `_reinterpret_tensor`, a view of base's storage
+    with the given layout, `offset` elements past base's own start, made in C without re-deriving
+    the layout (the wrapper uses it only where base's layout is proven: wrapper._known_layouts).
   - `check_layout`: `assert_size_stride` in C (sizes, and strides of dims longer than 1, the only ones
     a kernel's indexing reads), with fxopt's message when it fails.
 A torch without these entry points gets the plain torch calls (same results, slower).
@@ -27,6 +30,11 @@ def _fallback(device: str):
 
 empty_strided_cpu = getattr(_GUARDS, "_empty_strided_cpu", None) or _fallback("cpu")
 empty_strided_cuda = getattr(_GUARDS, "_empty_strided_cuda", None) or _fallback("cuda")
+def _reinterpret_fallback(base, size, stride, offset):
+    return base.as_strided(size, stride, base.storage_offset() + offset)
+
+
+reinterpret_tensor = getattr(_GUARDS, "_reinterpret_tensor", None) or _reinterpret_fallback
 device_guard = torch.cuda._DeviceGuard  # set the current CUDA device for a block, restored after
 
 

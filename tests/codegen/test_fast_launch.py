@@ -140,3 +140,23 @@ def test_specialisation_reads_alignment_divisibility_and_width():
     assert specialisation([x, 32, 1, 2**40, 0.5]) == (
         (torch.float32, True), (True, False, True), (False, True, True), (True, False, False), float)
     assert specialisation([x[1:]])[0] == (torch.float32, False)
+
+
+class TwoPointers(StandIn):
+    arg_names = ["in_ptr0", "out_ptr0", "n", "BLOCK"]
+
+
+def test_allocated_positions_are_not_rechecked_but_inputs_still_are():
+    """A wrapper's own buffers (here the output, position 1) are aligned by construction: their pointers
+    are left out of the per-launch key; an input's misalignment still takes Triton's path."""
+    fn, x, out = TwoPointers(), torch.empty(64), torch.empty(64)
+    k = FastKernel(fn, allocated=range(1, 2))
+    k[(4,)](x, out, 64, BLOCK=16)
+    k[(4,)](x, torch.empty(80)[:64], 64, BLOCK=16)  # another output buffer: the same compiled kernel
+    assert [e[0] for e in fn.log] == ["triton", "fast"]
+    k[(4,)](x[1:], out[1:], 63, BLOCK=16)  # a misaligned input: Triton decides again
+    assert [e[0] for e in fn.log] == ["triton", "fast", "triton"]
+    unchecked = FastKernel(TwoPointers())
+    unchecked[(4,)](x, out, 64, BLOCK=16)
+    unchecked[(4,)](x, out[1:], 64, BLOCK=16)  # without `allocated` every pointer is checked
+    assert [e[0] for e in unchecked.fn.log] == ["triton", "triton"]

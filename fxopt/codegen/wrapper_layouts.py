@@ -1,0 +1,90 @@
+"""What a generated wrapper knows about its buffers' layouts: how it allocates them, and which values'
+layouts are proven at codegen, so that views of them can be made without re-deriving the layout.
+
+Allocations go through torch's C allocator (wrapper_runtime.py) wherever the device is the guarded
+one and sizes are fixed. A value's layout is proven when the wrapper made or checked it: inputs
+checked with check_layout, kernel outputs (allocated with their meta strides), matmul results (ATen
+allocates them row-major) and views of these; views of proven values are made with
+`reinterpret_tensor` (C, no dispatcher: ~1 us less each, and a training step makes dozens).
+"""
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+import torch.fx as fx
+
+from ..analysis.symbolic import ptuple, sizes, strides
+from .kernel import Kernel
+
+_ATEN = torch.ops.aten
+# Views the wrapper writes as Tensor methods (the same ATen op, without the Python OpOverload call:
+# ~1.4 us less each) or, of proven values, with reinterpret_tensor. None moves the storage offset.
+VIEW_METHODS = {_ATEN.view.default: "view", _ATEN.permute.default: "permute", _ATEN.t.default: "t",
+                _ATEN.expand.default: "expand", _ATEN.unsqueeze.default: "unsqueeze", _ATEN.squeeze.dim: "squeeze"}
+# ATen ops whose result is always a new row-major tensor, whatever their inputs' layouts
+FRESH_CONTIGUOUS = {_ATEN.mm.default, _ATEN.mm.dtype, _ATEN.addmm.default, _ATEN.bmm.default}
+
+
+def device_source(device: torch.device) -> str:
+    return f'"{device}"'
+
+
+def allocation(o, guarded: int | None) -> str:
+    """Source allocating a kernel output like `o`: torch's C allocator for CPU tensors and for the
+    guarded CUDA device (wrapper_runtime.py), torch.empty_strided with the device otherwise."""
+    size, stride = ptuple(sizes(o)), ptuple(strides(o))
+    if o.device.type == "cpu":
+        return f"empty_strided_cpu({size}, {stride}, {o.dtype})"
+    if o.device.type == "cuda" and guarded is not None and o.device.index == guarded:
+        return f"empty_strided_cuda({size}, {stride}, {o.dtype})"
+    return f"empty_strided({size}, {stride}, dtype={o.dtype}, device={device_source(o.device)})"
+
+
+def scratch_allocation(shape, dtype, device: torch.device, guarded: int | None) -> str:
+    """Source allocating a kernel's workspace (row-major [chunks, columns]): the C allocator where its
+    size is fixed, as `allocation` does, else torch.empty over the size expressions."""
+    if all(isinstance(d, int) for d in shape):
+        stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+        if device.type == "cpu":
+            return f"empty_strided_cpu({tuple(shape)}, {stride}, {dtype})"
+        if device.type == "cuda" and guarded is not None and device.index == guarded:
+            return f"empty_strided_cuda({tuple(shape)}, {stride}, {dtype})"
+    return f"torch.empty({ptuple(shape)}, dtype={dtype}, device={device_source(device)})"
+
+
+def known_layouts(gm: fx.GraphModule, kernels: dict[str, Kernel]) -> set[fx.Node]:
+    """The view nodes whose base's layout is proven (see the module docstring; fixed sizes only): the
+    wrapper makes these with reinterpret_tensor and their meta layout. A view of anything else (another
+    ATen result, an input the wrapper does not check) keeps the view method, which checks as it goes."""
+    proven, views = set(), set()
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        if not _static_layout(val):
+            continue
+        if n.op == "placeholder":
+            ok = any(u.op == "call_module" for u in n.users)  # the inputs generate_wrapper checks
+        elif n.op == "call_module":
+            ok = _allocated_like(val, kernels[n.target].outputs[0])
+        elif n.op == "call_function" and n.target is operator.getitem and n.args[0].op == "call_module":
+            ok = _allocated_like(val, kernels[n.args[0].target].outputs[n.args[1]])
+        elif n.op == "call_function" and n.target in VIEW_METHODS and not n.kwargs:
+            ok = n.args[0] in proven
+            if ok:
+                views.add(n)
+        elif n.op == "call_function" and n.target in FRESH_CONTIGUOUS:
+            ok = val.is_contiguous()
+        else:
+            ok = False
+        if ok:
+            proven.add(n)
+    return views
+
+
+def _static_layout(val) -> bool:
+    return isinstance(val, torch.Tensor) and all(isinstance(d, int) for d in (*val.shape, *val.stride()))
+
+
+def _allocated_like(val: torch.Tensor, out: torch.Tensor) -> bool:
+    return tuple(val.shape) == tuple(out.shape) and tuple(val.stride()) == tuple(out.stride())

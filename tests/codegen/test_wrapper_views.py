@@ -1,0 +1,35 @@
+"""Views in generated wrappers: made with reinterpret_tensor (C) where the base's layout is proven at
+codegen (kernel outputs, checked inputs, matmul results, views of these), with the view method
+otherwise; either way the compiled function equals eager."""
+import torch
+import torch.nn.functional as F
+
+import fxopt
+
+
+def _wrapper_of(fn, *inputs):
+    rep = fxopt.explain(fn, *inputs)
+    return "\n".join(g.wrapper_source for g in rep.graphs)
+
+
+def test_views_of_kernel_outputs_and_matmuls_are_reinterpreted_and_right():
+    def f(x, w):
+        h = F.gelu(x * 2.0)  # a kernel output
+        y = h.view(4, 6, 8).transpose(1, 2)  # views of it
+        z = (y.reshape(4, 48) @ w).view(4, 4, 3)  # a matmul result, viewed
+        return z.permute(2, 0, 1) + 1.0, y.sum()
+    x, w = torch.randn(24, 8, dtype=torch.float64), torch.randn(48, 12, dtype=torch.float64)
+    src = _wrapper_of(f, x, w)
+    assert "reinterpret_tensor(" in src
+    compiled = torch.compile(f, backend="fxopt")
+    for got, want in zip(compiled(x, w), f(x, w)):
+        torch.testing.assert_close(got, want)
+
+
+def test_a_view_of_an_unchecked_input_keeps_the_view_method():
+    def f(x, w):
+        return x.view(6, 4) @ w  # x only feeds a view and a matmul: its layout is never checked
+    x, w = torch.randn(24), torch.randn(4, 5)
+    src = _wrapper_of(f, x, w)
+    assert ".view([6, 4])" in src and "reinterpret_tensor(" not in src
+    torch.testing.assert_close(torch.compile(f, backend="fxopt")(x, w), f(x, w))
