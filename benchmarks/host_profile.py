@@ -21,9 +21,7 @@ def launch_paths() -> str:
     """How fxopt's kernels were launched in this process: Triton's JIT path, the fast path through
     Triton's launcher or through torch's C launcher, and why kernels kept Triton's launcher."""
     from fxopt.codegen import fast_launch
-    from fxopt.compile import _KERNELS
-    kernels = {id(k): k for k in [*_KERNELS.values(), *fast_launch._FAST.values()]
-               if isinstance(k, fast_launch.FastKernel)}.values()
+    kernels = list(fast_launch.ALL)
     refused: dict[str, int] = {}
     for k in kernels:
         if k.static_refused:

@@ -16,6 +16,7 @@ from .codegen.cache import module_cache, source_hash
 from .codegen.harness import standalone_source
 from .codegen.fast_launch import FastKernel
 from .codegen.interpreter_guard import GuardedKernel
+from .codegen.wrapper_layouts import launch_checks
 from .codegen.kernel import Kernel
 from .codegen.triton_pointwise import generate_pointwise_kernel
 from .codegen.triton_reduction import generate_reduction_kernel
@@ -203,12 +204,15 @@ def _load(gm: fx.GraphModule, kernels: dict[str, Kernel], record: GraphReport, e
     with _triton_interpreter(record.target == "interpret"):
         module = cache.load(record.wrapper_source)
     record.cache = {"hits": cache.hits - hits, "misses": 1 - (cache.hits - hits)}
+    checks = launch_checks(gm, kernels, _kernels_of) if mode == "triton" else {}
     for k in _launched(kernels):  # one JITFunction per distinct kernel, so Triton compiles it once
         if mode == "triton":
             key = (source_hash(k.source), record.target)  # an interpreted kernel never serves CUDA
-            fn = getattr(module, k.name)
-            fn = GuardedKernel(fn) if record.target == "interpret" else FastKernel(fn, _allocated(k))  # fast_launch.py
-            setattr(module, k.name, _KERNELS.setdefault(key, fn))
+            fn = _KERNELS.setdefault(key, getattr(module, k.name))
+            # each launch site its own FastKernel: what it re-checks per launch depends on where its
+            # arguments come from (codegen/wrapper_layouts.launch_checks)
+            fn = GuardedKernel(fn) if record.target == "interpret" else FastKernel(fn, checked=checks[k.name])
+            setattr(module, k.name, fn)
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             setattr(module, node.name, getattr(gm, node.target))
@@ -222,18 +226,14 @@ def _load(gm: fx.GraphModule, kernels: dict[str, Kernel], record: GraphReport, e
     return call
 
 
-def _allocated(k: Kernel) -> range:
-    """The argument positions of k's workspaces and outputs: (inputs..., workspaces..., outputs..., ints),
-    buffers the wrapper allocates itself on every call (fast_launch.FastKernel does not re-check them)."""
-    start = len(k.input_dtypes)
-    return range(start, start + len(k.workspaces) + len(k.outputs))
-
-
 def _launched(kernels: dict[str, Kernel]) -> list[Kernel]:
     """Every Triton function the wrapper launches (split reductions launch a prologue kernel too; a
     symbolic row's kernel has a persistent alternative)."""
-    return [p for k in kernels.values()
-            for p in ([k.prologue] if k.prologue else []) + [k] + ([k.alternative] if k.alternative else [])]
+    return [p for k in kernels.values() for p in _kernels_of(k)]
+
+
+def _kernels_of(k: Kernel) -> list[Kernel]:
+    return ([k.prologue] if k.prologue else []) + [k] + ([k.alternative] if k.alternative else [])
 
 
 def _precompile(module, kernels: dict[str, Kernel]) -> None:

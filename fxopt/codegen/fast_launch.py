@@ -12,16 +12,19 @@ own `JITFunction.run` ends with). Anything else takes Triton's path, which stays
   - launch hooks installed (profilers read `launch_metadata`, computed only on Triton's path);
   - a Triton without the `CompiledKernel.run` signature of 3.3 and later (checked at the first launch).
 The specialisation is recomputed on every call (a pointer modulo 16 and two int tests per argument,
-about 0.3 us each), so a fast launch never runs a kernel compiled for other arguments; the exception
-is `allocated`, the argument positions a generated wrapper always fills with buffers it allocated
-itself (workspaces and outputs: the caching allocator's blocks and the memory plan's 256-byte aligned
-regions, in the dtypes the kernel's source stores), which are aligned on every call by construction.
+about 0.3 us each), so a fast launch never runs a kernel compiled for other arguments. A generated
+wrapper's launch site says which positions can change at all (`checked`, from
+codegen/wrapper_layouts.launch_checks: graph inputs and size expressions; its own buffers are aligned
+and its literal ints fixed by construction), and only those are re-checked: most sites check none.
 
 A fast launch goes through torch's C launcher where it can take the kernel (codegen/static_launch.py:
 no Python between the wrapper and cuLaunchKernel), else through Triton's `CompiledKernel.run`.
 `FXOPT_STATIC_LAUNCH=0` keeps every launch on Triton's launcher (to compare, or to rule it out).
 """
 from __future__ import annotations
+
+import operator
+import weakref
 
 import torch
 from torch import Tensor
@@ -93,9 +96,11 @@ class FastKernel:
 
     MAX_VARIANTS = 16
 
-    def __init__(self, fn, allocated: range = range(0)):
+    def __init__(self, fn, checked: tuple[int, ...] | None = None):
         self.fn = fn
-        self._allocated = (allocated.start, allocated.stop) if len(allocated) else None
+        # the arguments a launch re-checks: all of them, or those `checked` names (a wrapper's site)
+        self._checked = None if checked is None else _picker(checked)
+        ALL.add(self)
         self._names = list(fn.arg_names)
         # (device, specialisation, keyword arguments) -> (CompiledKernel, its constexpr arguments in
         # order, its StaticLaunch or None)
@@ -116,9 +121,8 @@ class FastKernel:
         device, stream = launch_target()
         # constexprs and options (num_warps, ...) are part of the key; so is the device, since a loaded
         # kernel belongs to one device's context
-        skip = self._allocated
-        key = (device, specialisation(args if skip is None else args[:skip[0]] + args[skip[1]:]),
-               tuple(kwargs.items()))
+        pick = self._checked
+        key = (device, specialisation(args if pick is None else pick(args)), tuple(kwargs.items()))
         entry = self._compiled.get(key)
         if entry is not None and not hooks_installed():
             compiled, rest, static = entry
@@ -148,6 +152,20 @@ class FastKernel:
             self.static_refused = plan
             return None
         return plan
+
+
+def _picker(positions: tuple[int, ...]):
+    """args -> the tuple of args at `positions` (operator.itemgetter, in C; it returns a bare value for
+    one position, so that case gets its own)."""
+    if not positions:
+        return lambda args: ()
+    if len(positions) == 1:
+        (i,) = positions
+        return lambda args: (args[i],)
+    return operator.itemgetter(*positions)
+
+
+ALL: "weakref.WeakSet[FastKernel]" = weakref.WeakSet()  # every FastKernel alive (host_profile counts launches)
 
 
 def _launcher_signature_known(kernel) -> bool:

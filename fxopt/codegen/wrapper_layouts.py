@@ -1,6 +1,10 @@
 """What a generated wrapper knows about its buffers' layouts: how it allocates them, and which values'
 layouts are proven at codegen, so that views of them can be made without re-deriving the layout.
 
+Kernel launches re-check only what can change between calls (`launch_checks`): Triton specialises a
+kernel on its pointers' 16-byte alignment and its ints' values, and at most launch sites both are
+fixed by construction.
+
 Allocations go through torch's C allocator (wrapper_runtime.py) wherever the device is the guarded
 one and sizes are fixed. A value's layout is proven when the wrapper made or checked it: inputs
 checked with check_layout, kernel outputs (allocated with their meta strides), matmul results (ATen
@@ -15,7 +19,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..analysis.symbolic import ptuple, sizes, strides
+from ..analysis.symbolic import is_symbolic, ptuple, sizes, strides
 from .kernel import Kernel
 
 _ATEN = torch.ops.aten
@@ -88,3 +92,48 @@ def _static_layout(val) -> bool:
 
 def _allocated_like(val: torch.Tensor, out: torch.Tensor) -> bool:
     return tuple(val.shape) == tuple(out.shape) and tuple(val.stride()) == tuple(out.stride())
+
+
+# fxopt's own ops whose results are fresh allocations (torch.empty/empty_like in the op, or a new
+# tensor from the reference path): aligned like any allocation
+_FRESH_FXOPT = ("fxopt::flash_attention", "fxopt::flash_attention_backward")
+
+
+def aligned_values(gm: fx.GraphModule) -> set[fx.Node]:
+    """Values whose data pointer is 16-byte aligned on every call by construction: kernel outputs (the
+    caching allocator's blocks, or the memory plan's 256-byte aligned regions), matmul results and the
+    attention op's results (fresh allocations), and views of these that keep the storage offset
+    (VIEW_METHODS). Graph inputs are not: a caller may pass any view."""
+    aligned = set()
+    for n in gm.graph.nodes:
+        if n.op == "call_module":
+            aligned.add(n)
+        elif n.op != "call_function":
+            continue
+        elif n.target is operator.getitem and isinstance(n.args[0], fx.Node):
+            src = n.args[0]
+            if src.op == "call_module" or (isinstance(src.target, torch._ops.OpOverload)
+                                           and src.target._schema.name in _FRESH_FXOPT):
+                aligned.add(n)
+        elif n.target in FRESH_CONTIGUOUS or (n.target in VIEW_METHODS and n.args[0] in aligned):
+            aligned.add(n)
+    return aligned
+
+
+def launch_checks(gm: fx.GraphModule, kernels: dict[str, Kernel], launched) -> dict[str, tuple[int, ...]]:
+    """For every kernel the wrapper launches (by name): the argument positions whose specialisation can
+    differ between calls, which fast_launch.FastKernel re-checks at each launch: pointers that are not
+    `aligned_values` (graph inputs, other ATen results) and ints given as size expressions (symbolic
+    sizes). Workspaces and outputs are allocated by the wrapper and the other ints are literals in its
+    source, the same on every call. Arguments are (inputs..., workspaces..., outputs..., ints)."""
+    aligned = aligned_values(gm)
+    checks = {}
+    for n in gm.graph.nodes:
+        if n.op != "call_module":
+            continue
+        inputs = [i for i, a in enumerate(n.args) if a not in aligned]
+        for kk in launched(kernels[n.target]):
+            first_int = len(n.args) + len(kk.workspaces) + len(kk.outputs)
+            ints = [first_int + j for j, v in enumerate(kk.int_args) if is_symbolic(v)]
+            checks[kk.name] = tuple(inputs + ints)
+    return checks

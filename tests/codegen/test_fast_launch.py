@@ -146,17 +146,26 @@ class TwoPointers(StandIn):
     arg_names = ["in_ptr0", "out_ptr0", "n", "BLOCK"]
 
 
-def test_allocated_positions_are_not_rechecked_but_inputs_still_are():
-    """A wrapper's own buffers (here the output, position 1) are aligned by construction: their pointers
-    are left out of the per-launch key; an input's misalignment still takes Triton's path."""
+@pytest.mark.parametrize("checked", [(0,), (0, 2)])
+def test_a_launch_site_rechecks_only_its_checked_positions(checked):
+    """A wrapper site's own buffers (here the output, position 1) and literal ints are fixed by
+    construction: left out of the per-launch key; a checked input's misalignment still takes Triton's
+    path, and so does a checked int's new specialisation."""
     fn, x, out = TwoPointers(), torch.empty(64), torch.empty(64)
-    k = FastKernel(fn, allocated=range(1, 2))
+    k = FastKernel(fn, checked=checked)
     k[(4,)](x, out, 64, BLOCK=16)
     k[(4,)](x, torch.empty(80)[:64], 64, BLOCK=16)  # another output buffer: the same compiled kernel
     assert [e[0] for e in fn.log] == ["triton", "fast"]
-    k[(4,)](x[1:], out[1:], 63, BLOCK=16)  # a misaligned input: Triton decides again
+    k[(4,)](x[1:], out, 64, BLOCK=16)  # a misaligned input: Triton decides again
     assert [e[0] for e in fn.log] == ["triton", "fast", "triton"]
-    unchecked = FastKernel(TwoPointers())
-    unchecked[(4,)](x, out, 64, BLOCK=16)
-    unchecked[(4,)](x, out[1:], 64, BLOCK=16)  # without `allocated` every pointer is checked
-    assert [e[0] for e in unchecked.fn.log] == ["triton", "triton"]
+    k[(4,)](x, out, 1, BLOCK=16)  # n == 1: a new specialisation only where n is checked
+    assert fn.log[-1][0] == ("triton" if 2 in checked else "fast")
+
+
+def test_a_site_with_nothing_to_check_still_keys_on_constexprs():
+    fn, x, out = TwoPointers(), torch.empty(64), torch.empty(64)
+    k = FastKernel(fn, checked=())
+    k[(4,)](x, out, 64, BLOCK=16)
+    k[(4,)](x, out, 64, BLOCK=16)
+    k[(4,)](x, out, 64, BLOCK=32)
+    assert [e[0] for e in fn.log] == ["triton", "fast", "triton"]

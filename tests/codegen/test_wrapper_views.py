@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import fxopt
+from fxopt.codegen.wrapper_layouts import launch_checks
 
 
 def _wrapper_of(fn, *inputs):
@@ -33,3 +34,32 @@ def test_a_view_of_an_unchecked_input_keeps_the_view_method():
     src = _wrapper_of(f, x, w)
     assert ".view([6, 4])" in src and "reinterpret_tensor(" not in src
     torch.testing.assert_close(torch.compile(f, backend="fxopt")(x, w), f(x, w))
+
+
+def test_launch_checks_name_only_graph_inputs(monkeypatch):
+    """Which kernel arguments a launch re-checks: the graph's inputs (a caller may pass any view), not
+    kernel outputs, matmul results or views of them, nor the wrapper's literal ints."""
+    import fxopt.compile as compile_module
+    seen = []
+
+    def recording(gm, kernels, launched):
+        checks = launch_checks(gm, kernels, launched)
+        seen.append((gm, kernels, checks))
+        return checks
+    monkeypatch.setattr(compile_module, "launch_checks", recording)
+
+    def f(x, w):
+        h = torch.relu(x * 2.0)
+        y = (h @ w).t()
+        return torch.sigmoid(y) + 1.0, h
+    x, w = torch.randn(8, 16), torch.randn(16, 4)
+    got = torch.compile(f, backend="fxopt")(x, w)
+    for g, want in zip(got, f(x, w)):
+        torch.testing.assert_close(g, want)
+    (gm, kernels, checks), = seen
+    calls = [n for n in gm.graph.nodes if n.op == "call_module"]
+    assert len(calls) == 2
+    for n in calls:
+        want = tuple(i for i, a in enumerate(n.args) if a.op == "placeholder")
+        assert checks[kernels[n.target].name] == want, (n.name, [a.name for a in n.args])
+    assert any(a.op != "placeholder" for n in calls for a in n.args)  # a kernel reads a matmul result
