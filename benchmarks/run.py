@@ -11,6 +11,7 @@ import argparse
 import gc
 import json
 import math
+import statistics
 import sys
 import traceback
 
@@ -20,7 +21,8 @@ from . import measure, workloads
 
 COLUMNS = [  # (key, title, format)
     ("workload", "workload", "{}"), ("backend", "backend", "{}"), ("ok", "ok", "{}"),
-    ("max_abs_diff", "max|diff|", "{:.3g}"), ("median_ms", "median_ms", "{:.4f}"), ("vs", "vs", "{}"),
+    ("max_abs_diff", "max|diff|", "{:.3g}"), ("median_ms", "median_ms", "{:.4f}"), ("ms_range", "range", "{}"),
+    ("vs", "vs", "{}"),
     ("first_call_s", "first_call_s", "{:.2f}"), ("peak_mib", "peak_MiB", "{:.1f}"), ("plan_ratio", "plan/LB", "{:.3f}"),
     ("gbs", "GB/s", "{:.0f}"), ("pct_copy", "%copy", "{:.1f}"), ("tflops", "TFLOP/s", "{:.1f}"),
     ("note", "note", "{}"),
@@ -46,6 +48,9 @@ def parse_args(argv=None):
                    help="an fxopt.backend option for the fxopt rows, e.g. memory_plan=apply (repeatable)")
     p.add_argument("--dynamic", action="store_true",
                    help="compile inductor and fxopt with dynamic=True (symbolic sizes), to compare with static")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time each backend this many times, alternating backends (ABAB...), and report the "
+                        "median with the range (for host-bound workloads on a host whose speed drifts)")
     p.add_argument("--first-call", nargs=2, metavar=("WORKLOAD", "BACKEND"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -72,8 +77,10 @@ def short_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
 
 
-def run_backend(w, backend, fn, inputs, expected, ref64, args, copy_gbs, min_bytes, flops) -> dict:
+def run_backend(w, backend, fn, inputs, expected, ref64, args, copy_gbs, min_bytes, flops):
+    """(row, the timed call or None when it failed)."""
     row = {"workload": w.name, "backend": backend}
+    call = None
     rtol, atol = measure.TOLERANCES[measure.DTYPES[args.dtype]]
     rtol, atol = w.rtol if w.rtol is not None else rtol, w.atol if w.atol is not None else atol
     stage = "compile"
@@ -95,14 +102,37 @@ def run_backend(w, backend, fn, inputs, expected, ref64, args, copy_gbs, min_byt
             ms = measure.bench_ms(call, args.device, args.warmup, args.rep)
             stage = "memory"
             row["peak_mib"] = measure.peak_mib(call, args.device)
-        row.update(median_ms=ms, gbs=min_bytes / ms / 1e6)
-        row["pct_copy"] = 100 * row["gbs"] / copy_gbs if copy_gbs else None
-        row["tflops"] = flops / ms / 1e9 if flops else None
+        set_time(row, [ms], min_bytes, flops, copy_gbs)
     except Exception as e:  # a failing backend is a row, not a crash
         traceback.print_exc(file=sys.stderr)
         row.setdefault("ok", "ERR")
         row["note"] = f"{stage} failed: {short_error(e)}"
-    return row
+        call = None
+    return row, call
+
+
+def set_time(row, times: list[float], min_bytes, flops, copy_gbs):
+    """The row's median time over its rounds, its range, and the rates derived from the median."""
+    ms = statistics.median(times)
+    row.update(median_ms=ms, gbs=min_bytes / ms / 1e6, rounds=times)
+    row["ms_range"] = f"{min(times):.3f}-{max(times):.3f}" if len(times) > 1 else None
+    row["pct_copy"] = 100 * row["gbs"] / copy_gbs if copy_gbs else None
+    row["tflops"] = flops / ms / 1e9 if flops else None
+
+
+def more_rounds(w, rows, calls, args, copy_gbs, min_bytes, flops):
+    """Rounds 2..N: every backend timed again, in turn, the starting backend rotating, so a drift of
+    the host's speed during the run reaches every backend alike (the first round is run_backend's)."""
+    names = [r["backend"] for r in rows if calls.get(r["backend"])]
+    times = {r["backend"]: list(r["rounds"]) for r in rows if r["backend"] in names}
+    for k in range(1, args.rounds):
+        order = names[k % len(names):] + names[:k % len(names)]
+        for b in order:
+            with measure.grad_mode(w):
+                times[b].append(measure.bench_ms(calls[b], args.device, args.warmup, args.rep))
+    for r in rows:
+        if r["backend"] in times:
+            set_time(r, times[r["backend"]], min_bytes, flops, copy_gbs)
 
 
 def run_workload(w, args, copy_gbs) -> list[dict]:
@@ -134,10 +164,10 @@ def run_workload(w, args, copy_gbs) -> list[dict]:
                 cached.append(fn(*measure.as_float64(inputs)))
         return cached[0]
 
-    rows = []
+    rows, calls = [], {}
     for b in backends:
         log(f"   {b}")
-        row = run_backend(w, b, fn, inputs, expected, ref64, args, copy_gbs, min_bytes, flops)
+        row, calls[b] = run_backend(w, b, fn, inputs, expected, ref64, args, copy_gbs, min_bytes, flops)
         first = firsts.get(b, {})
         row["first_call_s"] = first.get("first_call_s")
         if "error" in first:
@@ -145,8 +175,11 @@ def run_workload(w, args, copy_gbs) -> list[dict]:
         row.update(min_bytes=min_bytes, flops=flops, dtype=args.dtype, device=args.device, quick=args.quick)
         rows.append(row)
         gc.collect()
+    if args.rounds > 1:
+        log(f"   {args.rounds - 1} more rounds, backends alternating")
+        more_rounds(w, rows, calls, args, copy_gbs, min_bytes, flops)
     add_speed_ratios(rows)
-    del fn, inputs, expected, cached
+    del fn, inputs, expected, cached, calls
     torch._dynamo.reset()
     gc.collect()
     if args.device == "cuda":

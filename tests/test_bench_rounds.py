@@ -1,0 +1,21 @@
+"""benchmarks.run --rounds: backends timed in turn (the first one rotating), medians and ranges reported."""
+from types import SimpleNamespace
+
+from benchmarks import measure, run
+
+
+def test_rounds_alternate_backends_and_report_the_median(monkeypatch):
+    order, times = [], {"a": iter([5.0, 1.0, 3.0]), "b": iter([4.0, 2.0, 6.0])}
+    monkeypatch.setattr(measure, "bench_ms", lambda call, *rest: (order.append(call), next(times[call]))[1])
+    rows = []
+    for b in ("a", "b"):
+        row = {"workload": "w", "backend": b}
+        run.set_time(row, [next(times[b])], min_bytes=10**6, flops=None, copy_gbs=None)
+        rows.append(row)
+    w = SimpleNamespace(training=False, kind="model")
+    args = SimpleNamespace(rounds=3, device="cpu", warmup=1, rep=1)
+    run.more_rounds(w, rows, {"a": "a", "b": "b"}, args, None, 10**6, None)
+    assert order == ["b", "a", "a", "b"]  # round 2 starts with b, round 3 with a
+    assert [r["median_ms"] for r in rows] == [3.0, 4.0]
+    assert [r["ms_range"] for r in rows] == ["1.000-5.000", "2.000-6.000"]
+    assert rows[0]["gbs"] == 10**6 / 3.0 / 1e6
