@@ -37,8 +37,9 @@ def header(device: str) -> dict:
                                   timeout=10).stdout.strip()
         except Exception:
             return ""
-    commit = git("rev-parse", "--short", "HEAD") or os.environ.get("BENCH_COMMIT", "unknown")  # no .git on the GPU box
-    if commit != "unknown" and git("status", "--porcelain", "--untracked-files=no"):
+    # BENCH_COMMIT first: a snapshot run inside another checkout would otherwise report that one's HEAD
+    commit = os.environ.get("BENCH_COMMIT") or git("rev-parse", "--short", "HEAD") or "unknown"
+    if "BENCH_COMMIT" not in os.environ and commit != "unknown" and git("status", "--porcelain", "--untracked-files=no"):
         commit += "+dirty"
     if device == "cuda":
         dev_name = torch.cuda.get_device_name()
