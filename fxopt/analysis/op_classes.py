@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
-from .symbolic import sizes
+from .symbolic import is_symbolic, sizes
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -203,3 +203,39 @@ def pointwise_unsupported_reason(node: fx.Node, target: str) -> str | None:
     if out.dtype.is_floating_point is False and t in (aten.div.Tensor, aten.div.Scalar):
         return "integer division result"  # aten.div always returns float: unreachable, kept as a guard
     return None
+
+
+# Ops that read their inputs at shifted indices rather than element by element: fused into pointwise
+# kernels (codegen/cat_pieces.py) with the element-wise ops that consume them, never into reduction
+# groups or recomputed chains, which keep to pointwise_unsupported_reason.
+GATHERS = frozenset({aten.cat.default})
+
+
+def cat_unsupported_reason(node: fx.Node, target: str) -> str | None:
+    """None when a pointwise kernel can compute this cat: two or more non-empty inputs of the result's
+    dtype, device and rank, fixed sizes. Each input is read from memory, at its offset along the dim."""
+    out = node.meta.get("val")
+    inputs = node.args[0] if node.args else []
+    if not isinstance(out, torch.Tensor) or not isinstance(inputs, (list, tuple)) or len(inputs) < 2:
+        return "cat of fewer than two tensors"
+    if out.dtype not in SUPPORTED_DTYPES:
+        return f"dtype {out.dtype} has no Triton lowering"
+    vals = [a.meta.get("val") if isinstance(a, fx.Node) else None for a in inputs]
+    if any(not isinstance(v, torch.Tensor) for v in vals):
+        return "cat input without tensor metadata"
+    if any(is_symbolic(d) for v in (out, *vals) for d in sizes(v)):
+        return "cat over symbolic sizes stays an ATen call"
+    if any(v.dtype != out.dtype for v in vals):
+        return "cat promoting dtypes stays an ATen call"
+    if any(v.device != out.device for v in vals):
+        return "cat inputs on different devices"
+    if any(v.dim() != out.dim() or v.numel() == 0 for v in vals) or out.numel() == 0:
+        return "cat with empty inputs or inputs of another rank (legacy empty tensors) stays an ATen call"
+    return None
+
+
+def kernel_unsupported_reason(node: fx.Node, target: str) -> str | None:
+    """The pointwise fuser's test: element-wise ops (pointwise_unsupported_reason) and GATHERS."""
+    if node.op == "call_function" and node.target in GATHERS:
+        return cat_unsupported_reason(node, target)
+    return pointwise_unsupported_reason(node, target)

@@ -44,6 +44,8 @@ from ..analysis.op_classes import is_view
 from ..analysis.symbolic import expr, hint, is_symbolic, pexpr, shape_env_of, sizes, storage_offset, strides
 from ..printing import describe_value, target_name
 from .dtypes import LOW_PRECISION, TL_DTYPE, compute_dtype, literal
+from .cat_pieces import (cat_pieces, cat_value, coordinate_layout, coordinate_name, is_gather, piece_layout,
+                         piece_mask)
 from .erf_poly import with_erf_helper
 from .indexing import (IterationSpace, Layout, TiledSpace, index_symbols, needs_int64, print_index, size_symbols,
                        tile_dim)
@@ -165,7 +167,8 @@ class PointwiseEmitter:
         for n in self.nodes:
             if (n.op == "placeholder" and n not in self.size_inputs) or (
                     is_view(n) and view_root(n).op == "placeholder"):
-                if any(u.op == "call_function" and not is_view(u) for u in n.users) or n in self.output_nodes:
+                if any(u.op == "call_function" and not is_view(u) and not is_gather(u) for u in n.users) \
+                        or n in self.output_nodes:  # (a cat reads its inputs itself: cat_pieces.py)
                     leaves.append(n)
         return leaves
 
@@ -177,8 +180,9 @@ class PointwiseEmitter:
             leaf_layouts.append(layout_of(leaf.meta["val"], root.meta["val"]))
         out_layouts = [layout_of(o.meta["val"]) for o in self.output_nodes]
         ref_stride = self._order_strides(strides(self.output_nodes[0].meta["val"]))
-        space = IterationSpace(self.domain, ref_stride, leaf_layouts + out_layouts)
-        n_operands = len(leaf_layouts) + len(out_layouts)
+        extra = self._cat_layouts()  # after the outputs: operand i < len(leaves) + outputs keeps its meaning
+        space = IterationSpace(self.domain, ref_stride, leaf_layouts + out_layouts + extra)
+        n_operands = len(leaf_layouts) + len(out_layouts) + len(extra)
         wide = needs_int64(space.numel, [space.max_address(i) for i in range(n_operands)])
         plan = plan_tiles(space)
         if plan is not None:
@@ -247,6 +251,28 @@ class PointwiseEmitter:
                       input_dtypes=self._input_dtypes(),
                       inputs=[p.meta["val"] for p in self.placeholders], notes={"tiling": "2d"})
 
+    def _cat_layouts(self) -> list[Layout]:
+        """The pieces of the group's cats over the domain, then one coordinate operand per cat dim."""
+        self.pieces = cat_pieces(self.nodes)
+        self.cat_dims = sorted({p.dim for p in self.pieces})
+        return ([piece_layout(p, layout_of(p.source.meta["val"], view_root(p.source).meta["val"]), self.domain)
+                 for p in self.pieces] + [coordinate_layout(d, self.domain) for d in self.cat_dims])
+
+    def _cat_loads(self, addresses: list, first: int, load_mask, ptr_of) -> list[str]:
+        """Each cat dim's coordinate, then each piece loaded where the lane falls in it (cat_pieces.py)."""
+        coords = {d: addresses[first + len(self.pieces) + k] for k, d in enumerate(self.cat_dims)}
+        lines = [f"{coordinate_name(d)} = {print_index(a)}" for d, a in coords.items()]
+        for i, p in enumerate(self.pieces):
+            addr = addresses[first + i]
+            mask = f"{load_mask(index_symbols(addr) | index_symbols(coords[p.dim]))} & " \
+                   f"{piece_mask(p, p.end == sizes(p.cat.meta['val'])[p.dim])}"
+            val = p.source.meta["val"]
+            load = f"tl.load({ptr_of[view_root(p.source)]} + ({print_index(addr)}), {mask}, other=0)"
+            cdt = compute_dtype(val.dtype)
+            lines.append(f"{p.name} = {load}{f'.to({TL_DTYPE[cdt]})' if cdt != val.dtype else ''}"
+                         f"  # piece {p.index} of {p.cat.name}: {describe_value(val)}")
+        return lines
+
     def _size_input_lines(self) -> list[str]:
         """Each SymInt input as its expression over the size symbols (kernel arguments)."""
         for p in self.size_inputs:
@@ -288,12 +314,17 @@ class PointwiseEmitter:
                 load += f".to({TL_DTYPE[cdt]})"
             self.vdtype[leaf] = cdt
             body.append(f"{leaf.name} = {load}  # {describe_value(val)}")
+        body += self._cat_loads(addresses, len(leaves) + len(self.output_nodes), load_mask, ptr_of)
         body.append("# -- compute ----")
         self.ops = []
         for n in self.nodes:
             if n.op != "call_function" or is_view(n):
                 continue
             self.ops.append(target_name(n.target))
+            if is_gather(n):
+                self.vdtype[n] = compute_dtype(n.meta["val"].dtype)
+                body.append(f"{n.name} = {cat_value(n, self.pieces)}  # {target_name(n.target)}")
+                continue
             body.append(f"{n.name} = {self._compute(n)}  # {target_name(n.target)}")
         body.append("# -- store outputs ----")
         for j, o in enumerate(self.output_nodes):

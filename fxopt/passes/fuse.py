@@ -22,7 +22,7 @@ import torch.fx as fx
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
-from ..analysis.op_classes import classify, is_view, pointwise_unsupported_reason
+from ..analysis.op_classes import classify, is_view, kernel_unsupported_reason
 from ..analysis.reductions import reduction_unsupported_reason
 from ..analysis.symbolic import sizes
 from ..pass_manager import PassContext, PassResult
@@ -39,7 +39,7 @@ class _SameDomainPointwise(OperatorSupportBase):
         self.key, self.target = key, target
 
     def is_node_supported(self, submodules, node: fx.Node) -> bool:
-        return _domain_key(node) == self.key and pointwise_unsupported_reason(node, self.target) is None
+        return _domain_key(node) == self.key and kernel_unsupported_reason(node, self.target) is None
 
 
 def _domain_key(node: fx.Node):
@@ -120,7 +120,7 @@ class FusePointwise:
         keys = OrderedDict()
         for node in gm.graph.nodes:
             key = _domain_key(node)
-            if key and key[1].startswith(ctx.device_type) and pointwise_unsupported_reason(node, ctx.target) is None:
+            if key and key[1].startswith(ctx.device_type) and kernel_unsupported_reason(node, ctx.target) is None:
                 keys[key] = None
         fused_nodes: set[str] = set()
         for i, key in enumerate(keys):
@@ -150,7 +150,7 @@ class FusePointwise:
                 continue
             if getattr(node.target, "__name__", "") == "getitem":
                 continue
-            reason = pointwise_unsupported_reason(node, ctx.target)
+            reason = kernel_unsupported_reason(node, ctx.target)
             if classify(node) == "reduction":
                 reason = reduction_unsupported_reason(node, ctx.target) or "reduction: no group took it"
             if reason is None:

@@ -1,0 +1,82 @@
+"""`cat` fused into pointwise kernels (codegen/cat_pieces.py): each input read at its offset along the
+dim, the consumers in the same kernel; against float64 eager, on the CPU (interpreter) and CUDA."""
+import pytest
+import torch
+
+import fxopt
+from helpers import assert_close_to_reference, compile_fxopt, to64
+
+
+def rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotary(q, cos, sin):  # as Hugging Face's Llama writes apply_rotary_pos_emb
+    return q * cos + rotate_half(q) * sin
+
+
+def check(fn, *inputs, dtype):
+    out = compile_fxopt(fn)(*inputs)
+    assert_close_to_reference(out, fn(*(to64(x) for x in inputs)), dtype)
+    eager = fn(*inputs)
+    assert out.shape == eager.shape and out.dtype == eager.dtype and out.stride() == eager.stride()
+
+
+def ops_and_wrapper(fn, *inputs):
+    rep = fxopt.explain(fn, *inputs)
+    return [op for k in rep.kernels for op in k.ops], rep.wrapper_source, rep
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_rotary_embedding_cat_fuses_with_its_multiply_add(device, dtype):
+    q = torch.randn(2, 12, 4, 32, device=device).to(dtype).transpose(1, 2)  # [B, H, T, D] view of [B, T, H, D]
+    cos, sin = (torch.randn(12, 32, device=device).to(dtype) for _ in range(2))
+    ops, wrapper, _ = ops_and_wrapper(rotary, q, cos, sin)
+    assert "aten.cat.default" in ops and "torch.cat" not in wrapper and "aten.cat" not in wrapper.split("def call")[1]
+    check(rotary, q, cos, sin, dtype=dtype)
+
+
+@pytest.mark.parametrize("dim", [0, 1, 2])
+def test_three_uneven_pieces_along_any_dim_with_strided_inputs(device, dim):
+    shape = [6, 5, 7]
+    parts = []
+    for k, size in enumerate((1, 3, 4)):
+        s = list(shape)
+        s[dim] = size
+        t = torch.randn(*reversed(s), device=device).permute(2, 1, 0) if k == 1 else torch.randn(*s, device=device)
+        parts.append(t)
+    w = torch.randn(8 if dim == 2 else shape[2], device=device)
+
+    def f(a, b, c, w):
+        return torch.sigmoid(torch.cat([a, b, c], dim) * 2.0) + w
+
+    ops, wrapper, _ = ops_and_wrapper(f, *parts, w)
+    assert "aten.cat.default" in ops and "torch.cat" not in wrapper
+    check(f, *parts, w, dtype=torch.float32)
+
+
+def test_a_cat_read_by_nothing_else_is_its_own_kernel_and_right(device):
+    a, b = torch.randn(4, 3, device=device), torch.randn(4, 9, device=device)
+    f = lambda a, b: torch.cat([a, b], -1)  # noqa: E731
+    ops, wrapper, _ = ops_and_wrapper(f, a, b)
+    assert ops == ["aten.cat.default"]
+    check(f, a, b, dtype=torch.float32)
+
+
+def test_cat_promoting_dtypes_stays_aten_with_its_reason():
+    a, b = torch.randn(4, 3, dtype=torch.float16), torch.randn(4, 5)
+    f = lambda a, b: torch.cat([a, b], -1) * 2.0  # noqa: E731
+    ops, wrapper, rep = ops_and_wrapper(f, a, b)
+    assert "aten.cat.default" not in ops
+    assert any("promoting dtypes" in why for _, why in rep.fallbacks)
+    torch.testing.assert_close(compile_fxopt(f)(a, b), f(a, b))
+
+
+def test_gradients_through_a_fused_cat_equal_eager():
+    q = torch.randn(2, 6, 2, 16, dtype=torch.float64).transpose(1, 2).requires_grad_()
+    cos, sin = torch.randn(6, 16, dtype=torch.float64), torch.randn(6, 16, dtype=torch.float64)
+    g = torch.randn(2, 2, 6, 16, dtype=torch.float64)
+    got = torch.autograd.grad(compile_fxopt(rotary)(q, cos, sin), q, g)[0]
+    want = torch.autograd.grad(rotary(q, cos, sin), q, g)[0]
+    torch.testing.assert_close(got, want)
