@@ -80,3 +80,24 @@ def test_gradients_through_a_fused_cat_equal_eager():
     got = torch.autograd.grad(compile_fxopt(rotary)(q, cos, sin), q, g)[0]
     want = torch.autograd.grad(rotary(q, cos, sin), q, g)[0]
     torch.testing.assert_close(got, want)
+
+
+def test_a_cat_kernel_never_writes_over_an_input_it_reads_shifted():
+    """With the memory plan applied, an element-wise kernel may write its output over an input that dies
+    there; a kernel with a cat reads that input at other lanes' indices, so it must not (while a plain
+    element-wise kernel of the same shapes does)."""
+    def f(x, w):
+        q = x * 2.0  # a kernel output that dies in the next kernel, with that kernel's output layout
+        return (rotate_half(q) + 1.0) @ w  # the cat kernel's output is an intermediate: planned
+
+    def g(x, w):  # the same kernels, but the last one reads q element by element
+        q = x * 2.0
+        b = -q[:, :1]  # its own kernel ([24, 1]), which the last kernel depends on, as the cat's does
+        return (q * 1.5 + b) @ w
+    x, w = torch.randn(24, 32), torch.randn(32, 8)
+    pairs = lambda fn: [p for gr in fxopt.explain(fn, x, w, memory_plan="apply").graphs  # noqa: E731
+                        for p in (gr.memory_plan.inplace if gr.memory_plan else [])]
+    assert pairs(g), "the element-wise twin should be written in place (else this test checks nothing)"
+    assert pairs(f) == []
+    out = compile_fxopt(f, memory_plan="apply")(x, w)
+    assert_close_to_reference(out, f(to64(x), to64(w)), torch.float32)
