@@ -101,3 +101,31 @@ def test_a_cat_kernel_never_writes_over_an_input_it_reads_shifted():
     assert pairs(f) == []
     out = compile_fxopt(f, memory_plan="apply")(x, w)
     assert_close_to_reference(out, f(to64(x), to64(w)), torch.float32)
+
+
+EDGE_CASES = {
+    "the same tensor twice": (lambda x: torch.cat([x, x], dim=-2) * 3, [(3, 4, 5)]),
+    "an expanded piece": (lambda a, b: torch.cat([a.expand(4, 3), b], 1) * 2, [(1, 3), (4, 6)]),
+    "transposed pieces": (lambda a, b: torch.cat([a.t(), b.t()], 0) + 0.5, [(40, 8), (40, 24)]),
+    "a strided piece": (lambda a, b: torch.cat([a[:, ::2], b], 1) * 2, [(6, 8), (6, 3)]),
+    "a slice of the cat": (lambda a, b: torch.cat([a, b], 1)[:, 1:4] * 2, [(4, 3), (4, 5)]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EDGE_CASES))
+def test_cat_edge_cases_fuse_and_match_float64(device, case):
+    fn, shapes = EDGE_CASES[case]
+    inputs = [torch.randn(*s, device=device) for s in shapes]
+    ops, _, _ = ops_and_wrapper(fn, *inputs)
+    assert "aten.cat.default" in ops
+    check(fn, *inputs, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool], ids=str)
+def test_integer_and_bool_cats_are_exact(device, dtype):
+    a, b = (torch.randint(0, 5, s, device=device).to(dtype) for s in ((2, 5), (3, 5)))
+    fn = (lambda a, b: torch.cat([a, b], 0) + 1) if dtype != torch.bool else \
+        (lambda a, b: torch.logical_not(torch.cat([a, b], 0)))
+    ops, _, _ = ops_and_wrapper(fn, a, b)
+    assert "aten.cat.default" in ops
+    assert torch.equal(compile_fxopt(fn)(a, b), fn(a, b))
