@@ -22,7 +22,7 @@ import torch.fx as fx
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
-from ..analysis.op_classes import classify, is_view, kernel_unsupported_reason
+from ..analysis.op_classes import GATHERS, classify, is_view, kernel_unsupported_reason
 from ..analysis.reductions import reduction_unsupported_reason
 from ..analysis.symbolic import sizes
 from ..pass_manager import PassContext, PassResult
@@ -127,7 +127,8 @@ class FusePointwise:
             support = _SameDomainPointwise(key, ctx.target)
             partitioner = CapabilityBasedPartitioner(gm, support, allows_single_node_partition=True,
                                                      **_NO_HORIZONTAL)
-            partitions = partitioner.propose_partitions()
+            # a cat alone saves no pass over memory: ATen's copy kernel does it as well (op_classes.GATHERS)
+            partitions = [p for p in partitioner.propose_partitions() if not all(n.target in GATHERS for n in p.nodes)]
             if not partitions:
                 continue
             for p in partitions:
@@ -153,6 +154,8 @@ class FusePointwise:
             reason = kernel_unsupported_reason(node, ctx.target)
             if classify(node) == "reduction":
                 reason = reduction_unsupported_reason(node, ctx.target) or "reduction: no group took it"
+            if reason is None and node.target in GATHERS and ctx.options.fuse:
+                reason = "cat with no element-wise consumer to fuse with: ATen's copy kernel"
             if reason is None:
                 reason = "fusion disabled (fuse=False)" if not ctx.options.fuse else "not fused"
             ctx.note(node.name, reason)
