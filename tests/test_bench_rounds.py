@@ -19,3 +19,13 @@ def test_rounds_alternate_backends_and_report_the_median(monkeypatch):
     assert [r["median_ms"] for r in rows] == [3.0, 4.0]
     assert [r["ms_range"] for r in rows] == ["1.000-5.000", "2.000-6.000"]
     assert rows[0]["gbs"] == 10**6 / 3.0 / 1e6
+
+
+def test_loss_curve_script_compares_three_curves_on_the_cpu():
+    """benchmarks.loss_curve (issue 6's 200-step comparison, run on a GPU): two steps here, every curve
+    finite and training, fxopt within bf16's reach of autocast."""
+    from benchmarks import loss_curve
+    c = loss_curve.curves(steps=2, lr=1e-3, device="cpu")
+    assert set(c) == {"fxopt", "autocast", "fp32"} and all(len(v) == 2 for v in c.values())
+    assert loss_curve.worst_relative(c["fxopt"], c["fp32"]) < 0.02
+    assert loss_curve.worst_relative(c["fxopt"], c["autocast"]) < 0.02
