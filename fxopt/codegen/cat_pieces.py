@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from ..analysis.op_classes import GATHERS
+from ..analysis.op_classes import GATHERS, is_view
 from ..analysis.symbolic import sizes
 from .indexing import Layout
 
@@ -58,7 +58,7 @@ def cat_pieces(nodes: list[fx.Node]) -> list[Piece]:
 
 def _read_from_memory(src: fx.Node) -> bool:
     """A placeholder of the group, or a view chain of one (views absorbed by the fuse pass)."""
-    while src.op == "call_function" and getattr(src.target, "is_view", False):
+    while is_view(src):
         src = src.args[0]
     return src.op == "placeholder"
 

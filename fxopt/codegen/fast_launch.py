@@ -23,14 +23,13 @@ no Python between the wrapper and cuLaunchKernel), else through Triton's `Compil
 """
 from __future__ import annotations
 
-import operator
 import weakref
 
 import torch
 from torch import Tensor
 
 from ..options import Environment
-from .static_launch import StaticLaunch, plan_static_launch
+from .static_launch import StaticLaunch, picker, plan_static_launch
 
 try:  # triton >= 3.4 keeps the launch hooks in knobs; older ones on CompiledKernel
     from triton import knobs as _knobs
@@ -99,7 +98,7 @@ class FastKernel:
     def __init__(self, fn, checked: tuple[int, ...] | None = None):
         self.fn = fn
         # the arguments a launch re-checks: all of them, or those `checked` names (a wrapper's site)
-        self._checked = None if checked is None else _picker(checked)
+        self._checked = None if checked is None else picker(checked)
         ALL.add(self)
         self._names = list(fn.arg_names)
         # (device, specialisation, keyword arguments) -> (CompiledKernel, its constexpr arguments in
@@ -152,17 +151,6 @@ class FastKernel:
             self.static_refused = plan
             return None
         return plan
-
-
-def _picker(positions: tuple[int, ...]):
-    """args -> the tuple of args at `positions` (operator.itemgetter, in C; it returns a bare value for
-    one position, so that case gets its own)."""
-    if not positions:
-        return lambda args: ()
-    if len(positions) == 1:
-        (i,) = positions
-        return lambda args: (args[i],)
-    return operator.itemgetter(*positions)
 
 
 ALL: "weakref.WeakSet[FastKernel]" = weakref.WeakSet()  # every FastKernel alive (host_profile counts launches)

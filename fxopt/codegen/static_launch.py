@@ -82,6 +82,17 @@ def parameter_codes(compiled, n_args: int) -> tuple[str, list[int], int] | str:
     return "".join(codes) + "O" * scratch, keep, scratch
 
 
+def picker(positions: tuple[int, ...]):
+    """args -> the tuple of args at `positions` (operator.itemgetter, in C; it returns a bare value for
+    one position, so that case gets its own)."""
+    if not positions:
+        return lambda args: ()
+    if len(positions) == 1:
+        (i,) = positions
+        return lambda args: (args[i],)
+    return operator.itemgetter(*positions)
+
+
 def launch_attributes(compiled) -> str | None:
     """Why the C launcher cannot launch this kernel as it was compiled (it sets no launch attributes)."""
     meta = compiled.metadata
@@ -111,13 +122,8 @@ def plan_static_launch(compiled, n_args: int, device: int) -> StaticLaunch | str
         return found
     codes, keep, scratch = found
     tail = (None,) * scratch
-    if keep == list(range(n_args)):
-        pick = (lambda args: args + tail) if scratch else (lambda args: args)
-    elif keep:
-        take = operator.itemgetter(*keep)
-        pick = (lambda args: take(args) + tail) if len(keep) > 1 else (lambda args: (args[keep[0]],) + tail)
-    else:
-        pick = lambda args: tail  # noqa: E731
+    take = (lambda args: args) if keep == list(range(n_args)) else picker(tuple(keep))
+    pick = (lambda args: take(args) + tail) if scratch else take
     meta = compiled.metadata
     module, function = _load(asm["cubin"], meta.name, meta.shared, device)
     return StaticLaunch(function, module, meta.num_warps, meta.shared, codes, pick)

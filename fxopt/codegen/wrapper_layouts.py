@@ -67,36 +67,20 @@ def known_layouts(gm: fx.GraphModule, kernels: dict[str, Kernel]) -> set[fx.Node
         val = n.meta.get("val")
         if not _static_layout(val):
             continue
+        origin = _origin(n, proven)
         if n.op == "placeholder":
             ok = any(u.op == "call_module" for u in n.users)  # the inputs generate_wrapper checks
-        elif n.op == "call_module":
-            ok = _allocated_like(val, kernels[n.target].outputs[0])
-        elif n.op == "call_function" and n.target is operator.getitem and n.args[0].op == "call_module":
-            ok = _allocated_like(val, kernels[n.args[0].target].outputs[n.args[1]])
-        elif n.op == "call_function" and n.target in VIEW_METHODS and not n.kwargs:
-            ok = n.args[0] in proven
-            if ok:
-                views.add(n)
-        elif n.op == "call_function" and n.target in FRESH_CONTIGUOUS:
+        elif origin == "kernel":
+            ok = _allocated_like(val, _kernel_output(n, kernels))
+        elif origin == "matmul":
             ok = val.is_contiguous()
         else:
-            ok = False
+            ok = origin == "view"
         if ok:
             proven.add(n)
+            if origin == "view":
+                views.add(n)
     return views
-
-
-def _static_layout(val) -> bool:
-    return isinstance(val, torch.Tensor) and all(isinstance(d, int) for d in (*val.shape, *val.stride()))
-
-
-def _allocated_like(val: torch.Tensor, out: torch.Tensor) -> bool:
-    return tuple(val.shape) == tuple(out.shape) and tuple(val.stride()) == tuple(out.stride())
-
-
-# fxopt's own ops whose results are fresh allocations (torch.empty/empty_like in the op, or a new
-# tensor from the reference path): aligned like any allocation
-_FRESH_FXOPT = ("fxopt::flash_attention", "fxopt::flash_attention_backward")
 
 
 def aligned_values(gm: fx.GraphModule) -> set[fx.Node]:
@@ -106,18 +90,48 @@ def aligned_values(gm: fx.GraphModule) -> set[fx.Node]:
     (VIEW_METHODS). Graph inputs are not: a caller may pass any view."""
     aligned = set()
     for n in gm.graph.nodes:
-        if n.op == "call_module":
-            aligned.add(n)
-        elif n.op != "call_function":
-            continue
-        elif n.target is operator.getitem and isinstance(n.args[0], fx.Node):
-            src = n.args[0]
-            if src.op == "call_module" or (isinstance(src.target, torch._ops.OpOverload)
-                                           and src.target._schema.name in _FRESH_FXOPT):
-                aligned.add(n)
-        elif n.target in FRESH_CONTIGUOUS or (n.target in VIEW_METHODS and n.args[0] in aligned):
+        if _origin(n, aligned):
             aligned.add(n)
     return aligned
+
+
+# fxopt's own ops whose results are fresh allocations (torch.empty/empty_like in the op, or a new
+# tensor from the reference path): aligned like any allocation
+_FRESH_FXOPT = ("fxopt::flash_attention", "fxopt::flash_attention_backward")
+
+
+def _origin(n: fx.Node, members: set) -> str | None:
+    """Where the wrapper gets n's value from: "kernel" (a fused kernel's output: its call, or a getitem
+    of it), "matmul" (FRESH_CONTIGUOUS), "fxopt" (the attention op's fresh results), "view" (a view of a
+    value in `members` that keeps its storage offset), or None (inputs, other ATen results)."""
+    if n.op == "call_module":
+        return "kernel"
+    if n.op != "call_function":
+        return None
+    if n.target is operator.getitem and isinstance(n.args[0], fx.Node):
+        src = n.args[0]
+        if src.op == "call_module":
+            return "kernel"
+        fresh = isinstance(src.target, torch._ops.OpOverload) and src.target._schema.name in _FRESH_FXOPT
+        return "fxopt" if fresh else None
+    if n.target in FRESH_CONTIGUOUS:
+        return "matmul"
+    return "view" if n.target in VIEW_METHODS and not n.kwargs and n.args[0] in members else None
+
+
+def _kernel_output(n: fx.Node, kernels: dict[str, Kernel]) -> torch.Tensor:
+    """The output spec the wrapper allocates a kernel value with (a single output, or a getitem's)."""
+    if n.op == "call_module":
+        return kernels[n.target].outputs[0]
+    return kernels[n.args[0].target].outputs[n.args[1]]
+
+
+def _static_layout(val) -> bool:
+    return isinstance(val, torch.Tensor) and all(isinstance(d, int) for d in (*val.shape, *val.stride()))
+
+
+def _allocated_like(val: torch.Tensor, out: torch.Tensor) -> bool:
+    return tuple(val.shape) == tuple(out.shape) and tuple(val.stride()) == tuple(out.stride())
 
 
 def launch_checks(gm: fx.GraphModule, kernels: dict[str, Kernel], launched) -> dict[str, tuple[int, ...]]:
