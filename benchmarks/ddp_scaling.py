@@ -8,13 +8,16 @@ scaling from one GPU to N, and whether the gradient all-reduce overlaps the back
 
 The model is a stack of GPT-2 blocks (benchmarks.workloads_attention.GPTBlock, hand-written causal
 attention) trained with AdamW on a regression loss; each rank draws its own batch, so the gradient
-all-reduce matters. Three parts, each in processes of their own (one per rank):
+all-reduce matters. The parts, each in processes of their own (one per rank):
 
   losses      fp32 (TF32 off): eager DDP and fxopt DDP from the same initial weights on the same data,
               loss by loss; the largest relative difference is printed.
   throughput  fp32 parameters with bf16 compute (autocast for eager and Inductor, precision="bf16" for
               fxopt) at a fixed per-GPU batch: step time (forward, backward, all-reduce, optimizer) on one
               GPU without DDP and on N GPUs with DDP; scaling = N-GPU tokens/s over one-GPU tokens/s.
+  scaling     the same at a fixed per-GPU batch, but one-GPU and N-GPU steps timed in turn for --rounds
+              rounds in the same processes (median and range of the per-round ratio): the host's speed
+              drifts too much between separate runs for their ratio to mean much.
   overlap     a torch.profiler trace of fxopt DDP steps on rank 0: the share of NCCL kernel time that
               runs while a compute kernel runs on another stream (0% = fully exposed communication).
 
@@ -38,6 +41,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 
+from .ddp_report import overlap_of, print_table
 from .workloads_attention import GPTBlock
 
 BACKENDS = ("eager", "inductor", "fxopt")
@@ -55,15 +59,23 @@ class GPTStack(nn.Module):
         return self.ln_f(x)
 
 
+class PlainStack(GPTStack):
+    """The same model with a forward code object of its own, so that dynamo's cache entry for the plain
+    model (no DDP) is never the one the DDP-wrapped model runs, or the other way round."""
+
+    def forward(self, x):
+        return GPTStack.forward(self, x)
+
+
 def _shapes(args) -> dict:
     if args.quick:
         return dict(n_blocks=2, d_model=64, n_head=2, B=2, T=32)
     return dict(n_blocks=args.blocks, d_model=1024, n_head=16, B=args.batch, T=1024)
 
 
-def _model(cfg, device) -> GPTStack:
+def _model(cfg, device, cls=GPTStack) -> GPTStack:
     torch.manual_seed(0)
-    return GPTStack(cfg["n_blocks"], cfg["d_model"], cfg["n_head"], cfg["T"]).to(device)
+    return cls(cfg["n_blocks"], cfg["d_model"], cfg["n_head"], cfg["T"]).to(device)
 
 
 def _batch(cfg, device, step: int, rank: int):
@@ -72,14 +84,16 @@ def _batch(cfg, device, step: int, rank: int):
     return x, torch.randn(x.shape, generator=g).to(device)
 
 
-def _compiled(backend: str, model, precision: str | None, device: str):
-    """The training callable `backend` runs: model(x) -> loss, compiled and in mixed precision as asked."""
+def _compiled(backend: str, model, precision: str | None, device: str, reset: bool = True):
+    """The training callable `backend` runs: model(x) -> loss, compiled and in mixed precision as asked
+    (`reset`: forget dynamo's earlier compiles first; False where an earlier model is still in use)."""
     import fxopt
 
     def loss_fn(m, x, target):
         return (m(x) - target).square().mean()
 
-    torch._dynamo.reset()
+    if reset:
+        torch._dynamo.reset()
     if backend == "fxopt":
         fn = torch.compile(model, backend=fxopt.backend(precision=precision))
         return lambda x, t: loss_fn(fn, x, t)
@@ -154,9 +168,9 @@ def job_allreduce(rank, world, cfg, device, args) -> dict:
     return {"bytes": 4 * n, "ms": ms, "bus_gbs": 4 * n * 2 * (world - 1) / world / ms / 1e6}
 
 
-def _time_steps(step_fn, params, cfg, device, rank, steps: int, profiler=None) -> float:
-    """Mean seconds per training step after 3 warm-up (compilation) steps; with `profiler`, the timed
-    steps run inside it (the batches are made before, so the trace holds training steps only)."""
+def _stepper(step_fn, params, cfg, device, rank):
+    """One training step (zero_grad, forward, backward, AdamW) over 4 batches made up front, after 3
+    warm-up (compilation) steps."""
     opt = torch.optim.AdamW(params, lr=1e-4)
     batches = [_batch(cfg, device, i, rank) for i in range(4)]
 
@@ -168,6 +182,13 @@ def _time_steps(step_fn, params, cfg, device, rank, steps: int, profiler=None) -
     for i in range(3):
         one(i)
     _sync(device)
+    return one
+
+
+def _timed(one, device, steps: int, profiler=None) -> float:
+    """Mean seconds per step over `steps` steps, all ranks starting together; with `profiler`, the
+    timed steps run inside it (so the trace holds training steps only)."""
+    _sync(device)
     if dist.is_initialized():
         dist.barrier()
     with profiler if profiler is not None else contextlib.nullcontext():
@@ -175,8 +196,11 @@ def _time_steps(step_fn, params, cfg, device, rank, steps: int, profiler=None) -
         for i in range(steps):
             one(i)
         _sync(device)
-        seconds = (time.perf_counter() - start) / steps
-    return seconds
+        return (time.perf_counter() - start) / steps
+
+
+def _time_steps(step_fn, params, cfg, device, rank, steps: int, profiler=None) -> float:
+    return _timed(_stepper(step_fn, params, cfg, device, rank), device, steps, profiler)
 
 
 def job_throughput(rank, world, cfg, device, args) -> dict:
@@ -191,6 +215,27 @@ def job_throughput(rank, world, cfg, device, args) -> dict:
         out[backend] = {"ms": seconds * 1e3, "tokens_per_s": world * cfg["B"] * cfg["T"] / seconds,
                         "peak_mib": peak}
         del model, step
+        _empty(device)
+    return out
+
+
+def job_scaling(rank, world, cfg, device, args) -> dict:
+    """Per backend, a plain model and a DDP model on every rank, timed in turn for --rounds rounds:
+    the host's speed drifts by 15-25% within minutes on the lent machines, so one-GPU and N-GPU times
+    taken minutes apart (separate processes) do not give a trustworthy ratio. In the one-GPU phase
+    every rank trains its own plain model at once, no communication, so both phases share the host
+    the same way."""
+    out = {}
+    for backend in args.backends:
+        single_model, ddp_model = _model(cfg, device, PlainStack), _wrap(_model(cfg, device), world, device, args)
+        single = _stepper(_compiled(backend, single_model, args.precision, device),
+                          single_model.parameters(), cfg, device, rank)
+        ddp = _stepper(_compiled(backend, ddp_model, args.precision, device, reset=False),
+                       ddp_model.parameters(), cfg, device, rank)
+        rounds = [(_timed(single, device, args.steps), _timed(ddp, device, args.steps))
+                  for _ in range(args.rounds)]
+        out[backend] = {"single_ms": [1e3 * a for a, _ in rounds], "ddp_ms": [1e3 * b for _, b in rounds]}
+        del single_model, ddp_model, single, ddp
         _empty(device)
     return out
 
@@ -214,28 +259,6 @@ def job_overlap(rank, world, cfg, device, args) -> dict:
     return {"ms_per_step_profiled": ms, **overlap_of(prof.events())}
 
 
-def overlap_of(events) -> dict:
-    """NCCL kernel time, and how much of it runs while some other (compute) kernel runs."""
-    kernels = [(e.time_range.start, e.time_range.end, "nccl" in e.name.lower()) for e in events
-               if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
-    comm = [(s, e) for s, e, is_nccl in kernels if is_nccl]
-    compute = _union([(s, e) for s, e, is_nccl in kernels if not is_nccl])
-    total = sum(e - s for s, e in comm)
-    hidden = sum(max(0, min(e, ce) - max(s, cs)) for s, e in comm for cs, ce in compute)
-    return {"nccl_kernels": len(comm), "nccl_ms": total / 1e3, "overlapped_ms": hidden / 1e3,
-            "overlap_pct": 100 * hidden / total if total else None}
-
-
-def _union(intervals):
-    merged = []
-    for s, e in sorted(intervals):
-        if merged and s <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], e)
-        else:
-            merged.append([s, e])
-    return merged
-
-
 def _sync(device):
     if device == "cuda":
         torch.cuda.synchronize()
@@ -249,7 +272,8 @@ def _empty(device):
 # ---------------------------------------------------------------- processes
 
 JOBS = {"losses": job_losses, "allreduce": job_allreduce, "throughput": job_throughput,
-        "throughput_n": job_throughput, "overlap": job_overlap}
+        "throughput_n": job_throughput, "overlap": job_overlap,
+        "scaling": job_scaling}
 
 
 def _worker(rank, world, port, job_name, cfg, device, args, queue):
@@ -299,10 +323,12 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=8, help="per-GPU batch (sequences of 1024 tokens)")
     p.add_argument("--steps", type=int, default=20, help="timed steps per backend")
     p.add_argument("--loss-steps", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=5, help="scaling part: one-GPU and N-GPU timings in turn")
     p.add_argument("--precision", default="bf16", help="throughput and overlap parts (bf16, fp16 or none)")
     p.add_argument("--backends", default=",".join(BACKENDS))
     p.add_argument("--parts", default="losses,allreduce,throughput,overlap",
-                   help="throughput: 1 GPU and N; throughput_n: N only")
+                   help="throughput: 1 GPU and N (separate processes, with peak memory); throughput_n: "
+                        "N only; scaling: 1 GPU and N in turn in the same processes, medians of --rounds")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb")
     p.add_argument("--optimize-ddp", default="ddp_optimizer", type=lambda v: False if v == "off" else v,
                    help="torch._dynamo.config.optimize_ddp: ddp_optimizer (split the graph at bucket "
@@ -338,39 +364,8 @@ def main(argv=None) -> int:
                 continue
             results[f"{part}/{w}"] = got
     print(json.dumps(results, indent=1, default=str))
-    _print_table(results, world)
+    print_table(results, world)
     return 1 if failed else 0
-
-
-def _print_table(results, world):
-    """Losses side by side; the interconnect alone; per backend the step time on one GPU and on N,
-    the scaling, and how much of the all-reduce the backward hid: 1 - (t_N - t_1) / t_allreduce."""
-    if f"losses/{world}" in results:
-        ranks = results[f"losses/{world}"]
-        r = ranks[0]
-        print(f"\nlosses (rank 0) eager {['%.6f' % v for v in r['eager']]}\n"
-              f"losses (rank 0) fxopt {['%.6f' % v for v in r['fxopt']]}\n"
-              f"max relative difference over ranks: losses {max(v['max_rel_diff'] for v in ranks.values()):.2e}, "
-              f"parameters after the steps {max(v['param_rel_diff'] for v in ranks.values()):.2e}")
-    comm = results.get(f"allreduce/{world}", {}).get(0)
-    if comm:
-        print(f"\nall-reduce of the fp32 gradients alone: {comm['bytes'] / 2**20:.0f} MiB in {comm['ms']:.2f} ms "
-              f"(bus {comm['bus_gbs']:.0f} GB/s)")
-    one = results.get("throughput/1", {}).get(0, {})
-    many = results.get(f"throughput/{world}", {}).get(0) or results.get(f"throughput_n/{world}", {}).get(0)
-    if many:
-        print(f"\n| backend | 1 GPU ms/step | {world} GPUs ms/step | tokens/s {world} GPUs | scaling "
-              f"| all-reduce hidden | peak MiB (1 / {world}) |\n|---|---|---|---|---|---|---|")
-        for b, c in many.items():
-            a = one.get(b)
-            scaling = f"{c['tokens_per_s'] / a['tokens_per_s']:.2f}x" if a else "-"
-            hidden = f"{100 * (1 - (c['ms'] - a['ms']) / comm['ms']):.0f}%" if a and comm else "-"
-            peak = f"{a['peak_mib'] if a else float('nan'):.0f} / {c['peak_mib']:.0f}" if c["peak_mib"] else "-"
-            print(f"| {b} | {a['ms'] if a else float('nan'):.2f} | {c['ms']:.2f} | {c['tokens_per_s']:.0f} "
-                  f"| {scaling} | {hidden} | {peak} |")
-    if results.get(f"overlap/{world}", {}).get(0):
-        print(f"\nNCCL kernels vs compute kernels on rank 0 (3 fxopt DDP steps; an NCCL kernel's time includes "
-              f"waiting for the other rank): {results[f'overlap/{world}'][0]}")
 
 
 if __name__ == "__main__":

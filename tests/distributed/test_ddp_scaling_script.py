@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from benchmarks import ddp_scaling
+from benchmarks import ddp_report, ddp_scaling
 
 
 def _kernel(name, start, end):
@@ -20,7 +20,7 @@ def test_overlap_counts_nccl_time_that_runs_beside_compute():
               _kernel("ncclDevKernel_AllReduce", 300, 320),            # alone
               SimpleNamespace(name="aten::mm", device_type=torch.autograd.DeviceType.CPU,
                               time_range=SimpleNamespace(start=0, end=1000))]
-    got = ddp_scaling.overlap_of(events)
+    got = ddp_report.overlap_of(events)
     assert got["nccl_kernels"] == 2
     assert got["nccl_ms"] == pytest.approx(0.120)
     assert got["overlapped_ms"] == pytest.approx(0.030)
@@ -36,3 +36,11 @@ def test_losses_part_on_two_cpu_ranks(capsys):
     line = next(ln for ln in out.splitlines() if ln.startswith("max relative difference"))
     losses, params = (float(part.split()[-1]) for part in line.split(",")[-2:])
     assert losses < 1e-5 and params < 1e-3, line
+
+
+def test_scaling_table_takes_the_median_of_per_round_ratios(capsys):
+    ranks = {0: {"fxopt": {"single_ms": [10.0, 12.0, 11.0], "ddp_ms": [10.0, 15.0, 11.0]}}}
+    ddp_report.print_table({"scaling/2": ranks}, 2)
+    row = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| fxopt"))
+    # per-round ratios 2.0, 1.6, 2.0: median 2.0, range 1.6-2.0; medians of the times 11.0 and 11.0
+    assert row == "| fxopt | 11.00 | 11.00 | 2.00x | 1.60-2.00x | 3 |"

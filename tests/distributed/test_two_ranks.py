@@ -1,5 +1,6 @@
-"""fxopt under DDP and FSDP2, without GPUs: two processes, the gloo backend on the CPU, fused kernels in
-the Triton interpreter. Dynamo's DDP optimizer splits the model's graph at bucket boundaries and hands
+"""fxopt under DDP and FSDP2 on two ranks: without GPUs two processes with the gloo backend on the CPU,
+fused kernels in the Triton interpreter; where two GPUs are visible, the same jobs again with NCCL, one
+GPU a rank, on the real Triton compiler. Dynamo's DDP optimizer splits the model's graph at bucket boundaries and hands
 fxopt one graph per bucket; FSDP2 (`fully_shard` per block) compiles each block on its own. Losses and
 parameters must follow the eager run step by step, and functional collectives inside a compiled
 function must give eager's results with the arena plan applied."""
@@ -36,13 +37,13 @@ class MLP(nn.Module):
         return self.head(x)
 
 
-def _steps_side_by_side(compiled, model, ref, width: int, rank: int) -> list[list[float]]:
+def _steps_side_by_side(compiled, model, ref, width: int, rank: int, device: str) -> list[list[float]]:
     """3 SGD steps of the compiled model and of its eager twin on the same data: [[compiled, eager], ...]."""
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
     torch.manual_seed(1 + rank)  # each rank its own data: the gradient all-reduce matters
     losses = []
     for _ in range(3):
-        x = torch.randn(8, width)
+        x = torch.randn(8, width).to(device)
         pair = []
         for m, o in ((compiled, opt), (ref, ref_opt)):
             o.zero_grad()
@@ -54,15 +55,15 @@ def _steps_side_by_side(compiled, model, ref, width: int, rank: int) -> list[lis
     return losses
 
 
-def _ddp_steps(rank):
+def _ddp_steps(rank, device):
     from helpers import CountingBackend
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(0)
-    model = MLP()
+    model = MLP().to(device)
     ddp, ref = DDP(model, bucket_cap_mb=1), DDP(copy.deepcopy(model), bucket_cap_mb=1)
     backend = CountingBackend()
-    losses = _steps_side_by_side(torch.compile(ddp, backend=backend), ddp, ref, 512, rank)
+    losses = _steps_side_by_side(torch.compile(ddp, backend=backend), ddp, ref, 512, rank, device)
     worst = max((a - b).abs().max().item() for a, b in zip(ddp.parameters(), ref.parameters()))
     return {"losses": losses, "param_diff": worst, "graphs": backend.calls, "kernels": len(backend.report.kernels)}
 
@@ -88,14 +89,14 @@ class Stack(nn.Module):
         return self.head(x)
 
 
-def _fsdp2_steps(rank):
+def _fsdp2_steps(rank, device):
     from helpers import CountingBackend
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (WORLD,))
+    mesh = init_device_mesh(device, (WORLD,))
     torch.manual_seed(0)
-    model = Stack()
+    model = Stack().to(device)
     ref = copy.deepcopy(model)
     for m in (model, ref):
         for block in m.blocks:
@@ -104,7 +105,7 @@ def _fsdp2_steps(rank):
     backend = CountingBackend()
     for block in model.blocks:
         block.compile(backend=backend)
-    losses = _steps_side_by_side(model, model, ref, 64, rank)
+    losses = _steps_side_by_side(model, model, ref, 64, rank, device)
     worst = max((a.full_tensor() - b.full_tensor()).abs().max().item()
                 for a, b in zip(model.parameters(), ref.parameters()))
     return {"losses": losses, "param_diff": worst, "graphs": backend.calls, "kernels": len(backend.report.kernels)}
@@ -118,20 +119,26 @@ def _overlap(x):
     return gathered * 2, reduced + 1
 
 
-def _collectives(rank):
+def _collectives(rank, device):
     import fxopt
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank)).to(device)
     got = torch.compile(_overlap, backend=fxopt.backend(memory_plan="apply"), dynamic=False)(x)
     want = _overlap(x)
     return {"diff": max((g - w).abs().max().item() for g, w in zip(got, want))}
 
 
-def _worker(rank, port, job, queue):
+def _worker(rank, port, job, device, queue):
     try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TRITON_INTERPRET="1")
-        dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        if device == "cuda":  # one GPU a rank, NCCL, the real compiler; fp32 matmuls for the comparison
+            torch.cuda.set_device(rank)
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+            dist.init_process_group("nccl", rank=rank, world_size=WORLD, device_id=torch.device("cuda", rank))
+        else:
+            os.environ["TRITON_INTERPRET"] = "1"
+            dist.init_process_group("gloo", rank=rank, world_size=WORLD)
         try:
-            queue.put((rank, job(rank)))
+            queue.put((rank, job(rank, device)))
         finally:
             dist.destroy_process_group()
     except Exception:  # noqa: BLE001 (reported to the test, never a hang)
@@ -144,11 +151,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_on_two_ranks(job) -> dict:
+def run_on_two_ranks(job, device: str = "cpu") -> dict:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, job, queue)) for r in range(WORLD)]
+    procs = [ctx.Process(target=_worker, args=(r, port, job, device, queue)) for r in range(WORLD)]
     for p in procs:
         p.start()
     try:
@@ -163,9 +170,17 @@ def run_on_two_ranks(job) -> dict:
     return results
 
 
-@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
-def test_ddp_training_follows_eager_ddp_with_split_graphs():
-    for rank, r in run_on_two_ranks(_ddp_steps).items():
+DEVICES = pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                                 reason="needs torch.distributed with gloo")),
+    pytest.param("cuda", marks=pytest.mark.skipif(
+        not dist.is_available() or not dist.is_nccl_available() or torch.cuda.device_count() < WORLD,
+        reason="needs two GPUs and NCCL"))])
+
+
+@DEVICES
+def test_ddp_training_follows_eager_ddp_with_split_graphs(device):
+    for rank, r in run_on_two_ranks(_ddp_steps, device).items():
         assert r["graphs"] >= 2, r  # dynamo's DDP optimizer split the model at bucket boundaries
         assert r["kernels"] > 0, r  # fxopt fused something in them
         for compiled_loss, eager_loss in r["losses"]:
@@ -173,15 +188,15 @@ def test_ddp_training_follows_eager_ddp_with_split_graphs():
         assert r["param_diff"] < 1e-5, (rank, r)
 
 
-@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
-def test_functional_collectives_in_a_compiled_graph_with_the_arena_applied():
-    for rank, r in run_on_two_ranks(_collectives).items():
+@DEVICES
+def test_functional_collectives_in_a_compiled_graph_with_the_arena_applied(device):
+    for rank, r in run_on_two_ranks(_collectives, device).items():
         assert r["diff"] < 1e-5, (rank, r)
 
 
-@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
-def test_fsdp2_blocks_compiled_by_fxopt_follow_eager_fsdp2():
-    for rank, r in run_on_two_ranks(_fsdp2_steps).items():
+@DEVICES
+def test_fsdp2_blocks_compiled_by_fxopt_follow_eager_fsdp2(device):
+    for rank, r in run_on_two_ranks(_fsdp2_steps, device).items():
         assert r["graphs"] >= 1 and r["kernels"] > 0, r
         for compiled_loss, eager_loss in r["losses"]:
             assert compiled_loss == pytest.approx(eager_loss, rel=1e-5, abs=1e-6), (rank, r["losses"])
