@@ -60,14 +60,32 @@ def written_in_place(node: fx.Node) -> bool:
     return any(_writes_in_place(user) and user.args and user.args[0] is n for n in views for user in n.users)
 
 
-def is_module_buffer(node: fx.Node, example) -> bool:
-    """A placeholder dynamo lifted from a module's registered buffers (not a user input, not a parameter)."""
+def _grapharg_value(node: fx.Node):
+    """The real tensor dynamo recorded for a placeholder (a weak reference in its GraphArg), or None."""
+    grapharg = node.meta.get("grapharg")
+    ref = getattr(grapharg, "_example", None)
+    value = ref() if callable(ref) else None
+    return value if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor) else None
+
+
+def buffer_value(node: fx.Node, example):
+    """The value of a placeholder dynamo lifted from a module's registered buffers (not a user input,
+    not a parameter), or None. Dynamo's DDP optimizer compiles each piece of a split graph on fake
+    example inputs; the real buffer is then the one dynamo's GraphArg still refers to, if it matches the
+    fake example's layout."""
     grapharg = node.meta.get("grapharg")
     source = getattr(getattr(grapharg, "source", None), "name", "")
     source = source() if callable(source) else source
-    from_buffers = "_buffers[" in str(source) or "_buffers_" in node.name
-    real = isinstance(example, torch.Tensor) and not isinstance(example, FakeTensor)
-    return from_buffers and real and not isinstance(example, torch.nn.Parameter) and not example.requires_grad
+    if not ("_buffers[" in str(source) or "_buffers_" in node.name) or not isinstance(example, torch.Tensor):
+        return None
+    if isinstance(example, FakeTensor):
+        real = _grapharg_value(node)
+        same = real is not None and (real.shape, real.stride(), real.dtype) == (example.shape, example.stride(),
+                                                                                  example.dtype)
+        example = real if same and real.device.type == example.device.type else None
+    if example is None or isinstance(example, torch.nn.Parameter) or example.requires_grad:
+        return None
+    return example
 
 
 def _call(node: fx.Node, value_of):
@@ -85,7 +103,8 @@ class ConstantValues:
         examples = list(example_inputs) if example_inputs is not None else []
         self.gm = gm
         self.index = {n: i for i, n in enumerate(placeholders)}
-        self.buffers = {n: ex for n, ex in zip(placeholders, examples) if is_module_buffer(n, ex)}
+        values = {n: buffer_value(n, ex) for n, ex in zip(placeholders, examples)}
+        self.buffers = {n: v for n, v in values.items() if v is not None}
         self._constant: dict[fx.Node, bool] = {}
         self._value: dict[fx.Node, object] = {}
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ..analysis.attention_masks import MaskFacts, NotAttention
 from ..analysis.constant_values import ConstantValues
@@ -49,6 +50,8 @@ class InputGuard:
     site: str
 
     def check(self, tensor: torch.Tensor) -> None:
+        if isinstance(tensor, FakeTensor):  # dynamo's DDP optimizer runs each compiled piece on fake
+            return                          # inputs to find the next piece's: nothing real is computed
         if tensor._version == self.version and tensor.data_ptr() == self.snapshot_ptr:
             return
         if tensor.device.type == "cpu" or tensor.shape != self.snapshot.shape:

@@ -37,13 +37,15 @@ class MLP(nn.Module):
         return self.head(x)
 
 
-def _steps_side_by_side(compiled, model, ref, width: int, rank: int, device: str) -> list[list[float]]:
+def _steps_side_by_side(compiled, model, ref, width: int, rank: int, device: str,
+                        shape=None) -> list[list[float]]:
     """3 SGD steps of the compiled model and of its eager twin on the same data: [[compiled, eager], ...]."""
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
     torch.manual_seed(1 + rank)  # each rank its own data: the gradient all-reduce matters
     losses = []
     for _ in range(3):
         x = torch.randn(8, width).to(device)
+        x = x.view(shape) if shape else x
         pair = []
         for m, o in ((compiled, opt), (ref, ref_opt)):
             o.zero_grad()
@@ -66,6 +68,25 @@ def _ddp_steps(rank, device):
     losses = _steps_side_by_side(torch.compile(ddp, backend=backend), ddp, ref, 512, rank, device)
     worst = max((a - b).abs().max().item() for a, b in zip(ddp.parameters(), ref.parameters()))
     return {"losses": losses, "param_diff": worst, "graphs": backend.calls, "kernels": len(backend.report.kernels)}
+
+
+def _ddp_attention_steps(rank, device):
+    """GPT blocks with hand-written causal attention (a registered tril buffer) under DDP with small
+    buckets: dynamo compiles each piece on fake inputs, and the causal fact must still be read from the
+    real buffer (or the attention kernel reads a mask and skips no blocks)."""
+    import sys
+    from helpers import CountingBackend
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    from benchmarks.ddp_scaling import GPTStack
+
+    torch.manual_seed(0)
+    model = GPTStack(2, 256, 4, 8).to(device)  # 3 MiB of weights a block: several 1 MiB buckets
+    ddp, ref = DDP(model, bucket_cap_mb=1), DDP(copy.deepcopy(model), bucket_cap_mb=1)
+    backend = CountingBackend()
+    losses = _steps_side_by_side(torch.compile(ddp, backend=backend), ddp, ref, 256, rank, device, (2, 4, 256))
+    sites = [(s.fused, s.causal, s.mask) for s in backend.report.attention]
+    return {"losses": losses, "graphs": backend.calls, "sites": sites}
 
 
 class Block(nn.Module):
@@ -201,3 +222,15 @@ def test_fsdp2_blocks_compiled_by_fxopt_follow_eager_fsdp2(device):
         for compiled_loss, eager_loss in r["losses"]:
             assert compiled_loss == pytest.approx(eager_loss, rel=1e-5, abs=1e-6), (rank, r["losses"])
         assert r["param_diff"] < 1e-5, (rank, r)
+
+
+@DEVICES
+def test_ddp_split_graphs_keep_the_causal_fact_of_a_mask_buffer(device):
+    for rank, r in run_on_two_ranks(_ddp_attention_steps, device).items():
+        assert r["graphs"] >= 2, r  # split at bucket boundaries: pieces compiled on fake inputs
+        # one site a block, each causal from its own buffer, in the pieces of the whole model's graph
+        # (a backend failure on a piece would make dynamo fall back to compiling smaller frames)
+        assert [mask for fused, causal, mask in r["sites"] if fused and causal] == [
+            f"causal (from l_self_modules_blocks_modules_{i}_modules_attn_buffers_bias_)" for i in (0, 1)], r["sites"]
+        for compiled_loss, eager_loss in r["losses"]:
+            assert compiled_loss == pytest.approx(eager_loss, rel=1e-5, abs=1e-6), (rank, r["losses"])
