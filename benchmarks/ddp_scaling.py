@@ -17,7 +17,8 @@ all-reduce matters. The parts, each in processes of their own (one per rank):
               GPU without DDP and on N GPUs with DDP; scaling = N-GPU tokens/s over one-GPU tokens/s.
   scaling     the same at a fixed per-GPU batch, but one-GPU and N-GPU steps timed in turn for --rounds
               rounds in the same processes (median and range of the per-round ratio): the host's speed
-              drifts too much between separate runs for their ratio to mean much.
+              drifts too much between separate runs for their ratio to mean much. With --world 1, DDP
+              on a single rank: what DDP (and dynamo's graph splitting) costs without communication.
   overlap     a torch.profiler trace of fxopt DDP steps on rank 0: the share of NCCL kernel time that
               runs while a compute kernel runs on another stream (0% = fully exposed communication).
 
@@ -122,10 +123,11 @@ def _train(step_fn, params, cfg, device, rank, steps: int, first: int = 0) -> li
     return [float(v) for v in losses]
 
 
-def _wrap(model, world: int, device: str, args):
-    """DDP around `model` on more than one rank (buckets of --bucket-mb, gradients all-reduced in bf16
-    with --comm-hook bf16: DDP's own bf16_compress_hook, a user's choice fxopt leaves alone)."""
-    if world == 1:
+def _wrap(model, world: int, device: str, args, always: bool = False):
+    """DDP around `model` on more than one rank, or `always` (buckets of --bucket-mb, gradients
+    all-reduced in bf16 with --comm-hook bf16: DDP's own bf16_compress_hook, a user's choice fxopt
+    leaves alone)."""
+    if world == 1 and not always:
         return model
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -227,7 +229,8 @@ def job_scaling(rank, world, cfg, device, args) -> dict:
     the same way."""
     out = {}
     for backend in args.backends:
-        single_model, ddp_model = _model(cfg, device, PlainStack), _wrap(_model(cfg, device), world, device, args)
+        single_model = _model(cfg, device, PlainStack)
+        ddp_model = _wrap(_model(cfg, device), world, device, args, always=True)
         single = _stepper(_compiled(backend, single_model, args.precision, device),
                           single_model.parameters(), cfg, device, rank)
         ddp = _stepper(_compiled(backend, ddp_model, args.precision, device, reset=False),
@@ -282,14 +285,14 @@ def _worker(rank, world, port, job_name, cfg, device, args, queue):
         torch._dynamo.config.optimize_ddp = args.optimize_ddp
         if device == "cuda":
             torch.cuda.set_device(0 if args.share_gpu else rank)
-        if world > 1:
+        if world > 1 or job_name == "scaling":  # scaling wraps in DDP even on one rank
             nccl = device == "cuda" and not args.share_gpu  # NCCL refuses two ranks on one GPU
             dist.init_process_group("nccl" if nccl else "gloo", rank=rank, world_size=world,
                                     device_id=torch.device("cuda", rank) if nccl else None)
         try:
             queue.put((rank, JOBS[job_name](rank, world, cfg, device, args)))
         finally:
-            if world > 1:
+            if world > 1 or job_name == "scaling":  # scaling wraps in DDP even on one rank
                 dist.destroy_process_group()
     except Exception:  # noqa: BLE001 (the parent prints it and goes on with the other parts)
         queue.put((rank, {"error": traceback.format_exc()[-3000:]}))
@@ -347,7 +350,7 @@ def main(argv=None) -> int:
     on_gpus = args.device == "cuda" and not args.share_gpu
     world = args.world or (torch.cuda.device_count() if on_gpus else 2)
     cfg = _shapes(args)
-    if world < 2:
+    if world < 2 and args.parts != "scaling":  # scaling on one rank: DDP's own cost, no communication
         print(f"needs two ranks or more; {world} available", file=sys.stderr)
         return 2
     print(f"# ddp_scaling world={world} device={args.device} {cfg} precision={args.precision} "
