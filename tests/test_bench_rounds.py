@@ -1,6 +1,9 @@
 """benchmarks.run --rounds: backends timed in turn (the first one rotating), medians and ranges reported."""
 from types import SimpleNamespace
 
+import pytest
+import torch
+
 from benchmarks import measure, run
 
 
@@ -29,3 +32,13 @@ def test_loss_curve_script_compares_three_curves_on_the_cpu():
     assert set(c) == {"fxopt", "autocast", "fp32"} and all(len(v) == 2 for v in c.values())
     assert loss_curve.worst_relative(c["fxopt"], c["fp32"]) < 0.02
     assert loss_curve.worst_relative(c["fxopt"], c["autocast"]) < 0.02
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the interpreter truncates bf16 casts (the GPU rounds)")
+def test_bf16_training_follows_autocast_for_200_steps_on_cuda():
+    """Issue 6: a tiny GPT trained 200 AdamW steps with precision="bf16" follows torch.autocast's loss
+    curve within 1% at every step (on the H200: 0.53%, where autocast strays 0.44% from fp32)."""
+    from benchmarks import loss_curve
+    c = loss_curve.curves(steps=200, lr=1e-3, device="cuda")
+    assert c["fxopt"][-1] < 0.25 * c["fxopt"][0]  # it trained
+    assert loss_curve.worst_relative(c["fxopt"], c["autocast"]) < 0.01
