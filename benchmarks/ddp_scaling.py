@@ -85,9 +85,10 @@ def _batch(cfg, device, step: int, rank: int):
     return x, torch.randn(x.shape, generator=g).to(device)
 
 
-def _compiled(backend: str, model, precision: str | None, device: str, reset: bool = True):
+def _compiled(backend: str, model, precision: str | None, device: str, reset: bool = True, graphs: bool = False):
     """The training callable `backend` runs: model(x) -> loss, compiled and in mixed precision as asked
-    (`reset`: forget dynamo's earlier compiles first; False where an earlier model is still in use)."""
+    (`reset`: forget dynamo's earlier compiles first; False where an earlier model is still in use;
+    `graphs`: CUDA graphs, fxopt's cudagraphs=True and Inductor's mode="reduce-overhead")."""
     import fxopt
 
     def loss_fn(m, x, target):
@@ -96,9 +97,9 @@ def _compiled(backend: str, model, precision: str | None, device: str, reset: bo
     if reset:
         torch._dynamo.reset()
     if backend == "fxopt":
-        fn = torch.compile(model, backend=fxopt.backend(precision=precision))
+        fn = torch.compile(model, backend=fxopt.backend(precision=precision, cudagraphs=graphs))
         return lambda x, t: loss_fn(fn, x, t)
-    fn = model if backend == "eager" else torch.compile(model)
+    fn = model if backend == "eager" else torch.compile(model, mode="reduce-overhead" if graphs else None)
     if precision is None:
         return lambda x, t: loss_fn(fn, x, t)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
@@ -145,7 +146,7 @@ def job_losses(rank, world, cfg, device, args) -> dict:
     out, params = {}, {}
     for backend in ("eager", "fxopt"):
         model = _wrap(_model(cfg, device), world, device, args)
-        step = _compiled(backend, model, None, device)
+        step = _compiled(backend, model, None, device, graphs=args.cudagraphs)
         out[backend] = _train(step, model.parameters(), cfg, device, rank, args.loss_steps)
         params[backend] = [p.detach().clone() for p in model.parameters()]
     rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(out["fxopt"], out["eager"]))
@@ -209,7 +210,7 @@ def job_throughput(rank, world, cfg, device, args) -> dict:
     out = {}
     for backend in args.backends:
         model = _wrap(_model(cfg, device), world, device, args)
-        step = _compiled(backend, model, args.precision, device)
+        step = _compiled(backend, model, args.precision, device, graphs=args.cudagraphs)
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         seconds = _time_steps(step, model.parameters(), cfg, device, rank, args.steps)
@@ -231,9 +232,9 @@ def job_scaling(rank, world, cfg, device, args) -> dict:
     for backend in args.backends:
         single_model = _model(cfg, device, PlainStack)
         ddp_model = _wrap(_model(cfg, device), world, device, args, always=True)
-        single = _stepper(_compiled(backend, single_model, args.precision, device),
+        single = _stepper(_compiled(backend, single_model, args.precision, device, graphs=args.cudagraphs),
                           single_model.parameters(), cfg, device, rank)
-        ddp = _stepper(_compiled(backend, ddp_model, args.precision, device, reset=False),
+        ddp = _stepper(_compiled(backend, ddp_model, args.precision, device, reset=False, graphs=args.cudagraphs),
                        ddp_model.parameters(), cfg, device, rank)
         rounds = [(_timed(single, device, args.steps), _timed(ddp, device, args.steps))
                   for _ in range(args.rounds)]
@@ -248,7 +249,7 @@ def job_overlap(rank, world, cfg, device, args) -> dict:
     the busiest GPU kernels and host operations."""
     from torch.profiler import ProfilerActivity, profile
     model = _wrap(_model(cfg, device), world, device, args)
-    step = _compiled("fxopt", model, args.precision, device)
+    step = _compiled("fxopt", model, args.precision, device, graphs=args.cudagraphs)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     prof = profile(activities=activities)
     ms = 1e3 * _time_steps(step, model.parameters(), cfg, device, rank, 3, profiler=prof)
@@ -337,6 +338,8 @@ def main(argv=None) -> int:
                    help="torch._dynamo.config.optimize_ddp: ddp_optimizer (split the graph at bucket "
                         "boundaries, the default) or off (one graph; buckets all-reduced after the backward)")
     p.add_argument("--comm-hook", default="none", choices=("none", "bf16"))
+    p.add_argument("--cudagraphs", action="store_true",
+                   help="compiled steps replayed as CUDA graphs (fxopt cudagraphs=True, Inductor reduce-overhead)")
     p.add_argument("--trace", default="", help="write rank 0's chrome trace of the overlap part here")
     p.add_argument("--share-gpu", action="store_true",
                    help="every rank on GPU 0 through gloo (checks results where only one GPU is lent)")
