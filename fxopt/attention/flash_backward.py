@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..codegen.wrapper_runtime import cdiv, next_power_of_2
 from .flash_common import (
     LOG2E, backward_config, check_attention_inputs, check_device, dot_precision, key_ranges, launcher,
     load_rows, load_tile, mask_arguments, mask_in_base2, query_ranges, resolve_config, store_rows, store_tile,
@@ -50,7 +51,7 @@ def flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     use_tma, cfg = _backward_plan((dout, q, k, v, out, lse, mask), scale, causal, frozen(config))
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = next_power_of_2(head_dim)
     lse = lse.contiguous()
     delta = torch.empty_like(lse)
     shared = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, EVEN_D=head_dim == block_d,
@@ -59,7 +60,7 @@ def flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     mask_args = mask_arguments(mask, q)
 
     block_m = cfg["DQ_BLOCK_M"]
-    launcher(_delta_kernel, (triton.cdiv(seq_q, block_m), batch * heads), q.device)(
+    launcher(_delta_kernel, (cdiv(seq_q, block_m), batch * heads), q.device)(
         out, dout, delta, *out.stride(), *dout.stride(), heads, seq_q,
         BLOCK_M=block_m, EVEN_M=seq_q % block_m == 0, **shared)
     if use_tma:
@@ -67,14 +68,14 @@ def flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))  # each laid out like its input
 
     block_m, block_n = cfg["DKDV_BLOCK_M"], cfg["DKDV_BLOCK_N"]
-    launcher(_dkdv_kernel, (triton.cdiv(seq_k, block_n), batch * kv_heads), q.device)(
+    launcher(_dkdv_kernel, (cdiv(seq_k, block_n), batch * kv_heads), q.device)(
         q, k, v, *mask_args, dout, lse, delta, dk, dv,
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
         kv_heads, heads // kv_heads, seq_q, seq_k, scale, scale * LOG2E.value,
         BLOCK_M=block_m, BLOCK_N=block_n, EVEN_M=seq_q % block_m == 0, EVEN_N=seq_k % block_n == 0, **attention)
 
     block_m, block_n = cfg["DQ_BLOCK_M"], cfg["DQ_BLOCK_N"]
-    launcher(_dq_kernel, (triton.cdiv(seq_q, block_m), batch * heads), q.device)(
+    launcher(_dq_kernel, (cdiv(seq_q, block_m), batch * heads), q.device)(
         q, k, v, *mask_args, dout, lse, delta, dq,
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(),
         heads, heads // kv_heads, seq_q, seq_k, scale, scale * LOG2E.value,

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..codegen.wrapper_runtime import cdiv
 from .flash_common import LOG2E, key_ranges, launcher, load_rows, query_ranges, visible
 from .flash_forward_tma import descriptor, query_block_program
 
@@ -35,14 +36,14 @@ def flash_backward_tma(dout, q, k, v, lse, delta, *, scale: float, causal: bool,
     shared = dict(HEAD_DIM=head_dim, CAUSAL=causal, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
     block_m, block_n = cfg["DKDV_BLOCK_M"], cfg["DKDV_BLOCK_N"]
-    launcher(_dkdv_tma_kernel, (triton.cdiv(seq_k, block_n), batch * kv_heads), q.device)(
+    launcher(_dkdv_tma_kernel, (cdiv(seq_k, block_n), batch * kv_heads), q.device)(
         descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(dout, block_m),
         descriptor(dk, block_n), descriptor(dv, block_n), lse, delta,
         kv_heads, heads // kv_heads, seq_q, seq_k, scale, scale * LOG2E.value,
         BLOCK_M=block_m, BLOCK_N=block_n, EVEN_M=seq_q % block_m == 0, **shared)
 
     block_m, block_n = cfg["DQ_BLOCK_M"], cfg["DQ_BLOCK_N"]
-    launcher(_dq_tma_kernel, (triton.cdiv(seq_q, block_m), batch * heads), q.device)(
+    launcher(_dq_tma_kernel, (cdiv(seq_q, block_m), batch * heads), q.device)(
         descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(dout, block_m),
         descriptor(dq, block_m), lse, delta,
         heads, heads // kv_heads, seq_q, seq_k, scale, scale * LOG2E.value,

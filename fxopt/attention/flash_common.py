@@ -19,6 +19,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..codegen.interpreter_guard import launcher as launch_guarded
+from ..codegen.wrapper_runtime import next_power_of_2
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # scores are kept in base 2: exp(x) = exp2(x * LOG2E)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -119,7 +120,7 @@ def _fit_blocks(cfg: dict, lengths: dict) -> dict:
     """Shrink blocks longer than their sequence (down to 16, tl.dot's least size): a 1-row decode
     query should not pay for a 128-row tile."""
     for key, length in lengths.items():
-        cfg[key] = min(cfg[key], max(16, triton.next_power_of_2(length)))
+        cfg[key] = min(cfg[key], max(16, next_power_of_2(length)))
     return cfg
 
 

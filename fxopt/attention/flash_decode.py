@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..codegen.wrapper_runtime import cdiv, next_power_of_2
 from .flash_common import (
     check_attention_inputs, dot_precision, is_power_of_two, launcher, mask_arguments, mask_in_base2,
 )
@@ -76,7 +77,7 @@ def flash_decode(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool,
     kv_heads, seq_k = k.shape[1], k.shape[2]
     group = heads // kv_heads
     block_m = _block_rows(group * seq_q, cfg["BLOCK_M"])
-    row_blocks = triton.cdiv(group * seq_q, block_m)
+    row_blocks = cdiv(group * seq_q, block_m)
     splits = _resolve_splits(num_splits, batch * kv_heads * row_blocks, seq_k, cfg["BLOCK_N"], q.device)
     keys_per_split = _keys_per_split(seq_k, splits, cfg["BLOCK_N"])
 
@@ -86,7 +87,7 @@ def flash_decode(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool,
     out = torch.empty(batch, heads, seq_q, head_dim, device=q.device, dtype=q.dtype)
     lse = torch.empty(batch, heads, seq_q, device=q.device, dtype=torch.float32)
 
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = next_power_of_2(head_dim)
     mask_arg, *mask_strides = mask_arguments(mask, q)
     launcher(_split_partials_kernel, (splits, batch * kv_heads, row_blocks), q.device)(
         q, k, v, mask_arg, part_acc, part_max, part_sum,
@@ -97,7 +98,7 @@ def flash_decode(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     launcher(_combine_splits_kernel, (batch * heads * seq_q,), q.device)(
         part_acc, part_max, part_sum, out, lse, splits,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=min(triton.next_power_of_2(splits), 16), num_warps=4)
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=min(next_power_of_2(splits), 16), num_warps=4)
     return out, lse
 
 
@@ -122,12 +123,12 @@ def _resolve_splits(num_splits: int | None, programs_per_split: int, seq_k: int,
             raise ValueError(f"flash_decode: num_splits must be a positive int, got {num_splits!r}")
         return num_splits
     splits = default_num_splits(programs_per_split, seq_k, _sm_count(device))
-    return triton.cdiv(seq_k, _keys_per_split(seq_k, splits, block_n))
+    return cdiv(seq_k, _keys_per_split(seq_k, splits, block_n))
 
 
 def _keys_per_split(seq_k: int, splits: int, block_n: int) -> int:
     """Whole key blocks per split, so a split's blocks never straddle two splits."""
-    return triton.cdiv(triton.cdiv(seq_k, splits), block_n) * block_n
+    return cdiv(cdiv(seq_k, splits), block_n) * block_n
 
 
 @functools.lru_cache(maxsize=None)
@@ -139,7 +140,7 @@ def _sm_count(device: torch.device) -> int:
 
 def _block_rows(rows: int, most: int) -> int:
     """Tile rows for the packed (query head, query) rows: a power of two, at least 16 (tl.dot's minimum)."""
-    return max(16, min(triton.next_power_of_2(rows), most))
+    return max(16, min(next_power_of_2(rows), most))
 
 
 def _launch_config(q: Tensor, config: dict | None) -> dict:

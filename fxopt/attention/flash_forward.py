@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..codegen.wrapper_runtime import cdiv, next_power_of_2
 from .flash_common import (
     LN2, LOG2E, check_attention_inputs, dot_precision, forward_config, key_ranges, launcher, load_tile, mask_in_base2,
     mask_arguments, resolve_config, store_rows, store_tile, tile_ptrs, visible,
@@ -60,11 +61,11 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = next_power_of_2(head_dim)
 
     out = torch.empty_like(q)  # q's memory order: [B, T, H, D] for model code's transposed views
     lse = torch.empty(batch, heads, seq_q, device=q.device, dtype=torch.float32)
-    grid = (triton.cdiv(seq_q, block_m), batch * heads)
+    grid = (cdiv(seq_q, block_m), batch * heads)
     launcher(_flash_forward_kernel, grid, q.device)(
         q, k, v, *mask_arguments(mask, q), out, lse,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..codegen.wrapper_runtime import cdiv
 from .flash_common import LN2, key_ranges, launcher, store_rows, visible
 
 try:  # triton >= 3.4
@@ -86,7 +87,7 @@ def flash_forward_tma(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: 
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     out = torch.empty_like(q)  # q's memory order, as flash_forward promises
     lse = torch.empty(batch, heads, seq_q, device=q.device, dtype=torch.float32)
-    grid = (triton.cdiv(seq_q, block_m), batch * heads)
+    grid = (cdiv(seq_q, block_m), batch * heads)
     launcher(_flash_forward_tma_kernel, grid, q.device)(
         descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(out, block_m), lse,
         heads, heads // kv_heads, seq_q, seq_k, scale * 1.4426950408889634,

@@ -1,7 +1,7 @@
 """What codegen hands the wrapper for every generated kernel: its source and how to launch it.
 
 For a graph with symbolic sizes, int_args may be sympy expressions of the size symbols, and grid,
-constexpr and num_warps entries may be Python source over them (`triton.cdiv(s0*768, 1024)`): the
+constexpr and num_warps entries may be Python source over them (`cdiv(s0*768, 1024)`): the
 wrapper binds the symbols from the call's inputs, so all of these are evaluated at call time."""
 from __future__ import annotations
 

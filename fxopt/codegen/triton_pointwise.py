@@ -29,7 +29,7 @@ along the axis its address is contiguous in:
 
 With symbolic sizes (dynamic shapes) the size symbols are kernel arguments after the numels
 (`xnumel, s0, s1`), addresses are sympy over them, indexing is int64, and the wrapper computes the
-grid per call (`triton.cdiv(xnumel, XBLOCK)`); a 2-D tiling needs a static innermost dim (grid axis
+grid per call (`cdiv(xnumel, XBLOCK)`); a 2-D tiling needs a static innermost dim (grid axis
 1 has a limit that a symbolic one could pass).
 """
 from __future__ import annotations
@@ -88,7 +88,7 @@ def _pow2(n) -> int:
 def cdiv_source(numel, block: int):
     """The programs that cover numel in blocks: an int, or source the wrapper evaluates per call."""
     if is_symbolic(numel):
-        return f"triton.cdiv({pexpr(numel)}, {block})"
+        return f"cdiv({pexpr(numel)}, {block})"
     return -(-numel // block)
 
 

@@ -194,7 +194,7 @@ class ReductionEmitter(PointwiseEmitter):
         kernel = self._kernel(self.name, source, grid, consts, warps, kind, setup)
         if alternative is not None:
             kernel.alternative = alternative
-            kernel.alternative_when = f"triton.next_power_of_2({pexpr(self.rnumel)}) <= {PERSISTENT_MAX}"
+            kernel.alternative_when = f"next_power_of_2({pexpr(self.rnumel)}) <= {PERSISTENT_MAX}"
         return kernel
 
     def _kernel(self, name, source, grid, consts, warps, kind, setup) -> Kernel:
@@ -217,20 +217,20 @@ class ReductionEmitter(PointwiseEmitter):
         source = self._function(name, "persistent", prelude + self._persistent(), ["in", "out"], ints,
                                 ["XBLOCK", "RBLOCK"])
         r, x = f"{name}_RBLOCK", f"{name}_XBLOCK"
-        setup = [f"{r} = triton.next_power_of_2({pexpr(self.rnumel)})",
-                 f"{x} = max(1, min(triton.next_power_of_2({pexpr(self.xnumel)}), 2048 // {r}))"]
+        setup = [f"{r} = next_power_of_2({pexpr(self.rnumel)})",
+                 f"{x} = max(1, min(next_power_of_2({pexpr(self.xnumel)}), 2048 // {r}))"]
         warps = f"max(2, min(8, {x} * {r} // 1024))"
-        return self._kernel(name, source, f"triton.cdiv({pexpr(self.xnumel)}, {x})", {"XBLOCK": x, "RBLOCK": r},
+        return self._kernel(name, source, f"cdiv({pexpr(self.xnumel)}, {x})", {"XBLOCK": x, "RBLOCK": r},
                             warps, "persistent (row length per call)", setup)
 
     def _per_call_config(self):
         """(grid, constexprs, num_warps, wrapper lines) of a row whose length is known only per call:
         RBLOCK = the row's next power of two up to LOOP_RBLOCK, XBLOCK rows filling ~2048 lanes."""
         r, x = f"{self.name}_RBLOCK", f"{self.name}_XBLOCK"
-        setup = [f"{r} = min({LOOP_RBLOCK}, triton.next_power_of_2({pexpr(self.rnumel)}))",
-                 f"{x} = max(1, min(triton.next_power_of_2({pexpr(self.xnumel)}), 2048 // {r}))"]
+        setup = [f"{r} = min({LOOP_RBLOCK}, next_power_of_2({pexpr(self.rnumel)}))",
+                 f"{x} = max(1, min(next_power_of_2({pexpr(self.xnumel)}), 2048 // {r}))"]
         warps = f"max(1, min(16, {x} * {r} // 256))"
-        return f"triton.cdiv({pexpr(self.xnumel)}, {x})", {"XBLOCK": x, "RBLOCK": r}, warps, setup
+        return f"cdiv({pexpr(self.xnumel)}, {x})", {"XBLOCK": x, "RBLOCK": r}, warps, setup
 
     def _function(self, name: str, kind: str, body: list[str], pointers: list[str], ints: list[str],
                   consts: list[str], n_ws: int = 0) -> str:

@@ -35,8 +35,8 @@ import torch
 import triton
 import triton.language as tl
 {libdevice}{extra}
-from fxopt.codegen.wrapper_runtime import (check_layout, device_guard, empty_strided_cpu, empty_strided_cuda,
-                                          reinterpret_tensor)
+from fxopt.codegen.wrapper_runtime import (cdiv, check_layout, device_guard, empty_strided_cpu,
+                                          empty_strided_cuda, next_power_of_2, reinterpret_tensor)
 aten = torch.ops.aten
 prims = torch.ops.prims
 empty_strided = torch.empty_strided

@@ -12,6 +12,9 @@ use torch's own C entry points, the ones Inductor's wrappers use:
     the layout (the wrapper uses it only where base's layout is proven: wrapper._known_layouts).
   - `check_layout`: `assert_size_stride` in C (sizes, and strides of dims longer than 1, the only ones
     a kernel's indexing reads), with fxopt's message when it fails.
+  - `cdiv`, `next_power_of_2`: grids and block sizes computed per call (symbolic sizes, attention
+    launches) in plain Python: Triton's own (3.5 and later) are constexpr functions whose call wrapper
+    costs ~8 us each on the CPU host, four of them per symbolic reduction launch.
 A torch without these entry points gets the plain torch calls (same results, slower).
 """
 from __future__ import annotations
@@ -50,3 +53,13 @@ def check_layout(t, size, stride, name):
         return
     raise RuntimeError(f"fxopt: input '{name}' has shape {tuple(t.shape)} stride {tuple(t.stride())}, "
                        f"compiled for shape {size} stride {stride}; recompile for this layout")
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for ints, as triton.cdiv."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (0 for n <= 0), as triton.next_power_of_2 for the sizes it gets."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0

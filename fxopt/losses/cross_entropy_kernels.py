@@ -27,6 +27,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..codegen.interpreter_guard import launcher
+from ..codegen.wrapper_runtime import next_power_of_2
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 GPU_BLOCK_V = 4096  # logits per step on the GPU (see row_config)
@@ -38,7 +39,7 @@ def row_config(n_cols: int, device_type: str, block_v: int | None = None) -> dic
     a power of two). On the GPU, 4096 logits over 8 warps is 16 per thread (two 16-byte loads in
     bf16): a starting point, not yet tuned on the H200."""
     cap = block_v or (GPU_BLOCK_V if device_type == "cuda" else CPU_BLOCK_V)
-    block = min(triton.next_power_of_2(max(n_cols, 1)), triton.next_power_of_2(cap))
+    block = min(next_power_of_2(max(n_cols, 1)), next_power_of_2(cap))
     return dict(BLOCK_V=block, num_warps=8 if block >= 2048 else 4)
 
 
