@@ -84,9 +84,17 @@ def _ddp_attention_steps(rank, device):
     model = GPTStack(2, 256, 4, 8).to(device)  # 3 MiB of weights a block: several 1 MiB buckets
     ddp, ref = DDP(model, bucket_cap_mb=1), DDP(copy.deepcopy(model), bucket_cap_mb=1)
     backend = CountingBackend()
-    losses = _steps_side_by_side(torch.compile(ddp, backend=backend), ddp, ref, 256, rank, device, (2, 4, 256))
+    compiled = torch.compile(ddp, backend=backend)
+    losses = _steps_side_by_side(compiled, ddp, ref, 256, rank, device, (2, 4, 256))
     sites = [(s.fused, s.causal, s.mask) for s in backend.report.attention]
-    return {"losses": losses, "graphs": backend.calls, "sites": sites}
+    refused = None
+    if device == "cpu":  # a changed mask buffer is refused (on a GPU: a device-side assertion, fatal)
+        model.blocks[1].attn.bias.fill_(1.0)
+        try:
+            compiled(torch.randn(2, 4, 256))
+        except Exception as e:  # noqa: BLE001 (the message is what the test checks)
+            refused = str(e)
+    return {"losses": losses, "graphs": backend.calls, "sites": sites, "refused": refused}
 
 
 class Block(nn.Module):
@@ -232,5 +240,7 @@ def test_ddp_split_graphs_keep_the_causal_fact_of_a_mask_buffer(device):
         # (a backend failure on a piece would make dynamo fall back to compiling smaller frames)
         assert [mask for fused, causal, mask in r["sites"] if fused and causal] == [
             f"causal (from l_self_modules_blocks_modules_{i}_modules_attn_buffers_bias_)" for i in (0, 1)], r["sites"]
+        if device == "cpu":  # the piece's guard watches the real buffer: no answer from the old fact
+            assert r["refused"] and "changed after compilation" in r["refused"], r["refused"]
         for compiled_loss, eager_loss in r["losses"]:
             assert compiled_loss == pytest.approx(eager_loss, rel=1e-5, abs=1e-6), (rank, r["losses"])
