@@ -128,6 +128,37 @@ def test_block_is_as_accurate_as_autocast(name, precision, monkeypatch):
     assert len(attention) == 1 and f"# ({SHORT[precision]}[" in attention[0], attention  # runs in the low dtype
 
 
+def _forward_backward(model, fn, inputs, dy):
+    """The block's output and the gradients of (output * dy).sum() w.r.t. its input and parameters."""
+    model = copy.deepcopy(model).train(False)
+    x = inputs[0].detach().clone().requires_grad_(True)
+    out = fn(model)(x, *inputs[1:])
+    (out.float() * dy).sum().backward()
+    return [out, x.grad] + [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_block_gradients_are_as_accurate_as_autocast_in_fp16(name):
+    """Training: the output and every gradient (input, each parameter) within 1.5x of autocast's relative
+    error against float64, in fp16 so that every forward and backward kernel runs in the interpreter
+    (its bf16 casts truncate, see above; bf16 training accuracy is the GPU runner's check)."""
+    model, inputs = block_and_inputs(name)
+    dy = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(1))
+    ref = _forward_backward(model.double(), lambda m: m, [t.double() for t in inputs], dy.double())
+    model = model.float()
+
+    def autocast(m):
+        def run(*args):
+            with torch.autocast("cpu", dtype=torch.float16):
+                return m(*args)
+        return run
+    theirs = _forward_backward(model, autocast, inputs, dy)
+    ours = _forward_backward(model, lambda m: compile_fxopt(m, precision="fp16"), inputs, dy)
+    assert ours[0].dtype == torch.float32 and all(g.dtype == torch.float32 for g in ours[1:])
+    for i, (o, t, r) in enumerate(zip(ours, theirs, ref)):
+        assert rel_error(o, r) <= 1.5 * rel_error(t, r) + 1e-6, (i, rel_error(o, r), rel_error(t, r))
+
+
 def _is_kernel(node) -> bool:
     return node.op == "call_module" and str(node.target).startswith(FUSED_PREFIX)
 
