@@ -44,3 +44,13 @@ def test_scaling_table_takes_the_median_of_per_round_ratios(capsys):
     row = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| fxopt"))
     # per-round ratios 2.0, 1.6, 2.0: median 2.0, range 1.6-2.0; medians of the times 11.0 and 11.0
     assert row == "| fxopt | 11.00 | 11.00 | 2.00x | 1.60-2.00x | 3 |"
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
+def test_scaling_part_times_plain_and_ddp_models_in_turn(capsys):
+    code = ddp_scaling.main(["--device", "cpu", "--quick", "--parts", "scaling", "--rounds", "2", "--steps", "1",
+                             "--backends", "eager", "--precision", "none", "--timeout", "240"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    row = next(ln for ln in out.splitlines() if ln.startswith("| eager"))
+    assert row.endswith("| 2 |"), row  # two rounds, each a plain and a DDP timing
