@@ -4,6 +4,7 @@ from __future__ import annotations
 from .options import Options
 from .passes.attention import FuseAttention
 from .passes.cleanup import Cleanup
+from .passes.collective_waits import SinkCollectiveWaits
 from .passes.cross_entropy import FuseCrossEntropy
 from .passes.fuse import FusePointwise
 from .passes.fuse_reductions import FuseReductions
@@ -36,5 +37,6 @@ def post_grad_passes(options: Options) -> list:
         FuseReductions(),  # reductions take their pointwise producers and consumers first (softmax, norms)
         FusePointwise(),  # the remaining elementwise chains -> one submodule (one Triton kernel) per group
         Cleanup(name="cleanup_after_fuse"),  # views that fed a group and are now unused disappear
+        SinkCollectiveWaits(),  # a collective's wait moves to its result's first use: the compute between overlaps
     ]
     return [p for p in passes if p.name not in options.skip_passes]  # Options.skip_passes: see one pass's effect

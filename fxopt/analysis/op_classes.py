@@ -124,7 +124,8 @@ FALLBACK_REASONS = {
     "reduction": "reduction: stays an ATen call (reduction fusion is not built yet)",
     "random": "random op: stays an ATen call so it draws from torch's generator",
     "creation": "creation op: stays an ATen call (allocates its own output)",
-    "collective": "collective communication: stays an ATen call, in its place (never reordered)",
+    "collective": "collective communication: stays an ATen call; collectives keep their order, a wait "
+                  "moves down to its result's first use (passes/collective_waits.py)",
     "other": "no Triton lowering for this op yet",
 }
 

@@ -35,7 +35,43 @@ def test_collectives_stay_aten_calls_in_order_with_the_reason(fake_group):
              if "_c10d_functional." in line and "wait_tensor" not in line]
     assert calls == ["all_gather_into_tensor", "all_reduce"]  # the program's order
     reasons = [r for n, r in rep.fallbacks if "all_" in n or "wait" in n]
-    assert reasons and all("collective communication" in r and "never reordered" in r for r in reasons)
+    assert reasons and all("collective communication" in r and "keep their order" in r for r in reasons)
+
+
+def _wrapper_lines(rep) -> list[str]:
+    src = rep.graphs[0].wrapper_source
+    body = src[src.index("def call"):]
+    return [ln.strip() for ln in body[:body.index("return")].splitlines() if ln.strip()]
+
+
+def test_waits_move_to_the_end_when_their_values_only_reach_outputs(fake_group):
+    """Both collectives are issued before either wait; the waits, and the kernels that only turn their
+    results into outputs, run last (the communication overlaps whatever runs in between)."""
+    lines = _wrapper_lines(fxopt.explain(_reduce_then_gather, torch.randn(4, 8)))
+    at = lambda text: next(i for i, ln in enumerate(lines) if text in ln)  # noqa: E731
+    issued = [at("all_gather_into_tensor.default("), at("all_reduce.default(")]
+    waits = [i for i, ln in enumerate(lines) if "wait_tensor.default(" in ln]
+    assert len(waits) == 2 and max(issued) < min(waits), lines
+    assert all("wait_tensor" in ln or ln.startswith(("del ", "fused")) for ln in lines[min(waits):]), \
+        lines[min(waits):]  # only the waits and the outputs' kernels after them
+
+
+def _reduce_then_write(x, buf):
+    reduced = funcol.all_reduce(x * 2, "sum", dist.group.WORLD)
+    buf.add_(1)  # an in-place write: a wait never moves past it
+    return reduced + 1
+
+
+def test_a_wait_never_moves_past_an_in_place_write(fake_group):
+    from fxopt.pass_manager import PassContext
+    from fxopt.options import Environment, Options
+    from fxopt.passes.collective_waits import SinkCollectiveWaits
+    gm = make_fx(_reduce_then_write)(torch.randn(4, 8), torch.zeros(4, 8))
+    SinkCollectiveWaits()(gm, PassContext(Options(), Environment.read()))
+    order = [str(n.target) for n in gm.graph.nodes]
+    wait = next(i for i, t in enumerate(order) if "wait_tensor" in t)
+    write = next(i for i, t in enumerate(order) if "add_" in t)
+    assert wait < write, order
 
 
 def test_async_collective_input_lives_until_its_wait(fake_group):

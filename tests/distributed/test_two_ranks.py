@@ -70,6 +70,28 @@ def _ddp_steps(rank, device):
     return {"losses": losses, "param_diff": worst, "graphs": backend.calls, "kernels": len(backend.report.kernels)}
 
 
+def _ddp_python_reducer_steps(rank, device):
+    """DDP's python reducer under compiled autograd: the gradient all-reduces are in the compiled backward
+    graph itself (all_reduce, wait, copy into the gradient, per parameter), where fxopt moves the waits
+    and the copies after the rest of the backward so that the communication overlaps it."""
+    from helpers import CountingBackend
+    from torch._dynamo import compiled_autograd
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch._dynamo.config.optimize_ddp = "python_reducer"
+    torch.manual_seed(0)
+    model = MLP().to(device)
+    ddp, ref = DDP(model, bucket_cap_mb=1), DDP(copy.deepcopy(model), bucket_cap_mb=1)
+    backend = CountingBackend()
+    enable = getattr(compiled_autograd, "_enable", None) or compiled_autograd.enable
+    with enable(torch.compile(backend=backend)):
+        losses = _steps_side_by_side(torch.compile(ddp, backend=backend), ddp, ref, 512, rank, device)
+    worst = max((a - b).abs().max().item() for a, b in zip(ddp.parameters(), ref.parameters()))
+    deferred = sum(p.stats.get("tail_nodes_deferred", 0) for g in backend.report.graphs for p in g.passes
+                   if p.name == "sink_collective_waits")
+    return {"losses": losses, "param_diff": worst, "deferred": deferred}
+
+
 def _ddp_attention_steps(rank, device):
     """GPT blocks with hand-written causal attention (a registered tril buffer) under DDP with small
     buckets: dynamo compiles each piece on fake inputs, and the causal fact must still be read from the
@@ -244,3 +266,12 @@ def test_ddp_split_graphs_keep_the_causal_fact_of_a_mask_buffer(device):
             assert r["refused"] and "changed after compilation" in r["refused"], r["refused"]
         for compiled_loss, eager_loss in r["losses"]:
             assert compiled_loss == pytest.approx(eager_loss, rel=1e-5, abs=1e-6), (rank, r["losses"])
+
+
+@DEVICES
+def test_ddp_python_reducer_all_reduces_in_the_backward_graph_overlap_it(device):
+    for rank, r in run_on_two_ranks(_ddp_python_reducer_steps, device).items():
+        assert r["deferred"] > 0, r  # waits and gradient copies moved behind the backward's compute
+        for compiled_loss, eager_loss in r["losses"]:
+            assert compiled_loss == pytest.approx(eager_loss, rel=1e-5, abs=1e-6), (rank, r["losses"])
+        assert r["param_diff"] < 1e-5, (rank, r)
