@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import json
 import os
 import socket
@@ -96,19 +97,38 @@ def _compiled(backend: str, model, precision: str | None, device: str, reset: bo
 
     if reset:
         torch._dynamo.reset()
+    # DDP's python reducer puts the all-reduces into the backward graph that compiled autograd compiles
+    # (with the same compiler as the forward); the other modes keep autograd's own engine
+    reducer = torch._dynamo.config.optimize_ddp == "python_reducer" and backend != "eager"
     if backend == "fxopt":
-        fn = torch.compile(model, backend=fxopt.backend(precision=precision, cudagraphs=graphs))
-        return lambda x, t: loss_fn(fn, x, t)
-    fn = model if backend == "eager" else torch.compile(model, mode="reduce-overhead" if graphs else None)
-    if precision is None:
-        return lambda x, t: loss_fn(fn, x, t)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+        compile_ = functools.partial(torch.compile, backend=fxopt.backend(precision=precision, cudagraphs=graphs))
+    else:
+        compile_ = functools.partial(torch.compile, mode="reduce-overhead" if graphs else None)
+    fn = model if backend == "eager" else compile_(model)
+    if precision is None or backend == "fxopt":
+        step = lambda x, t: loss_fn(fn, x, t)  # noqa: E731
+    else:
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
-    def autocast_loss(x, t):
-        with torch.autocast(device, dtype=dtype):
-            out = fn(x)
-        return (out.float() - t).square().mean()
-    return autocast_loss
+        def step(x, t):
+            with torch.autocast(device, dtype=dtype):
+                out = fn(x)
+            return (out.float() - t).square().mean()
+    step.backward_compiler = compile_() if reducer else None
+    return step
+
+
+def _backward(step_fn, loss):
+    """loss.backward(), under compiled autograd with the step's own compiler where DDP's python reducer
+    was asked for (`--optimize-ddp python_reducer`)."""
+    compiler = getattr(step_fn, "backward_compiler", None)
+    if compiler is None:
+        loss.backward()
+        return
+    from torch._dynamo import compiled_autograd
+    enable = getattr(compiled_autograd, "_enable", None) or compiled_autograd.enable
+    with enable(compiler):
+        loss.backward()
 
 
 def _train(step_fn, params, cfg, device, rank, steps: int, first: int = 0) -> list[float]:
@@ -118,7 +138,7 @@ def _train(step_fn, params, cfg, device, rank, steps: int, first: int = 0) -> li
         x, target = _batch(cfg, device, i, rank)
         opt.zero_grad(set_to_none=True)
         loss = step_fn(x, target)
-        loss.backward()
+        _backward(step_fn, loss)
         opt.step()
         losses.append(loss.detach())
     return [float(v) for v in losses]
@@ -180,7 +200,7 @@ def _stepper(step_fn, params, cfg, device, rank):
     def one(i):
         x, target = batches[i % len(batches)]
         opt.zero_grad(set_to_none=True)
-        step_fn(x, target).backward()
+        _backward(step_fn, step_fn(x, target))
         opt.step()
     for i in range(3):
         one(i)
@@ -336,7 +356,8 @@ def main(argv=None) -> int:
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb")
     p.add_argument("--optimize-ddp", default="ddp_optimizer", type=lambda v: False if v == "off" else v,
                    help="torch._dynamo.config.optimize_ddp: ddp_optimizer (split the graph at bucket "
-                        "boundaries, the default) or off (one graph; buckets all-reduced after the backward)")
+                        "boundaries, the default), off (one graph; buckets all-reduced after the backward) "
+                        "or python_reducer (compiled autograd: the all-reduces inside the compiled backward)")
     p.add_argument("--comm-hook", default="none", choices=("none", "bf16"))
     p.add_argument("--cudagraphs", action="store_true",
                    help="compiled steps replayed as CUDA graphs (fxopt cudagraphs=True, Inductor reduce-overhead)")

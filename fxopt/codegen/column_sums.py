@@ -97,18 +97,21 @@ def with_column_sums(em, prelude: list[str], xblock: int, rblock: int, warps: in
                     f"tl.sum(colacc_{n.name}, 0)[None, :], rmask)")
     workspaces = [((programs, em.rnumel), acc_dtype[n]) for n in cols]
     kind = f"persistent, {len(cols)} column sum(s) over {steps * xblock} rows per program"
+    # size symbols: a static row can still read a SymInt input as a value (compiled autograd passes
+    # mean's element count as one), so both kernels take them like every other kernel
+    syms, symbols = [s.name for s in em.syms], em._examples(em.syms)
     rows = Kernel(f"{em.name}_rows", "reduction",
                   em._function(f"{em.name}_rows", kind, body, ["in", "ws", "out"],
-                               ["xnumel", "rnumel", "XSTEPS"], ["XBLOCK", "RBLOCK"], len(cols)),
-                  em.ops, programs, [em.xnumel, em.rnumel, steps], {"XBLOCK": xblock, "RBLOCK": rblock}, warps,
-                  workspaces=workspaces, **em.io_meta())
-    combine = _combine_body(em, cols, acc_dtype)
+                               ["xnumel", "rnumel", "XSTEPS", *syms], ["XBLOCK", "RBLOCK"], len(cols)),
+                  em.ops, programs, [em.xnumel, em.rnumel, steps, *em.syms], {"XBLOCK": xblock, "RBLOCK": rblock},
+                  warps, workspaces=workspaces, symbols=symbols, **em.io_meta())
+    combine = em._size_input_lines() + _combine_body(em, cols, acc_dtype)
     return Kernel(em.name, "reduction",
                   em._function(em.name, "column partials (combine)", combine, ["in", "ws", "out"],
-                               ["rnumel", "NPROG"], ["RBLOCK", "GBLOCK"], len(cols)),
-                  em.ops, -(-em.rnumel // COMBINE_RBLOCK), [em.rnumel, programs],
+                               ["rnumel", "NPROG", *syms], ["RBLOCK", "GBLOCK"], len(cols)),
+                  em.ops, -(-em.rnumel // COMBINE_RBLOCK), [em.rnumel, programs, *em.syms],
                   {"RBLOCK": COMBINE_RBLOCK, "GBLOCK": COMBINE_GBLOCK}, 4, notes={"reduction": kind},
-                  workspaces=workspaces, prologue=rows, **em.io_meta())
+                  workspaces=workspaces, prologue=rows, symbols=symbols, **em.io_meta())
 
 
 def _combine_body(em, cols: list[fx.Node], acc_dtype: dict) -> list[str]:
