@@ -103,3 +103,10 @@ def test_cuda_graphs_refuse_graphs_with_collectives(fake_group):
     gm = make_fx(_reduce_then_gather)(torch.randn(4, 8))
     reason = refusal_reason(gm, "cuda")
     assert reason is not None and "collective" in reason
+
+
+def test_skipping_the_pass_keeps_each_wait_where_the_graph_put_it(fake_group):
+    lines = _wrapper_lines(fxopt.explain(_reduce_then_gather, torch.randn(4, 8),
+                                         skip_passes=("sink_collective_waits",)))
+    ops = [ln.split("_c10d_functional.")[1].split(".")[0] for ln in lines if "_c10d_functional." in ln]
+    assert ops == ["all_gather_into_tensor", "wait_tensor", "all_reduce", "wait_tensor"]
