@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from ..analysis.op_classes import is_collective
+from ..analysis.op_classes import classify, is_collective
 from ..pass_manager import PassContext, PassResult
 
 
@@ -37,8 +37,9 @@ def _writes_in_place(node: fx.Node) -> bool:
 
 def _pure(node: fx.Node) -> bool:
     """A computation that may run later without changing anything: a fused kernel or an ATen op that
-    neither communicates nor writes in place."""
-    return node.op in ("call_function", "call_module") and not is_collective(node) and not _writes_in_place(node)
+    neither communicates, writes in place, nor draws random numbers (their order is the generator's)."""
+    return (node.op in ("call_function", "call_module") and not is_collective(node)
+            and not _writes_in_place(node) and classify(node) != "random")
 
 
 def output_tails(gm: fx.GraphModule) -> list[fx.Node]:
@@ -71,6 +72,8 @@ class SinkCollectiveWaits:
     name: str = "sink_collective_waits"
 
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        if not any(is_wait(n) for n in gm.graph.nodes):
+            return PassResult(gm, False, {})
         output = next(n for n in gm.graph.nodes if n.op == "output")
         # a tail moved to the end would pass every in-place write after it: then only step 2
         in_place = any(_writes_in_place(n) for n in gm.graph.nodes)

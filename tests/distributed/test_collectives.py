@@ -62,13 +62,17 @@ def _reduce_then_write(x, buf):
     return reduced + 1
 
 
-def test_a_wait_never_moves_past_an_in_place_write(fake_group):
-    from fxopt.pass_manager import PassContext
+def _sunk(fn, *inputs) -> list[str]:
     from fxopt.options import Environment, Options
+    from fxopt.pass_manager import PassContext
     from fxopt.passes.collective_waits import SinkCollectiveWaits
-    gm = make_fx(_reduce_then_write)(torch.randn(4, 8), torch.zeros(4, 8))
+    gm = make_fx(fn)(*inputs)
     SinkCollectiveWaits()(gm, PassContext(Options(), Environment.read()))
-    order = [str(n.target) for n in gm.graph.nodes]
+    return [str(n.target) for n in gm.graph.nodes]
+
+
+def test_a_wait_never_moves_past_an_in_place_write(fake_group):
+    order = _sunk(_reduce_then_write, torch.randn(4, 8), torch.zeros(4, 8))
     wait = next(i for i, t in enumerate(order) if "wait_tensor" in t)
     write = next(i for i, t in enumerate(order) if "add_" in t)
     assert wait < write, order
@@ -110,3 +114,15 @@ def test_skipping_the_pass_keeps_each_wait_where_the_graph_put_it(fake_group):
                                          skip_passes=("sink_collective_waits",)))
     ops = [ln.split("_c10d_functional.")[1].split(".")[0] for ln in lines if "_c10d_functional." in ln]
     assert ops == ["all_gather_into_tensor", "wait_tensor", "all_reduce", "wait_tensor"]
+
+
+def _reduce_then_draw(x):
+    reduced = funcol.all_reduce(x, "sum", dist.group.WORLD)
+    noise = torch.rand_like(reduced)  # random draws keep their order: the generator's sequence
+    return reduced + noise, torch.rand(3)
+
+
+def test_random_ops_are_never_moved_with_a_waits_tail(fake_group):
+    order = _sunk(_reduce_then_draw, torch.randn(4, 8))
+    draws = [t for t in order if "rand" in t]
+    assert draws == ["aten.rand_like.default", "aten.rand.default"], order
