@@ -1,9 +1,10 @@
 """fxopt under DDP and FSDP2 on two ranks: without GPUs two processes with the gloo backend on the CPU,
 fused kernels in the Triton interpreter; where two GPUs are visible, the same jobs again with NCCL, one
-GPU a rank, on the real Triton compiler. Dynamo's DDP optimizer splits the model's graph at bucket boundaries and hands
-fxopt one graph per bucket; FSDP2 (`fully_shard` per block) compiles each block on its own. Losses and
-parameters must follow the eager run step by step, and functional collectives inside a compiled
-function must give eager's results with the arena plan applied."""
+GPU a rank, on the real Triton compiler. Dynamo's DDP optimizer splits the model's graph at bucket
+boundaries and hands fxopt one graph per bucket (compiled on fake inputs); DDP's python reducer under
+compiled autograd puts the all-reduces into the compiled backward; FSDP2 (`fully_shard` per block)
+compiles each block on its own. Losses and parameters must follow the eager run step by step, and
+functional collectives inside a compiled function must give eager's results with the arena applied."""
 from __future__ import annotations
 
 import copy
