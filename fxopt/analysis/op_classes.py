@@ -82,8 +82,8 @@ COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "c10d", "_dtenso
 
 def is_collective(node: fx.Node) -> bool:
     """A distributed collective (all_reduce, all_gather, reduce_scatter, wait_tensor, ...) as DDP and
-    FSDP2 put them in graphs: stays an ATen call, in its place (collectives must run in the same order on
-    every rank)."""
+    FSDP2 put them in graphs: stays an ATen call, issued in the program's order (collectives must run in
+    the same order on every rank); only the waits move (passes/collective_waits.py)."""
     t = node.target
     return node.op == "call_function" and isinstance(t, torch._ops.OpOverload) and t.namespace in COLLECTIVE_NAMESPACES
 
