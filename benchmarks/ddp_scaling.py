@@ -306,14 +306,15 @@ def _worker(rank, world, port, job_name, cfg, device, args, queue):
         torch._dynamo.config.optimize_ddp = args.optimize_ddp
         if device == "cuda":
             torch.cuda.set_device(0 if args.share_gpu else rank)
-        if world > 1 or job_name == "scaling":  # scaling wraps in DDP even on one rank
+        grouped = world > 1 or job_name == "scaling"  # scaling wraps in DDP even on one rank
+        if grouped:
             nccl = device == "cuda" and not args.share_gpu  # NCCL refuses two ranks on one GPU
             dist.init_process_group("nccl" if nccl else "gloo", rank=rank, world_size=world,
                                     device_id=torch.device("cuda", rank) if nccl else None)
         try:
             queue.put((rank, JOBS[job_name](rank, world, cfg, device, args)))
         finally:
-            if world > 1 or job_name == "scaling":  # scaling wraps in DDP even on one rank
+            if grouped:
                 dist.destroy_process_group()
     except Exception:  # noqa: BLE001 (the parent prints it and goes on with the other parts)
         queue.put((rank, {"error": traceback.format_exc()[-3000:]}))

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from .op_classes import is_collective, is_view, out_variant
+from .op_classes import is_collective, is_view, is_wait, out_variant
 from .symbolic import sizes, strides
 
 
@@ -98,14 +98,14 @@ def _read_until(node: fx.Node, position: dict) -> int:
     """Until when `node` reads its inputs: its own position, or for an asynchronous collective
     (all_gather, reduce_scatter, ... issued now, finished by a wait_tensor later) the position of the
     last wait on its result: the communication may read the input until then."""
-    if not is_collective(node) or "wait_tensor" in str(node.target):
+    if not is_collective(node) or is_wait(node):
         return position[node]
     todo, last = list(node.users), position[node]
     while todo:
         u = todo.pop()
         if u.op == "call_function" and u.target is operator.getitem:
             todo.extend(u.users)
-        elif "wait_tensor" in str(u.target):
+        elif is_wait(u):
             last = max(last, position[u])
     return last
 

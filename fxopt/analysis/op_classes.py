@@ -88,6 +88,12 @@ def is_collective(node: fx.Node) -> bool:
     return node.op == "call_function" and isinstance(t, torch._ops.OpOverload) and t.namespace in COLLECTIVE_NAMESPACES
 
 
+def is_wait(node: fx.Node) -> bool:
+    """The wait on an asynchronous collective's result (`wait_tensor`): where the communication must
+    have finished."""
+    return is_collective(node) and "wait_tensor" in str(node.target)
+
+
 def classify(node: fx.Node) -> str:
     """pointwise | view | reduction | matmul | random | creation | collective | fxopt | other."""
     t = node.target

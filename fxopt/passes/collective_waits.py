@@ -22,12 +22,8 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from ..analysis.op_classes import classify, is_collective
+from ..analysis.op_classes import classify, is_collective, is_wait
 from ..pass_manager import PassContext, PassResult
-
-
-def is_wait(node: fx.Node) -> bool:
-    return is_collective(node) and "wait_tensor" in str(node.target)
 
 
 def _writes_in_place(node: fx.Node) -> bool:

@@ -58,17 +58,26 @@ def _steps_side_by_side(compiled, model, ref, width: int, rank: int, device: str
     return losses
 
 
+def _ddp_twins(model):
+    """`model` under DDP with 1 MiB buckets, and an eager twin of it (same weights, its own DDP)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    return DDP(model, bucket_cap_mb=1), DDP(copy.deepcopy(model), bucket_cap_mb=1)
+
+
+def _param_diff(params, ref_params) -> float:
+    return max((a - b).abs().max().item() for a, b in zip(params, ref_params))
+
+
 def _ddp_steps(rank, device):
     from helpers import CountingBackend
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(0)
     model = MLP().to(device)
-    ddp, ref = DDP(model, bucket_cap_mb=1), DDP(copy.deepcopy(model), bucket_cap_mb=1)
+    ddp, ref = _ddp_twins(model)
     backend = CountingBackend()
     losses = _steps_side_by_side(torch.compile(ddp, backend=backend), ddp, ref, 512, rank, device)
-    worst = max((a - b).abs().max().item() for a, b in zip(ddp.parameters(), ref.parameters()))
-    return {"losses": losses, "param_diff": worst, "graphs": backend.calls, "kernels": len(backend.report.kernels)}
+    return {"losses": losses, "param_diff": _param_diff(ddp.parameters(), ref.parameters()),
+            "graphs": backend.calls, "kernels": len(backend.report.kernels)}
 
 
 def _ddp_python_reducer_steps(rank, device):
@@ -77,20 +86,18 @@ def _ddp_python_reducer_steps(rank, device):
     and the copies after the rest of the backward so that the communication overlaps it."""
     from helpers import CountingBackend
     from torch._dynamo import compiled_autograd
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch._dynamo.config.optimize_ddp = "python_reducer"
     torch.manual_seed(0)
     model = MLP().to(device)
-    ddp, ref = DDP(model, bucket_cap_mb=1), DDP(copy.deepcopy(model), bucket_cap_mb=1)
+    ddp, ref = _ddp_twins(model)
     backend = CountingBackend()
     enable = getattr(compiled_autograd, "_enable", None) or compiled_autograd.enable
     with enable(torch.compile(backend=backend)):
         losses = _steps_side_by_side(torch.compile(ddp, backend=backend), ddp, ref, 512, rank, device)
-    worst = max((a - b).abs().max().item() for a, b in zip(ddp.parameters(), ref.parameters()))
     deferred = sum(p.stats.get("tail_nodes_deferred", 0) for g in backend.report.graphs for p in g.passes
                    if p.name == "sink_collective_waits")
-    return {"losses": losses, "param_diff": worst, "deferred": deferred}
+    return {"losses": losses, "param_diff": _param_diff(ddp.parameters(), ref.parameters()), "deferred": deferred}
 
 
 def _ddp_attention_steps(rank, device):
@@ -99,13 +106,12 @@ def _ddp_attention_steps(rank, device):
     real buffer (or the attention kernel reads a mask and skips no blocks)."""
     import sys
     from helpers import CountingBackend
-    from torch.nn.parallel import DistributedDataParallel as DDP
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     from benchmarks.ddp_scaling import GPTStack
 
     torch.manual_seed(0)
     model = GPTStack(2, 256, 4, 8).to(device)  # 3 MiB of weights a block: several 1 MiB buckets
-    ddp, ref = DDP(model, bucket_cap_mb=1), DDP(copy.deepcopy(model), bucket_cap_mb=1)
+    ddp, ref = _ddp_twins(model)
     backend = CountingBackend()
     compiled = torch.compile(ddp, backend=backend)
     losses = _steps_side_by_side(compiled, ddp, ref, 256, rank, device, (2, 4, 256))
@@ -158,8 +164,7 @@ def _fsdp2_steps(rank, device):
     for block in model.blocks:
         block.compile(backend=backend)
     losses = _steps_side_by_side(model, model, ref, 64, rank, device)
-    worst = max((a.full_tensor() - b.full_tensor()).abs().max().item()
-                for a, b in zip(model.parameters(), ref.parameters()))
+    worst = _param_diff((p.full_tensor() for p in model.parameters()), (p.full_tensor() for p in ref.parameters()))
     return {"losses": losses, "param_diff": worst, "graphs": backend.calls, "kernels": len(backend.report.kernels)}
 
 
@@ -230,13 +235,17 @@ DEVICES = pytest.mark.parametrize("device", [
         reason="needs two GPUs and NCCL"))])
 
 
+def _assert_losses_follow_eager(rank, r):
+    for compiled_loss, eager_loss in r["losses"]:
+        assert compiled_loss == pytest.approx(eager_loss, rel=1e-5, abs=1e-6), (rank, r["losses"])
+
+
 @DEVICES
 def test_ddp_training_follows_eager_ddp_with_split_graphs(device):
     for rank, r in run_on_two_ranks(_ddp_steps, device).items():
         assert r["graphs"] >= 2, r  # dynamo's DDP optimizer split the model at bucket boundaries
         assert r["kernels"] > 0, r  # fxopt fused something in them
-        for compiled_loss, eager_loss in r["losses"]:
-            assert compiled_loss == pytest.approx(eager_loss, rel=1e-5, abs=1e-6), (rank, r["losses"])
+        _assert_losses_follow_eager(rank, r)
         assert r["param_diff"] < 1e-5, (rank, r)
 
 
@@ -250,8 +259,7 @@ def test_functional_collectives_in_a_compiled_graph_with_the_arena_applied(devic
 def test_fsdp2_blocks_compiled_by_fxopt_follow_eager_fsdp2(device):
     for rank, r in run_on_two_ranks(_fsdp2_steps, device).items():
         assert r["graphs"] >= 1 and r["kernels"] > 0, r
-        for compiled_loss, eager_loss in r["losses"]:
-            assert compiled_loss == pytest.approx(eager_loss, rel=1e-5, abs=1e-6), (rank, r["losses"])
+        _assert_losses_follow_eager(rank, r)
         assert r["param_diff"] < 1e-5, (rank, r)
 
 
@@ -265,14 +273,12 @@ def test_ddp_split_graphs_keep_the_causal_fact_of_a_mask_buffer(device):
             f"causal (from l_self_modules_blocks_modules_{i}_modules_attn_buffers_bias_)" for i in (0, 1)], r["sites"]
         if device == "cpu":  # the piece's guard watches the real buffer: no answer from the old fact
             assert r["refused"] and "changed after compilation" in r["refused"], r["refused"]
-        for compiled_loss, eager_loss in r["losses"]:
-            assert compiled_loss == pytest.approx(eager_loss, rel=1e-5, abs=1e-6), (rank, r["losses"])
+        _assert_losses_follow_eager(rank, r)
 
 
 @DEVICES
 def test_ddp_python_reducer_all_reduces_in_the_backward_graph_overlap_it(device):
     for rank, r in run_on_two_ranks(_ddp_python_reducer_steps, device).items():
         assert r["deferred"] > 0, r  # waits and gradient copies moved behind the backward's compute
-        for compiled_loss, eager_loss in r["losses"]:
-            assert compiled_loss == pytest.approx(eager_loss, rel=1e-5, abs=1e-6), (rank, r["losses"])
+        _assert_losses_follow_eager(rank, r)
         assert r["param_diff"] < 1e-5, (rank, r)
