@@ -37,35 +37,42 @@ def _arrive_and_wait(CNT, row, NCHUNK: tl.constexpr):
 
 @triton.jit
 def _coop_softmax(X, Y, WM, WS, CNT, M, N, NCHUNK: tl.constexpr, CHUNK: tl.constexpr,
-                  PREFETCH: tl.constexpr):
+                  PREFETCH: tl.constexpr, KEEP16: tl.constexpr):
+    """KEEP16: hold the chunk in its 16-bit input type between the two uses (half the registers)."""
     pid = tl.program_id(0)
     groups = tl.num_programs(0) // NCHUNK
     chunk = pid % NCHUNK
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     mask = cols < N
     row = pid // NCHUNK
-    x = tl.load(X + row.to(tl.int64) * N + cols, mask=mask & (row < M), other=float("-inf")).to(tl.float32) * LOG2E
+    x = tl.load(X + row.to(tl.int64) * N + cols, mask=mask & (row < M), other=float("-inf"))
+    if not KEEP16:
+        x = x.to(tl.float32) * LOG2E
     while row < M:
-        m = tl.max(x, 0)
-        s = tl.sum(tl.exp2(x - m), 0)
+        xf = x.to(tl.float32) * LOG2E if KEEP16 else x
+        m = tl.max(xf, 0)
+        s = tl.sum(tl.exp2(xf - m), 0)
         tl.store(WM + row * NCHUNK + chunk, m)
         tl.store(WS + row * NCHUNK + chunk, s)
         nxt = row + groups
         if PREFETCH:
-            x_next = tl.load(X + nxt.to(tl.int64) * N + cols, mask=mask & (nxt < M),
-                             other=float("-inf")).to(tl.float32) * LOG2E
+            x_next = tl.load(X + nxt.to(tl.int64) * N + cols, mask=mask & (nxt < M), other=float("-inf"))
+            if not KEEP16:
+                x_next = x_next.to(tl.float32) * LOG2E
         _arrive_and_wait(CNT, row, NCHUNK)
         c = tl.arange(0, NCHUNK)
         pm = tl.load(WM + row * NCHUNK + c, volatile=True)
         ps = tl.load(WS + row * NCHUNK + c, volatile=True)
         mx = tl.max(pm, 0)
         inv = 1.0 / tl.sum(ps * tl.exp2(pm - mx), 0)
-        tl.store(Y + row.to(tl.int64) * N + cols, (tl.exp2(x - mx) * inv).to(Y.dtype.element_ty), mask=mask)
+        xf = x.to(tl.float32) * LOG2E if KEEP16 else x
+        tl.store(Y + row.to(tl.int64) * N + cols, (tl.exp2(xf - mx) * inv).to(Y.dtype.element_ty), mask=mask)
         if PREFETCH:
             x = x_next
         else:
-            x = tl.load(X + nxt.to(tl.int64) * N + cols, mask=mask & (nxt < M),
-                        other=float("-inf")).to(tl.float32) * LOG2E
+            x = tl.load(X + nxt.to(tl.int64) * N + cols, mask=mask & (nxt < M), other=float("-inf"))
+            if not KEEP16:
+                x = x.to(tl.float32) * LOG2E
         row = nxt
 
 
@@ -80,7 +87,7 @@ def resident_programs(kernel, num_warps: int) -> int:
     return per_sm * props.multi_processor_count
 
 
-def run(x, nchunk, warps, per_sm, prefetch):
+def run(x, nchunk, warps, per_sm, prefetch, keep16=False):
     m, n = x.shape
     chunk = triton.next_power_of_2(triton.cdiv(n, nchunk))
     y = torch.empty_like(x)
@@ -89,7 +96,7 @@ def run(x, nchunk, warps, per_sm, prefetch):
     cnt = torch.zeros(m, device=x.device, dtype=torch.int32)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     # compile once on a one-group grid to read the register count, then size the real grid
-    compiled = _coop_softmax[(nchunk,)](x, y, wm, ws, cnt, m, n, nchunk, chunk, prefetch, num_warps=warps)
+    compiled = _coop_softmax[(nchunk,)](x, y, wm, ws, cnt, m, n, nchunk, chunk, prefetch, keep16, num_warps=warps)
     cnt.zero_()
     cap = resident_programs(compiled, warps)
     grid = min(cap, sms * per_sm) // nchunk * nchunk
@@ -98,7 +105,7 @@ def run(x, nchunk, warps, per_sm, prefetch):
 
     def call():
         cnt.zero_()
-        _coop_softmax[(grid,)](x, y, wm, ws, cnt, m, n, nchunk, chunk, prefetch, num_warps=warps)
+        _coop_softmax[(grid,)](x, y, wm, ws, cnt, m, n, nchunk, chunk, prefetch, keep16, num_warps=warps)
     return call, y, f"regs {compiled.n_regs} spills {compiled.n_spills} grid {grid} (cap {cap})"
 
 
@@ -114,16 +121,17 @@ def main() -> int:
     nbytes = 2 * x.numel() * x.element_size()
     ms = triton.testing.do_bench(lambda: torch.softmax(x, -1), return_mode="median")
     print(f"torch.softmax: {ms * 1e3:.1f} us {nbytes / ms / 1e6 / ceiling:.1%}")
-    for nchunk, warps, per_sm, prefetch in [(8, 16, 1, True), (8, 16, 1, False), (8, 8, 2, True), (16, 8, 2, True),
-                                            (16, 8, 1, True), (16, 4, 4, True), (8, 16, 2, True), (32, 4, 4, True),
-                                            (16, 16, 1, True), (4, 32, 1, True)]:
+    for nchunk, warps, per_sm, prefetch, keep16 in [
+            (16, 4, 4, True, False), (16, 4, 4, True, True), (8, 4, 4, True, True), (32, 2, 8, True, True),
+            (16, 2, 8, True, True), (64, 1, 16, True, True), (32, 4, 4, True, True), (16, 8, 2, True, True),
+            (32, 2, 8, True, False), (64, 1, 16, True, False), (8, 8, 2, True, True)]:
         try:
-            call, y, info = run(x, nchunk, warps, per_sm, prefetch)
+            call, y, info = run(x, nchunk, warps, per_sm, prefetch, keep16)
             call()
             torch.cuda.synchronize()
             err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
             ms = triton.testing.do_bench(call, return_mode="median")
-            print(f"nchunk {nchunk:2d} warps {warps:2d} per_sm {per_sm} prefetch {prefetch!s:5}: "
+            print(f"nchunk {nchunk:2d} warps {warps:2d} per_sm {per_sm:2d} prefetch {prefetch!s:5} keep16 {keep16!s:5}: "
                   f"{ms * 1e3:6.1f} us {nbytes / ms / 1e6 / ceiling:6.1%}  err {err:.1e}  {info}", flush=True)
         except Exception as e:  # noqa: BLE001 - a probe row reports its failure
             print(f"nchunk {nchunk} warps {warps} per_sm {per_sm}: {type(e).__name__}: {str(e)[:200]}")

@@ -12,9 +12,13 @@ Per compiled graph (forward, backward or inference) and per input signature (sha
 Outputs are copied out of the graph's memory after every replay (the next replay overwrites it), so
 a caller's earlier results never change; an output that aliases an input is rebuilt as a view of the
 caller's tensor. Nothing a caller holds lives in graph memory, so all of it is scratch between
-replays. Each captured graph has its own memory pool: sharing one `graph_pool_handle()` between the
-forward and backward graphs tripped an internal assertion of the caching allocator on torch 2.11
-(`use_count > 0`, a backward captured after its forward was refused), so the sharing is not done yet.
+replays, and the graphs of one compiled callable (forward, backward, every captured shape) share one
+memory pool per device: the pool is as large as the largest graph's scratch, not their sum.
+Safe because those graphs run one after another on one stream (autograd runs a backward on its
+forward's stream) and none reads pool memory another wrote. The pool is a `torch.cuda.MemPool` the
+callable holds for its lifetime: a bare `graph_pool_handle()` is released when its last graph is
+dropped (evicted, refused), and capturing into it again trips the caching allocator's `use_count > 0`
+assertion (seen on torch 2.11 when a backward was captured after its forward was refused).
 """
 from __future__ import annotations
 
@@ -141,14 +145,28 @@ class SignatureCache:
         return key in self._items
 
 
+SHARE_POOL = True  # False: a private pool per captured graph (benchmarks/cudagraph_memory.py compares)
+
+
 class CudaGraphs:
-    """torch.cuda.CUDAGraph capture and replay; each graph in its own (private) memory pool."""
+    """torch.cuda.CUDAGraph capture and replay; the graphs captured through one instance share a
+    memory pool per device (see the module docstring)."""
 
     cpu_ok = False
     _streams: dict[int, torch.cuda.Stream] = {}  # the side stream per device: warm-up and capture
 
-    def __init__(self):
-        self.pool = None  # None: a private pool per capture (see the module docstring)
+    def __init__(self, share_pool: bool | None = None):
+        self.share_pool = SHARE_POOL if share_pool is None else share_pool
+        self.pools: dict[int, torch.cuda.MemPool] = {}
+
+    def pool(self, device: int):
+        """The pool id to capture into on this device (None: a private pool for this graph)."""
+        if not self.share_pool:
+            return None
+        if device not in self.pools:
+            with torch.cuda.device(device):
+                self.pools[device] = torch.cuda.MemPool()
+        return self.pools[device].id
 
     def busy(self) -> bool:
         """Called inside someone else's capture: run plainly, the outer graph records it."""
@@ -176,7 +194,7 @@ class CudaGraphs:
             graph, side = torch.cuda.CUDAGraph(), self._stream(device)
             torch.cuda.synchronize()
             with torch.cuda.stream(side):
-                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                graph.capture_begin(pool=self.pool(device), capture_error_mode="thread_local")
                 try:
                     outs = fn(args)
                 except BaseException:
@@ -337,7 +355,7 @@ def refuse(record: GraphReport, name: str, reason: str, note: int | None = None)
 
 def graphed_compiler(compiler, report, options):
     """Wrap an aot_autograd graph compiler so every graph it compiles replays as CUDA graphs; the
-    graphs of one compiled callable (forward, backward, inference) each capture into their own pool."""
+    graphs of one compiled callable (forward, backward, inference) capture into one shared pool."""
     backend = CudaGraphs()
 
     def compile_graph(gm: fx.GraphModule, example_inputs, *, graph_name: str):

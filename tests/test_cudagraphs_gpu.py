@@ -179,6 +179,52 @@ def test_cuda_graphs_output_aliasing_input_is_a_view_of_the_callers_tensor():
 
 
 @gpu
+def test_cuda_graphs_forward_and_backward_share_one_pool_and_interleave(monkeypatch):
+    """The forward and backward graphs of one compiled model capture into one pool; two forwards
+    before their two backwards (gradient accumulation, backwards in reverse order) still equal eager,
+    since every pool byte is scratch between replays."""
+    made = []
+
+    class Recording(cudagraphs.CudaGraphs):
+        def __init__(self):
+            super().__init__()
+            made.append(self)
+
+        def capture(self, fn, args, device):
+            graph, outs = super().capture(fn, args, device)
+            self.captured = getattr(self, "captured", []) + [graph.pool()]
+            return graph, outs
+
+    monkeypatch.setattr(cudagraphs, "CudaGraphs", Recording)
+    torch.manual_seed(0)
+    model = MLP(32).cuda()
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=fxopt.backend(cudagraphs=True))
+    for step in range(6):
+        xs = [torch.randn(4, 8, 32, device="cuda") for _ in range(2)]
+        losses = [compiled(x).square().mean() for x in xs]
+        ref_losses = [ref(x).square().mean() for x in xs]
+        for loss, ref_loss in zip(reversed(losses), reversed(ref_losses)):
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-4, atol=1e-5)
+            loss.backward()
+            ref_loss.backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    (backend_obj,) = made
+    assert len(backend_obj.captured) >= 2, "forward and backward were both captured"
+    assert set(backend_obj.captured) == {backend_obj.pools[torch.cuda.current_device()].id}
+
+
+@gpu
+def test_cuda_graphs_private_pools_still_work():
+    g, _ = graphed(boxed(lambda x: torch.sigmoid(x) * 2), backend=cudagraphs.CudaGraphs(share_pool=False))
+    x = torch.randn(64, device="cuda")
+    for _ in range(4):
+        torch.testing.assert_close(g([x])[0], torch.sigmoid(x) * 2)
+    assert g.captures == 1
+
+
+@gpu
 def test_cuda_graphs_dropout_in_training_refuses_and_still_trains():
     model = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.2), nn.Linear(16, 1)).cuda()
     from fxopt.backend import compile_dynamo_graph
