@@ -38,8 +38,9 @@ def child(workload: str, config: str) -> dict:
         torch.cuda.synchronize()
         held = torch.cuda.memory_reserved() - before
         ms = measure.bench_ms(lambda: compiled(*inputs), "cuda", 25, 100)
+    notes = [n for rep in measure.FXOPT_REPORTS for g in rep.graphs for n in g.notes if n.startswith("cudagraphs")]
     return {"held_mib": held / 2**20, "max_reserved_mib": (torch.cuda.max_memory_reserved() - before) / 2**20,
-            "ms": ms}
+            "ms": ms, "notes": notes if config != "inductor" else []}
 
 
 def main(argv=None) -> int:
@@ -61,6 +62,8 @@ def main(argv=None) -> int:
             r = json.loads(run.stdout.strip().splitlines()[-1])
             print(f"{workload:20s} {config:22s} {r['held_mib']:9.1f} {r['max_reserved_mib']:17.1f} {r['ms']:8.4f}",
                   flush=True)
+            for note in r["notes"]:
+                print(f"    {note}")
     return 0
 
 
