@@ -15,10 +15,11 @@ caller's tensor. Nothing a caller holds lives in graph memory, so all of it is s
 replays, and the graphs of one compiled callable (forward, backward, every captured shape) share one
 memory pool per device: the pool is as large as the largest graph's scratch, not their sum.
 Safe because those graphs run one after another on one stream (autograd runs a backward on its
-forward's stream) and none reads pool memory another wrote. The pool is a `torch.cuda.MemPool` the
-callable holds for its lifetime: a bare `graph_pool_handle()` is released when its last graph is
-dropped (evicted, refused), and capturing into it again trips the caching allocator's `use_count > 0`
-assertion (seen on torch 2.11 when a backward was captured after its forward was refused).
+forward's stream) and none reads pool memory another wrote. The callable holds the pool for its
+lifetime as a `torch.cuda.MemPool` plus an anchor graph captured into it: the device allocator counts
+the MemPool as a user, but torch 2.11's pinned-host allocator counts only captured graphs and refuses
+(`use_count > 0` assertion) a capture into a pool whose graphs were all destroyed, which is what a
+re-capture (the old graph is dropped first) or an eviction would otherwise do.
 """
 from __future__ import annotations
 
@@ -157,16 +158,21 @@ class CudaGraphs:
 
     def __init__(self, share_pool: bool | None = None):
         self.share_pool = SHARE_POOL if share_pool is None else share_pool
-        self.pools: dict[int, torch.cuda.MemPool] = {}
+        self.pools: dict[int, tuple] = {}  # device -> (MemPool, anchor graph)
 
     def pool(self, device: int):
-        """The pool id to capture into on this device (None: a private pool for this graph)."""
+        """The pool id to capture into on this device (None: a private pool for this graph). A new
+        shared pool starts with an anchor graph (one memset) held as long as the pool: torch 2.11's
+        pinned-host allocator counts the graphs captured into a pool and refuses a capture into one
+        whose graphs were all destroyed (an evicted or re-captured graph was the last)."""
         if not self.share_pool:
             return None
         if device not in self.pools:
             with torch.cuda.device(device):
-                self.pools[device] = torch.cuda.MemPool()
-        return self.pools[device].id
+                pool = torch.cuda.MemPool()
+                anchor, _ = self._record(lambda _: torch.zeros(1, device=device), [], device, pool.id)
+                self.pools[device] = (pool, anchor)
+        return self.pools[device][0].id
 
     def busy(self) -> bool:
         """Called inside someone else's capture: run plainly, the outer graph records it."""
@@ -190,11 +196,21 @@ class CudaGraphs:
         return outs
 
     def capture(self, fn, args, device: int):
+        return self._record(fn, args, device, self.pool(device))
+
+    def _record(self, fn, args, device: int, pool):
+        """Capture fn(args) on the side stream into `pool`. On failure the side stream is retired and
+        the device's generator released (a capture that never ended leaves it "capturing")."""
         with torch.cuda.device(device):
             graph, side = torch.cuda.CUDAGraph(), self._stream(device)
             torch.cuda.synchronize()
             with torch.cuda.stream(side):
-                graph.capture_begin(pool=self.pool(device), capture_error_mode="thread_local")
+                try:
+                    graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+                except BaseException:
+                    _release_generator(device)
+                    self._streams.pop(device, None)
+                    raise
                 try:
                     outs = fn(args)
                 except BaseException:

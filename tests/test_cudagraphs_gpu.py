@@ -212,7 +212,26 @@ def test_cuda_graphs_forward_and_backward_share_one_pool_and_interleave(monkeypa
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
     (backend_obj,) = made
     assert len(backend_obj.captured) >= 2, "forward and backward were both captured"
-    assert set(backend_obj.captured) == {backend_obj.pools[torch.cuda.current_device()].id}
+    assert set(backend_obj.captured) == {backend_obj.pools[torch.cuda.current_device()][0].id}
+
+
+@gpu
+def test_cuda_graphs_recapture_and_eviction_in_a_shared_pool():
+    """A re-capture drops the old graph before capturing the new one, and an evicted graph may have
+    been the pool's last: capturing into the shared pool must still work after both."""
+    g, record = graphed(boxed(lambda x, w: x * w + 1), backend=cudagraphs.CudaGraphs(), max_graphs=1)
+    x = torch.randn(32, device="cuda")
+    w = torch.randn(32, device="cuda")
+    for _ in range(4):
+        torch.testing.assert_close(g([x, w])[0], x * w + 1)
+    w2 = torch.randn(32, device="cuda")  # the weight read in place moved: re-captured with it copied
+    for _ in range(3):
+        torch.testing.assert_close(g([x, w2])[0], x * w2 + 1)
+    y = torch.randn(64, device="cuda")  # a new shape evicts the only graph
+    for _ in range(4):
+        torch.testing.assert_close(g([y, y])[0], y * y + 1)
+    assert g.refused is None, record.notes
+    assert g.recaptures == 1 and g.cache.evicted == 1 and g.captures == 3, record.notes
 
 
 @gpu
