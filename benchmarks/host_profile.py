@@ -1,6 +1,6 @@
 """Where fxopt's host time goes: cProfile over repeated calls of a workload, top functions by own time.
 
-    PYTHONPATH=. python -m benchmarks.host_profile --workloads gpt_block_train [--calls 50] [--top 30]
+    PYTHONPATH=. python -m benchmarks.host_profile --workloads gpt_block_train [--calls 50] [--top 30] [--dynamic]
 
 A workload is host-bound when benchmarks/host_time.py shows host_ms near its gpu_ms: then these are the
 lines to make cheaper (Python in the wrapper, launches, dispatcher calls, autograd).
@@ -38,7 +38,9 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bf16", choices=sorted(measure.DTYPES))
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--top", type=int, default=30)
+    p.add_argument("--dynamic", action="store_true", help="compile with dynamic=True (symbolic sizes)")
     args = p.parse_args(argv)
+    measure.DYNAMIC[0] = args.dynamic
     device = "cuda" if torch.cuda.is_available() else "cpu"
     for w in workloads.get(args.workloads):
         fn, inputs = w.make(device, measure.DTYPES[args.dtype], device == "cpu")
