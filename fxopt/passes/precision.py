@@ -155,9 +155,10 @@ class MixedPrecision:
             if node.op == "output":
                 self._restore_outputs(node, original, casts)
             elif node.op in ("call_function", "call_method"):
+                recorded = [original.get(n) for n in node.all_input_nodes]  # the input dtypes dynamo saw
                 stats[self._place(node, casts)] += 1
                 if any(n not in original or _node_dtypes(n) != original[n] for n in node.all_input_nodes):
-                    stats["kept"] += self._refresh(node, original, casts, ctx)
+                    stats["kept"] += self._refresh(node, original, casts, ctx, recorded)
         casts.erase_bypassed()
         stats = {"casts": len(casts.made), "low": stats[LOW], "fp32": stats[FP32], "kept": stats["kept"],
                  "round_trips_cancelled": len(casts.bypassed)}
@@ -183,9 +184,13 @@ class MixedPrecision:
                 node.replace_input_with(value, casts.to(value, to, node, reason))
         return where
 
-    def _refresh(self, node: fx.Node, original: dict, casts: _Casts, ctx: PassContext) -> int:
+    def _refresh(self, node: fx.Node, original: dict, casts: _Casts, ctx: PassContext, recorded_inputs: list) -> int:
         """Recompute the node's value from its new inputs. An op that rejects them (one that insists
-        on equal dtypes) gets its inputs cast back to what they were, and is noted; returns 1 then."""
+        on equal dtypes) gets its inputs cast back to what they were, and is noted; returns 1 then.
+        An op that cannot be re-run on fake tensors at all (torch 2.11 raises "Cannot call numel()"
+        for some ops over symbolic sizes outside dynamo's tracing) also gets its inputs back and,
+        with every input in its recorded dtype again, keeps the value dynamo recorded for it."""
+        recorded = node.meta.get("example_value")
         try:
             with _meta_errors_unlogged():
                 node.meta["example_value"] = _run_on_fakes(node, casts.mode)
@@ -196,7 +201,12 @@ class MixedPrecision:
         for value in node.all_input_nodes:
             if value in original and _node_dtypes(value) != original[value]:
                 node.replace_input_with(value, casts.to(value, original[value], node, reason))
-        node.meta["example_value"] = _run_on_fakes(node, casts.mode)
+        try:
+            node.meta["example_value"] = _run_on_fakes(node, casts.mode)
+        except Exception:
+            if recorded is None or [_node_dtypes(v) for v in node.all_input_nodes] != recorded_inputs:
+                raise
+            node.meta["example_value"] = recorded
         ctx.note(node.name, f"precision: kept in its original dtypes ({why})")
         return 1
 

@@ -189,3 +189,25 @@ def test_verify_defaults_to_the_low_dtypes_tolerance(monkeypatch):
     fxopt.explain(f, x, precision="bf16", verify=True)
     with pytest.raises(fxopt.errors.VerifyError, match="precision"):
         fxopt.explain(f, x, precision="bf16", verify=True, verify_rtol=1e-6)
+
+
+def test_op_that_cannot_be_rerun_on_fakes_keeps_its_recorded_value(monkeypatch):
+    """torch 2.11 raises "Cannot call numel()" re-running some ops on fake tensors over symbolic
+    sizes: the op gets its inputs back in their recorded dtypes and keeps dynamo's value, no crash."""
+    from fxopt.passes import precision
+
+    rerun = precision._run_on_fakes
+
+    def refuse_flip(node, mode):
+        if node.target is torch.flip:
+            raise RuntimeError("Cannot call numel() on tensor with symbolic sizes/strides")
+        return rerun(node, mode)
+
+    monkeypatch.setattr(precision, "_run_on_fakes", refuse_flip)
+    fn = lambda x, w: torch.flip(x @ w, [0]) * 2  # noqa: E731
+    gm, ctx = precision_graph(fn, x, w)
+    flip = only(gm, lambda n: n.target is torch.flip)
+    assert computes_in(flip) == {FP32} and value_dtype(flip) == FP32
+    assert any("kept in its original dtypes" in why and "numel" in why for _, why in ctx.notes)
+    bound = 2 * 2**-8 * (x.abs() @ w.abs())  # a bf16 matmul's rounding (operands and result), doubled
+    assert ((compile_fxopt(fn, precision="bf16")(x, w) - fn(x, w)).abs() <= torch.flip(bound, [0]) * 2).all()
