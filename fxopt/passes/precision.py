@@ -203,9 +203,13 @@ class MixedPrecision:
                 node.replace_input_with(value, casts.to(value, original[value], node, reason))
         try:
             node.meta["example_value"] = _run_on_fakes(node, casts.mode)
-        except Exception:
-            if recorded is None or [_node_dtypes(v) for v in node.all_input_nodes] != recorded_inputs:
+        except Exception:  # not a dtype question: every input back to its recorded dtype, dynamo's value
+            inputs = list(node.all_input_nodes)
+            if recorded is None or len(inputs) != len(recorded_inputs):
                 raise
+            for value, want in zip(inputs, recorded_inputs):
+                if isinstance(want, torch.dtype) and want in LABELS and _node_dtypes(value) != want:
+                    node.replace_input_with(value, casts.to(value, want, node, reason))
             node.meta["example_value"] = recorded
         ctx.note(node.name, f"precision: kept in its original dtypes ({why})")
         return 1
