@@ -209,7 +209,7 @@ class MixedPrecision:
                 raise
             for value, want in zip(inputs, recorded_inputs):
                 if isinstance(want, torch.dtype) and want in LABELS and _node_dtypes(value) != want:
-                    node.replace_input_with(value, casts.to(value, want, node, reason))
+                    node.replace_input_with(value, _uncast(value, want, original) or casts.to(value, want, node, reason))
             node.meta["example_value"] = recorded
         ctx.note(node.name, f"precision: kept in its original dtypes ({why})")
         return 1
@@ -223,6 +223,15 @@ class MixedPrecision:
                 return casts.to(value, was, output, "graph output keeps the model's dtype")
             return value
         output.args = (fx.node.map_arg(output.args[0], restore),)
+
+
+def _uncast(value: fx.Node, want: torch.dtype, original: dict) -> fx.Node | None:
+    """The source of a cast this pass inserted, when the source already has the wanted dtype: an input
+    put back reads the original value itself, not a round trip through the low dtype."""
+    if value in original or value.op != "call_method" or value.target != "to":
+        return None
+    source = value.args[0]
+    return source if isinstance(source, fx.Node) and _node_dtypes(source) == want else None
 
 
 def _fill_missing_values(graph: fx.Graph, mode) -> None:
@@ -266,8 +275,8 @@ def lift_parameter_casts(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.Graph
     for node in list(gm.graph.nodes):
         record = records.get(node.name)
         source = node.args[0] if record is not None and node.op == "call_method" else None
-        if source is None or source.op != "placeholder":
-            continue
+        if source is None or source.op != "placeholder" or source not in placeholders:
+            continue  # (a cast of a cast already lifted stays a cast)
         index = placeholders.index(source)
         if not isinstance(ctx.example_inputs[index], torch.nn.Parameter):
             continue

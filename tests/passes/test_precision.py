@@ -211,3 +211,26 @@ def test_op_that_cannot_be_rerun_on_fakes_keeps_its_recorded_value(monkeypatch):
     assert any("kept in its original dtypes" in why and "numel" in why for _, why in ctx.notes)
     bound = 2 * 2**-8 * (x.abs() @ w.abs())  # a bf16 matmul's rounding (operands and result), doubled
     assert ((compile_fxopt(fn, precision="bf16")(x, w) - fn(x, w)).abs() <= torch.flip(bound, [0]) * 2).all()
+
+
+def test_policy_op_that_cannot_be_rerun_reads_its_original_fp32_inputs(monkeypatch):
+    """The same for a policy op (a Linear in inference, whose weight cast is cached): its inputs go
+    back to the original fp32 values themselves, not through bf16 and back, and the compile works."""
+    from fxopt.passes import precision
+
+    rerun = precision._run_on_fakes
+    linear = torch.nn.Linear(16, 16).eval()
+
+    def refuse_linear(node, mode):
+        if node.target is F.linear:
+            raise RuntimeError("Cannot call numel() on tensor with symbolic sizes/strides")
+        return rerun(node, mode)
+
+    monkeypatch.setattr(precision, "_run_on_fakes", refuse_linear)
+    fn = lambda x: torch.relu(linear(x))  # noqa: E731
+    with torch.no_grad():
+        gm, ctx = precision_graph(fn, x)
+        node = only(gm, lambda n: n.target is F.linear)
+        assert all(n.op == "placeholder" for n in node.all_input_nodes[1:]), node.format_node()
+        assert computes_in(node) == {FP32}
+        torch.testing.assert_close(compile_fxopt(fn, precision="bf16")(x), fn(x), rtol=1e-5, atol=1e-5)
