@@ -22,6 +22,8 @@ import triton
 import triton.language as tl
 import triton.testing
 
+from benchmarks.measure import copy_ceiling_gbs
+
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
@@ -111,10 +113,7 @@ def run(x, nchunk, warps, per_sm, prefetch, keep16=False):
 
 def main() -> int:
     torch.manual_seed(0)
-    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ceiling = 2 * src.numel() / triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median") / 1e6
-    del src, dst
+    ceiling = copy_ceiling_gbs("cuda", 2**30, 25, 100)
     print(f"copy ceiling {ceiling:.0f} GB/s")
     x = torch.randn(512, 131072, device="cuda", dtype=torch.bfloat16) * 4
     ref = torch.softmax(x.double(), -1)
@@ -131,8 +130,9 @@ def main() -> int:
             torch.cuda.synchronize()
             err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
             ms = triton.testing.do_bench(call, return_mode="median")
-            print(f"nchunk {nchunk:2d} warps {warps:2d} per_sm {per_sm:2d} prefetch {prefetch!s:5} keep16 {keep16!s:5}: "
-                  f"{ms * 1e3:6.1f} us {nbytes / ms / 1e6 / ceiling:6.1%}  err {err:.1e}  {info}", flush=True)
+            print(f"nchunk {nchunk:2d} warps {warps:2d} per_sm {per_sm:2d} prefetch {prefetch!s:5} "
+                  f"keep16 {keep16!s:5}: {ms * 1e3:6.1f} us {nbytes / ms / 1e6 / ceiling:6.1%}  "
+                  f"err {err:.1e}  {info}", flush=True)
         except Exception as e:  # noqa: BLE001 - a probe row reports its failure
             print(f"nchunk {nchunk} warps {warps} per_sm {per_sm}: {type(e).__name__}: {str(e)[:200]}")
     return 0

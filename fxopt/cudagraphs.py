@@ -208,8 +208,7 @@ class CudaGraphs:
                 try:
                     graph.capture_begin(pool=pool, capture_error_mode="thread_local")
                 except BaseException:
-                    _release_generator(device)
-                    self._streams.pop(device, None)
+                    self._abandon(device)
                     raise
                 try:
                     outs = fn(args)
@@ -223,10 +222,15 @@ class CudaGraphs:
                 try:
                     graph.capture_end()
                 except BaseException:
-                    _release_generator(device)
-                    self._streams.pop(device, None)
+                    self._abandon(device)
                     raise
         return graph, outs
+
+    def _abandon(self, device: int) -> None:
+        """After a capture that failed to begin or end: the generator is left capturing and the
+        stream in capture mode, so release the one and retire the other."""
+        _release_generator(device)
+        self._streams.pop(device, None)
 
     def replay(self, graph, device: int) -> None:
         graph.replay()

@@ -184,7 +184,8 @@ class MixedPrecision:
                 node.replace_input_with(value, casts.to(value, to, node, reason))
         return where
 
-    def _refresh(self, node: fx.Node, original: dict, casts: _Casts, ctx: PassContext, recorded_inputs: list) -> int:
+    def _refresh(self, node: fx.Node, original: dict, casts: _Casts, ctx: PassContext,
+                 recorded_inputs: list) -> int:
         """Recompute the node's value from its new inputs. An op that rejects them (one that insists
         on equal dtypes) gets its inputs cast back to what they were, and is noted; returns 1 then.
         An op that cannot be re-run on fake tensors at all (torch 2.11 raises "Cannot call numel()"
@@ -204,12 +205,8 @@ class MixedPrecision:
         try:
             node.meta["example_value"] = _run_on_fakes(node, casts.mode)
         except Exception:  # not a dtype question: every input back to its recorded dtype, dynamo's value
-            inputs = list(node.all_input_nodes)
-            if recorded is None or len(inputs) != len(recorded_inputs):
+            if recorded is None or not _restore_recorded(node, recorded_inputs, original, casts, reason):
                 raise
-            for value, want in zip(inputs, recorded_inputs):
-                if isinstance(want, torch.dtype) and want in LABELS and _node_dtypes(value) != want:
-                    node.replace_input_with(value, _uncast(value, want, original) or casts.to(value, want, node, reason))
             node.meta["example_value"] = recorded
         ctx.note(node.name, f"precision: kept in its original dtypes ({why})")
         return 1
@@ -223,6 +220,18 @@ class MixedPrecision:
                 return casts.to(value, was, output, "graph output keeps the model's dtype")
             return value
         output.args = (fx.node.map_arg(output.args[0], restore),)
+
+
+def _restore_recorded(node: fx.Node, recorded_inputs: list, original: dict, casts: _Casts, reason: str) -> bool:
+    """Put each input of `node` back to the dtype dynamo recorded for it (False: the inputs no longer
+    line up with the recorded ones, nothing changed)."""
+    inputs = list(node.all_input_nodes)
+    if len(inputs) != len(recorded_inputs):
+        return False
+    for value, want in zip(inputs, recorded_inputs):
+        if isinstance(want, torch.dtype) and want in LABELS and _node_dtypes(value) != want:
+            node.replace_input_with(value, _uncast(value, want, original) or casts.to(value, want, node, reason))
+    return True
 
 
 def _uncast(value: fx.Node, want: torch.dtype, original: dict) -> fx.Node | None:
