@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+from torch._dispatch.python import enable_python_dispatcher
 from torch._subclasses.fake_tensor import FakeTensor
 
 from ..analysis.precision_policy import FP32, LOW, category_of, feeds_reduction, policy_with
@@ -69,9 +70,11 @@ def _fake_mode(gm: fx.GraphModule):
 
 
 def _run_on_fakes(node: fx.Node, mode):
-    """The node's value computed from its inputs' example values (what dynamo recorded, re-done)."""
+    """The node's value computed from its inputs' example values (what dynamo recorded, re-done), the
+    way dynamo computes them: under the Python dispatcher, so composite ops (F.linear) decompose with
+    symbolic sizes instead of asking C++ for a concrete numel()."""
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["example_value"])
-    with mode:
+    with mode, enable_python_dispatcher():
         if node.op == "call_method":
             return getattr(args[0], node.target)(*args[1:], **kwargs)
         return node.target(*args, **kwargs)
@@ -188,9 +191,10 @@ class MixedPrecision:
                  recorded_inputs: list) -> int:
         """Recompute the node's value from its new inputs. An op that rejects them (one that insists
         on equal dtypes) gets its inputs cast back to what they were, and is noted; returns 1 then.
-        An op that cannot be re-run on fake tensors at all (torch 2.11 raises "Cannot call numel()"
-        for some ops over symbolic sizes outside dynamo's tracing) also gets its inputs back and,
-        with every input in its recorded dtype again, keeps the value dynamo recorded for it."""
+        An op that cannot be re-run on fake tensors at all also gets its inputs back and, with every
+        input in its recorded dtype again, keeps the value dynamo recorded for it (a safety net: the
+        one case seen, F.linear over symbolic sizes on torch 2.11, came from re-running without the
+        Python dispatcher)."""
         recorded = node.meta.get("example_value")
         try:
             with _meta_errors_unlogged():
