@@ -38,7 +38,8 @@ class AttentionSite:
         if not self.fused:
             return f"{self.node}: not fused: {self.reason}  [{self.source}]"
         gqa = f", {self.kv_groups} query heads per kv head" if self.kv_groups > 1 else ""
-        return (f"{self.node}: fused (causal={self.causal}, scale={self.scale:.6g}, mask={self.mask}{gqa}) "
+        scale = "1/sqrt(head dim)" if self.scale is None else f"{self.scale:.6g}"
+        return (f"{self.node}: fused (causal={self.causal}, scale={scale}, mask={self.mask}{gqa}) "
                 f"-> {self.kernel}; recognised: {', '.join(self.recognised) or '-'}  [{self.source}]")
 
 

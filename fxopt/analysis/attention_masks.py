@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from .built_masks import built_causal
 from .sliced_masks import sliced_causal
 
 # A masked score must vanish after exp(): -inf does exactly; so does any value at or below fp16's
@@ -55,9 +56,15 @@ def _scalar(value) -> float | None:
     return None
 
 
-def _keep_of_step(step: MaskStep, values, score_shape) -> torch.Tensor:
+def _keep_of_step(step: MaskStep, values, score_shape, node) -> torch.Tensor:
     """Where a constant mask step keeps the score, broadcast to the scores' shape."""
-    return _keep(step, values.value(step.tensor), score_shape)
+    value = values.value(step.tensor)
+    try:
+        return _keep(step, value, score_shape)
+    except RuntimeError as e:  # a dim of the mask where the scores' dim is symbolic (evaluated as 1)
+        name = node.name if isinstance(node, fx.Node) else "a constant"
+        raise NotAttention(f"the compile-time mask {name} {list(torch.as_tensor(value).shape)} does not broadcast "
+                           f"to the scores {list(score_shape)} ({e})") from None
 
 
 def _keep(step: MaskStep, value, score_shape) -> torch.Tensor:
@@ -83,21 +90,29 @@ def _describe_buffers(buffers) -> str:
 def mask_facts(steps: list[MaskStep], values, score_shape, requires_grad) -> MaskFacts:
     """Fold the mask steps of one site into MaskFacts, or raise NotAttention with the reason."""
     facts = MaskFacts()
-    symbolic = not all(isinstance(d, int) for d in score_shape)
+    # Only symbolic lengths stop a compile-time mask from being evaluated: one over a symbolic batch or
+    # head count broadcasts over it, so it is evaluated with those dims 1.
+    symbolic = not all(isinstance(d, int) for d in score_shape[-2:])
+    if not symbolic:
+        score_shape = tuple(d if isinstance(d, int) else 1 for d in score_shape)
     keep = torch.ones(() if symbolic else score_shape, dtype=torch.bool)
     constant_steps = []
     for step in steps:
         if values.is_constant(step.tensor) and symbolic:
             raise NotAttention("a compile-time mask with symbolic (dynamic) sizes: it cannot be evaluated once "
                                "for every size")
-        sliced = sliced_causal(step.tensor, lambda v, s: _keep(step, v, s), values, score_shape) if symbolic else None
+        keep_of = lambda v, s, step=step: _keep(step, v, s)  # noqa: E731
+        if symbolic and built_causal(step.tensor, keep_of, values, score_shape):
+            facts.causal, facts.described = True, "causal (a triangle built in the graph over the symbolic length)"
+            continue
+        sliced = sliced_causal(step.tensor, keep_of, values, score_shape) if symbolic else None
         if sliced is not None:  # a causal buffer sliced to the length: causal for every length
             facts.causal = True
             facts.buffers = tuple(dict.fromkeys(facts.buffers + sliced))
             facts.described = f"causal (from {_describe_buffers(facts.buffers)}, sliced to the length)"
             continue
         if values.is_constant(step.tensor):
-            keep = keep & _keep_of_step(step, values, score_shape)
+            keep = keep & _keep_of_step(step, values, score_shape, step.tensor)
             constant_steps.append(step)
         elif facts.runtime_mask is not None or facts.runtime_fill is not None:
             raise NotAttention("more than one mask computed from the model's inputs")

@@ -25,12 +25,12 @@ _INPLACE_FUNCTIONS = frozenset({"setitem", "iadd", "isub", "imul", "itruediv", "
                                 "iand", "ior", "ixor", "ilshift", "irshift"})
 
 
-def _name(node: fx.Node) -> str:
+def call_name(node: fx.Node) -> str:
     return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
 
 
 def _writes_in_place(node: fx.Node) -> bool:
-    name = _name(node)
+    name = call_name(node)
     if node.op == "call_method":
         return name.endswith("_") and not name.endswith("__")
     if node.op == "call_function":
@@ -56,7 +56,7 @@ def written_in_place(node: fx.Node) -> bool:
     """Does the graph write into this value, directly or through a view of it? Then its value at
     compile time is not the value the graph reads later (HF Llama writes the padding into a clone of
     its constant causal mask with `mask[..., :n] = ...`)."""
-    views = _reachable(node, lambda n: [u for u in n.users if _name(u) in _VIEW_NAMES and u.args and u.args[0] is n])
+    views = _reachable(node, lambda n: [u for u in n.users if call_name(u) in _VIEW_NAMES and u.args and u.args[0] is n])
     return any(_writes_in_place(user) and user.args and user.args[0] is n for n in views for user in n.users)
 
 

@@ -20,20 +20,17 @@ import operator
 import torch
 import torch.fx as fx
 
+from .constant_values import call_name
 from .torch_ops import meta, provably_equal
 
 MAX_CHECKED = 8192  # longest buffer checked element by element at compile time (64 MiB of bools)
 
 # Elementwise ops a slice commutes with (functions and methods dynamo records for mask code).
-_ELEMENTWISE = frozenset({
+MASK_ELEMENTWISE = frozenset({
     "eq", "ne", "lt", "le", "gt", "ge", "logical_not", "invert", "bitwise_not", "neg", "to", "type", "float",
     "bool", "half", "bfloat16", "where", "masked_fill", "mul", "add", "sub", "truediv", "logical_and",
     "logical_or", "and_", "or_", "__invert__", "__eq__", "__ne__", "__and__", "__or__",
 })
-
-
-def _name(node: fx.Node) -> str:
-    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
 
 
 def _bounded_slices(node: fx.Node) -> tuple | None:
@@ -70,7 +67,7 @@ def _sliced_getitem(node: fx.Node, values) -> fx.Node | None:
         if _bounded_slices(n) is not None and values.is_constant(n.args[0]):
             found.append(n)
             continue
-        if n.op not in ("call_function", "call_method") or _name(n) not in _ELEMENTWISE:
+        if n.op not in ("call_function", "call_method") or call_name(n) not in MASK_ELEMENTWISE:
             return None
         todo += [a for a in n.all_input_nodes if isinstance(meta(a), torch.Tensor)]
     return found[0] if len(found) == 1 else None

@@ -177,6 +177,46 @@ def symbolic_unsupported_reason(gm: fx.GraphModule) -> str | None:
     return None
 
 
+def plain_real(e) -> sympy.Expr | None:
+    """A SymFloat's expression in plain sympy (torch's ToFloat, FloatTrueDiv, FloatPow and opaque sqrt
+    spelled as sympy's own), or None when it uses anything else (floor, mod, min, ...)."""
+    if e.is_Atom:
+        return e
+    args = [plain_real(a) for a in e.args]
+    if any(a is None for a in args):
+        return None
+    name = type(e).__name__
+    if name == "ToFloat":
+        return args[0]
+    if name in ("FloatTrueDiv", "IntTrueDiv"):
+        return args[0] / args[1]
+    if name in ("FloatPow", "PowByNatural"):
+        return args[0] ** args[1]
+    if name == "OpaqueUnaryFn_sqrt":
+        return sympy.sqrt(args[0])
+    if isinstance(e, (sympy.Add, sympy.Mul, sympy.Pow)):
+        return e.func(*args)
+    return None
+
+
+def scalar_expr(x) -> float | sympy.Expr | None:
+    """A SymFloat or SymInt scalar as a number, or as plain sympy over the size symbols; None if neither."""
+    if not isinstance(x, (torch.SymFloat, torch.SymInt)):
+        return None
+    e = plain_real(x.node.expr)
+    if e is None:
+        return None
+    return float(e) if e.is_number else e
+
+
+def is_inverse_sqrt(e, size) -> bool:
+    """e == 1/sqrt(size) for every value of the symbols (sympy proves it: no example values)."""
+    if not isinstance(e, sympy.Basic):
+        return False
+    product = sympy.nsimplify(e * sympy.sqrt(sympy.sympify(size)), rational=True)
+    return sympy.simplify(product - 1) == 0
+
+
 def guard_texts(shape_env, symbols: list[sympy.Symbol]) -> list[str]:
     """Dynamo's guards on the sizes as text: each symbol's range, then every non-trivial guard."""
     out = []

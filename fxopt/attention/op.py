@@ -12,7 +12,10 @@ node. The op picks its implementation when it runs:
 
 Contract (the matcher builds calls that meet it): q [B, H, Tq, D], k and v [B, Hkv, Tk, D] with H a
 multiple of Hkv (grouped-query attention), any strides; `mask` None or an additive float mask
-broadcastable to [B, H, Tq, Tk]; causal is aligned bottom-right. Returns (out [B, H, Tq, D] in q's
+broadcastable to [B, H, Tq, Tk]; causal is aligned bottom-right; `scale` None means 1/sqrt(D) of the
+tensors of each call (SDPA's default: what a graph with a symbolic head dim computes). A head dim
+outside the kernels' range (possible only when it is symbolic: the matcher checks static ones) runs
+the reference, logged once. Returns (out [B, H, Tq, D] in q's
 dtype, lse [B, H, Tq] float32: the natural-log log-sum-exp of each row, saved for the backward).
 
 Layouts: out and each gradient are laid out like their input (`torch.empty_like`: q = x.view(B, T, H,
@@ -25,6 +28,7 @@ CPU reference copy into it (`_laid_out_like`).
 from __future__ import annotations
 
 import logging
+import math
 import os
 from typing import Optional
 
@@ -36,6 +40,7 @@ from . import reference
 
 _log = logging.getLogger("fxopt.attention")
 _BF16_NOTED: list[bool] = []
+_HEAD_DIM_NOTED: set[int] = set()
 
 
 def _on_triton(t: Tensor) -> bool:
@@ -52,6 +57,25 @@ def _on_triton(t: Tensor) -> bool:
                          "interpreter, whose bf16 tl.dot is wrong; use float16/float32 to run the kernels on CPU")
         return False
     return True
+
+
+def _kernels_take(q: Tensor) -> bool:
+    """The Triton kernels run this call: a device they run on and a head dim in their range."""
+    if not _on_triton(q):
+        return False
+    from .flash_common import HEAD_DIMS
+    head_dim = q.shape[-1]
+    if HEAD_DIMS[0] <= head_dim <= HEAD_DIMS[1]:
+        return True
+    if head_dim not in _HEAD_DIM_NOTED:
+        _HEAD_DIM_NOTED.add(head_dim)
+        _log.warning("fxopt attention: head dim %d is outside the kernels' range %d..%d; this call runs the "
+                     "torch reference", head_dim, *HEAD_DIMS)
+    return False
+
+
+def _scale_of(q: Tensor, scale: Optional[float]) -> float:
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
 
 
 def _triton_call(t: Tensor, fn, *args, **kwargs):
@@ -77,10 +101,11 @@ def _full_mask(mask: Optional[Tensor], q: Tensor, k: Tensor) -> Optional[Tensor]
     return mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
 
 
-def run_flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float,
+def run_flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: Optional[float],
                         causal: bool) -> tuple[Tensor, Tensor]:
     """The op's implementation; wrappers call it directly (codegen/direct_calls.py)."""
-    if not _on_triton(q):
+    scale = _scale_of(q, scale)
+    if not _kernels_take(q):
         out, lse = reference.attention(q, k, v, scale=scale, causal=causal, mask=mask)
         return _laid_out_like(out, q), lse.contiguous()
     from .flash_decode import decode_applies, flash_decode
@@ -102,8 +127,10 @@ def _(q, k, v, mask, scale, causal):
 
 
 def run_flash_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                                 mask: Optional[Tensor], scale: float, causal: bool) -> tuple[Tensor, Tensor, Tensor]:
-    if not _on_triton(q):
+                                 mask: Optional[Tensor], scale: Optional[float],
+                                 causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+    scale = _scale_of(q, scale)
+    if not _kernels_take(q):
         dq, dk, dv = reference.attention_backward(dout, q, k, v, scale=scale, causal=causal, mask=mask)
         return _laid_out_like(dq, q), _laid_out_like(dk, k), _laid_out_like(dv, v)
     from .flash_backward import flash_backward
@@ -137,7 +164,7 @@ def _backward(ctx, dout, _dlse):
 flash_attention.register_autograd(_backward, setup_context=_setup_context)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool = False,
+def attention(q: Tensor, k: Tensor, v: Tensor, *, scale: Optional[float], causal: bool = False,
               mask: Optional[Tensor] = None) -> Tensor:
     """The fused op's output alone: what the matcher's replacement computes."""
     return flash_attention(q, k, v, mask, scale, causal)[0]

@@ -21,6 +21,7 @@ import torch.fx as fx
 
 from ..analysis.attention_masks import MaskFacts, MaskStep, NotAttention, mask_facts
 from ..analysis.constant_values import ConstantValues
+from ..analysis.symbolic import expr, is_inverse_sqrt, is_symbolic, scalar_expr
 from ..analysis.torch_ops import (
     arg, dtype, is_identity_dropout, meta, op_of, provably_equal, shape, swaps_last_two, upcast_source,
 )
@@ -37,7 +38,7 @@ class Match:
     k: fx.Node | None  # None: k is the transpose of `k_transposed` (inserted by the rewrite)
     k_transposed: fx.Node
     v: fx.Node
-    scale: float
+    scale: float | None  # None: 1/sqrt(head dim) of each call (a symbolic head dim's default scale)
     facts: MaskFacts
     out: fx.Node  # the node whose uses the fused op takes over
     kv_groups: int = 1
@@ -49,10 +50,14 @@ def _single_user(node: fx.Node) -> bool:
     return len(node.users) == 1
 
 
-def _scalar_of(value, values: ConstantValues) -> float | None:
-    """A python number or a compile-time 0-d tensor (HF GPT-2 divides by torch.full([], sqrt(d)))."""
+def _scalar_of(value, values: ConstantValues):
+    """A python number or a compile-time 0-d tensor (HF GPT-2 divides by torch.full([], sqrt(d))) as a
+    float; a scalar computed from symbolic sizes (`1 / math.sqrt(q.size(-1))` under dynamic shapes) as
+    its sympy expression; else None."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
+    if isinstance(value, fx.Node) and scalar_expr(meta(value)) is not None:
+        return scalar_expr(meta(value))
     if isinstance(value, fx.Node) and values.is_constant(value):
         v = values.value(value)
         if isinstance(v, torch.Tensor) and v.numel() == 1:
@@ -71,7 +76,7 @@ def _scale_step(node: fx.Node, values) -> tuple[fx.Node, float] | None:
                 return x, factor
     if op == "div" and isinstance(a, fx.Node) and not node.kwargs.get("rounding_mode"):
         factor = _scalar_of(b, values)
-        if factor:
+        if factor is not None and factor != 0:
             return a, 1.0 / factor
     return None
 
@@ -173,7 +178,7 @@ def _scores_chain(softmax: fx.Node, values, m: Match) -> tuple[fx.Node, list[Mas
 
 def _fill_value(value, values) -> float:
     v = _scalar_of(value, values)
-    if v is None:
+    if not isinstance(v, float):
         raise NotAttention("the fill value of a mask is not a compile-time constant")
     return v
 
@@ -222,11 +227,12 @@ def _check_operands(m: Match) -> None:
     if q.dim() not in (3, 4) or len(k_shape) != q.dim() or v.dim() != q.dim():
         raise NotAttention(f"q, k, v have {q.dim()}, {len(k_shape)}, {v.dim()} dims; the kernel takes 3-D or 4-D")
     d = q.shape[-1]
-    if not isinstance(d, int):
-        raise NotAttention(f"symbolic head dim {d}: the kernels compile for one head dim")
     if not provably_equal(k_shape[-1], d) or not provably_equal(v.shape[-1], d):
         raise NotAttention(f"head dims differ (q {d}, k {k_shape[-1]}, v {v.shape[-1]}); the kernel needs one")
-    if not HEAD_DIMS[0] <= d <= HEAD_DIMS[1]:
+    if is_symbolic(expr(d)):
+        m.recognised.append(f"symbolic head dim {expr(d)} (the kernels take {HEAD_DIMS[0]}..{HEAD_DIMS[1]} "
+                            "per call, the reference any other)")
+    elif not HEAD_DIMS[0] <= d <= HEAD_DIMS[1]:
         raise NotAttention(f"head dim {d} is outside the kernels' range {HEAD_DIMS[0]}..{HEAD_DIMS[1]}")
     dtypes = {q.dtype, dtype(m.k if m.k is not None else m.k_transposed), v.dtype}
     if len(dtypes) != 1 or q.dtype not in DTYPES:
@@ -272,12 +278,26 @@ def match_site(softmax: fx.Node, values: ConstantValues) -> Match:
     if fv != 1.0:
         raise NotAttention("v is scaled (the kernel scales scores, not values)")
     m.v = _peel_kv_repeat(m.v, m, "v")
-    if not m.scale > 0 or not math.isfinite(m.scale):
-        raise NotAttention(f"scale {m.scale:g} is not a positive number")
+    m.scale = _resolved_scale(m.scale, m)
     _check_operands(m)
     score_meta = meta(scores)
     m.facts = mask_facts(steps, values, tuple(score_meta.shape), _requires_grad)
     return m
+
+
+def _resolved_scale(scale, m: Match) -> float | None:
+    """The scale as the fused op takes it: a positive float, or None for 1/sqrt(head dim) when the scale
+    is that expression of a symbolic head dim (proved in sympy). Any other symbolic scale is refused."""
+    if isinstance(scale, float) or getattr(scale, "is_number", False):
+        scale = float(scale)
+        if not scale > 0 or not math.isfinite(scale):
+            raise NotAttention(f"scale {scale:g} is not a positive number")
+        return scale
+    head_dim = expr(shape(m.q)[-1])
+    if is_symbolic(head_dim) and is_inverse_sqrt(scale, head_dim):
+        m.recognised.append(f"scale 1/sqrt({head_dim}) of the symbolic head dim (computed per call)")
+        return None
+    raise NotAttention(f"the scale {scale} depends on sizes, and not as 1/sqrt(head dim {head_dim})")
 
 
 def _requires_grad(node) -> bool:
@@ -297,11 +317,16 @@ def match_sdpa(node: fx.Node, values: ConstantValues) -> Match:
         raise NotAttention(f"SDPA with dropout_p={dropout_p} (the fused kernel has no dropout)")
     if not all(isinstance(t, fx.Node) for t in (q, k, v)):
         raise NotAttention("SDPA operands are not tensors of the graph")
-    d = shape(q)[-1]
-    if not isinstance(d, int):
-        raise NotAttention(f"symbolic head dim {d}: the kernels compile for one head dim")
-    m = Match(q=q, k=k, k_transposed=None, v=v, scale=1.0 / math.sqrt(d) if scale is None else float(scale),
-              facts=MaskFacts(), out=node, recognised=["scaled_dot_product_attention"])
+    d = expr(shape(q)[-1])
+    m = Match(q=q, k=k, k_transposed=None, v=v, scale=None, facts=MaskFacts(), out=node,
+              recognised=["scaled_dot_product_attention"])
+    if scale is None:
+        m.scale = None if is_symbolic(d) else 1.0 / math.sqrt(d)
+    else:
+        factor = _scalar_of(scale, values)
+        if factor is None:
+            raise NotAttention(f"SDPA scale {scale} is not a number or an expression of the sizes")
+        m.scale = _resolved_scale(factor, m)
     if is_causal:
         tq, tk = shape(q)[-2], shape(k)[-2]
         if not provably_equal(tq, tk):

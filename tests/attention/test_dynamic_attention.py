@@ -145,3 +145,21 @@ def test_changing_the_sliced_buffer_after_compiling_raises():
         assert "bias" in str(e)
     else:
         raise AssertionError("a changed causal buffer must not be used as causal")
+
+
+def test_a_constant_mask_over_a_symbolic_batch_is_evaluated_at_compile_time():
+    """Only the batch symbolic (the length static): the sliced buffer is a compile-time constant and
+    must still give the causal fact (it broadcasts over the symbolic batch). The GPT-2 block of the
+    benchmarks (buffer as long as the sequence) lost its fused attention under dynamic=True this way."""
+    torch.manual_seed(0)
+    model = HandWritten(max_len=8)
+    backend = CountingBackend()
+    compiled = torch.compile(model, backend=backend)
+    for b in (2, 3, 5):
+        x = torch.randn(b, 8, 32)
+        torch._dynamo.mark_dynamic(x, 0)
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+    assert backend.calls == 1
+    site = backend.report.attention[-1]
+    assert site.fused and site.causal and "sliced" not in site.mask, site
+    assert backend.report.graphs[0].symbols  # the batch really is symbolic
