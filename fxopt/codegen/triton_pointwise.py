@@ -73,7 +73,8 @@ class TilePlan:
     yblock: int
     xblock: int
     num_warps: int
-    grid: tuple  # (y tiles, x tiles): program axes 0 and 1 (source over the size symbols when symbolic)
+    grid: tuple | str  # (y tiles, x tiles): program axes 0 and 1; or, when the innermost dim is symbolic,
+    # one axis of y tiles * x tiles (source over the size symbols): axis 1's limit of 65535 could be passed
 
 
 GRID_MAX = (2**31 - 1, 65535)  # CUDA's limits on grid axes 0 and 1
@@ -109,10 +110,10 @@ def plan_tiles(space: IterationSpace) -> TilePlan | None:
     if ydim is None:
         return None
     tiles = TiledSpace(space, ydim)
-    if is_symbolic(tiles.xnumel):
-        return None  # grid axis 1 (x tiles) has a limit of 65535 that a symbolic dim could pass
     yblock, xblock, warps = tile_config(tiles.ynumel, tiles.xnumel)
     grid = (cdiv_source(tiles.ynumel, yblock), cdiv_source(tiles.xnumel, xblock))
+    if is_symbolic(tiles.xnumel):
+        return TilePlan(tiles, yblock, xblock, warps, f"{grid[0]} * {grid[1]}")
     if any(isinstance(g, int) and g > limit for g, limit in zip(grid, GRID_MAX)):
         return None
     return TilePlan(tiles, yblock, xblock, warps, grid)
@@ -212,15 +213,22 @@ class PointwiseEmitter:
     def _generate_tiled(self, leaves: list[fx.Node], space: IterationSpace, plan: TilePlan,
                         wide: bool) -> Kernel:
         """2-D tiles: program axis 0 walks YBLOCK rows of the outer dims, axis 1 XBLOCK columns of the
-        innermost dim; every operand is addressed by strides times (yindex, xindex) coordinates."""
+        innermost dim (one axis of both when the innermost dim is symbolic); every operand is addressed by
+        strides times (yindex, xindex) coordinates."""
         tiles = plan.space
         addresses = [tiles.address(i) for i in range(len(space.operand_strides))]
         used = set().union(*(a.free_symbols for a in addresses)) if addresses else set()
         to64 = ".to(tl.int64)" if wide else ""
-        body = [f"yoffset = tl.program_id(0){to64} * YBLOCK",
-                "yindex = yoffset + tl.arange(0, YBLOCK)[:, None]", "ymask = yindex < ynumel",
-                f"xoffset = tl.program_id(1){to64} * XBLOCK",
-                "xindex = xoffset + tl.arange(0, XBLOCK)[None, :]", "xmask = xindex < xnumel"]
+        body: list[str] = []
+        if isinstance(plan.grid, tuple):
+            ytile, xtile = f"tl.program_id(0){to64}", f"tl.program_id(1){to64}"
+        else:  # one grid axis: x tiles vary fastest
+            body = ["xtiles = tl.cdiv(xnumel, XBLOCK)", f"tile = tl.program_id(0){to64}"]
+            ytile, xtile = "(tile // xtiles)", "(tile % xtiles)"
+        body += [f"yoffset = {ytile} * YBLOCK",
+                 "yindex = yoffset + tl.arange(0, YBLOCK)[:, None]", "ymask = yindex < ynumel",
+                 f"xoffset = {xtile} * XBLOCK",
+                 "xindex = xoffset + tl.arange(0, XBLOCK)[None, :]", "xmask = xindex < xnumel"]
         body += tiles.coord_lines(used)
 
         def load_mask(syms):  # a load depending on one axis only is a [YBLOCK, 1] or [1, XBLOCK] block

@@ -218,3 +218,23 @@ def test_value_from_one_axis_only_is_stored_over_the_whole_tile(tmp_path):
                                              num_warps=k.num_warps)
     for got, want in zip(outs, f(x, y, row)):
         torch.testing.assert_close(got, want)
+
+
+def test_symbolic_sizes_keep_2d_tiles_on_one_grid_axis(device):
+    """dynamic=True: the innermost dim is symbolic, so its tile count could pass grid axis 1's limit of
+    65535; the tiles then run on one axis (x tiles fastest). One compilation, every size exact, sizes
+    that are not multiples of the 64x64 tile included."""
+    from helpers import CountingBackend
+
+    backend = CountingBackend()
+    compiled = torch.compile(transposed_add, backend=backend, dynamic=True)
+    for rows, cols in [(67, 45), (130, 3), (5, 200)]:
+        x = torch.randn(rows, cols, device=device)
+        y = torch.randn(cols, rows, device=device)
+        torch.testing.assert_close(compiled(x, y), transposed_add(x.double(), y.double()).float())
+    assert backend.calls == 1
+    kernels = [k for k in backend.report.kernels if k.kind == "pointwise"]
+    assert len(kernels) == 1
+    src = kernels[0].source
+    assert "tile // xtiles" in src and "tl.program_id(1)" not in src
+    assert "ymask & xmask" in src
