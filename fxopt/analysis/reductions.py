@@ -87,13 +87,13 @@ def reduction_unsupported_reason(node: fx.Node, target: str) -> str | None:
 def is_column_sum_of(node: fx.Node, key) -> bool:
     """Whether `node` sums a tensor of the row group `key`'s shape over every dim the group keeps (the
     weight and bias gradients of a norm's backward), so that the group's row kernel can produce it as
-    a column epilogue: static sizes, rows reduced over the trailing dims and short enough to stay in
+    a column epilogue: a static row length, rows reduced over the trailing dims and short enough to stay in
     registers (codegen keeps the row kernel persistent), a floating-point result."""
     info = reduction_info(node)
     shape, dims, device = key
     if info is None or info.kind != "sum" or info.in_shape != shape or info.device != device:
         return False
-    if any(is_symbolic(s) for s in shape):
+    if any(is_symbolic(shape[d]) for d in dims):  # a symbolic row count is fine (codegen/column_sums.py)
         return False
     xdims = tuple(d for d in range(len(shape)) if d not in dims)
     rnumel = 1

@@ -12,13 +12,15 @@ into the row group that computes its input and marks it (analysis/reductions.COL
 
 So the [N, M] product is neither written nor read back: the backward reads x and dy once, writes dx
 once, and touches only programs x M partials besides (COLUMN_PROGRAMS keeps that a few percent).
+With a symbolic row count (dynamic shapes; the row length must be static) the row kernel always runs
+COLUMN_PROGRAMS programs, so the workspace has a static size, and XSTEPS is computed per call.
 """
 from __future__ import annotations
 
 import torch.fx as fx
 
 from ..analysis.reductions import COLUMN_SUM
-from ..analysis.symbolic import strides, sizes
+from ..analysis.symbolic import is_symbolic, pexpr, strides, sizes
 from .dtypes import TL_DTYPE, compute_dtype
 from .indexing import print_index
 from .kernel import Kernel
@@ -78,10 +80,16 @@ def with_column_sums(em, prelude: list[str], xblock: int, rblock: int, warps: in
     column sums; the row kernel is the combine kernel's prologue, as split reductions do."""
     cols = em.columns
     xblock, warps, programs_wanted = em._column_config(xblock, warps)
-    blocks = -(-em.xnumel // xblock)
-    steps = max(1, -(-blocks // programs_wanted))
-    programs = -(-blocks // steps)
-    if blocks % steps or em.xnumel % xblock:  # the last program runs past the rows: keep the bounds test
+    if is_symbolic(em.xnumel):  # a fixed number of programs (a static workspace), the steps per call
+        programs, steps, ragged = programs_wanted, f"cdiv(cdiv({pexpr(em.xnumel)}, {xblock}), {programs_wanted})", True
+        rows_per_program = f"XSTEPS x {xblock}"
+    else:
+        blocks = -(-em.xnumel // xblock)
+        steps = max(1, -(-blocks // programs_wanted))
+        programs = -(-blocks // steps)
+        ragged = bool(blocks % steps or em.xnumel % xblock)
+        rows_per_program = str(steps * xblock)
+    if ragged:  # the last program runs past the rows: keep the bounds test
         prelude = [(mask_line("x", False) if line.startswith("xmask =") else line) for line in prelude]
     acc_dtype = {n: compute_dtype(n.meta["val"].dtype) for n in cols}
     first = "(tl.program_id(0).to(tl.int64) * XSTEPS + xstep) * XBLOCK" if wide else \
@@ -96,7 +104,7 @@ def with_column_sums(em, prelude: list[str], xblock: int, rblock: int, warps: in
         body.append(f"tl.store(ws_ptr{k} + (tl.program_id(0) * rnumel + rindex), "
                     f"tl.sum(colacc_{n.name}, 0)[None, :], rmask)")
     workspaces = [((programs, em.rnumel), acc_dtype[n]) for n in cols]
-    kind = f"persistent, {len(cols)} column sum(s) over {steps * xblock} rows per program"
+    kind = f"persistent, {len(cols)} column sum(s) over {rows_per_program} rows per program"
     # size symbols: a static row can still read a SymInt input as a value (compiled autograd passes
     # mean's element count as one), so both kernels take them like every other kernel
     syms, symbols = [s.name for s in em.syms], em._examples(em.syms)

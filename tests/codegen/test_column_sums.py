@@ -155,3 +155,30 @@ def test_a_software_pipelined_row_loop_gives_the_same_sums(device, monkeypatch, 
     out = compile_fxopt(ln_backward)(*args)
     for o, r in zip(out, ln_backward(*(t.double() for t in args))):
         assert_close_to_reference(o, r, torch.float16)
+
+
+def test_symbolic_row_count_keeps_column_sums_in_the_row_kernel(device, programs):
+    """dynamic=True, LayerNorm of a static width over a symbolic number of rows: the backward still
+    computes dw and db as column sums of its row kernel (a fixed number of programs, XSTEPS per call),
+    one compilation for row counts below, at and well above the programs' rows."""
+    from tests.helpers import CountingBackend
+
+    torch.manual_seed(0)
+    ln = torch.nn.LayerNorm(48).to(device)
+    torch.nn.init.normal_(ln.weight)
+    torch.nn.init.normal_(ln.bias)
+    ln64 = torch.nn.LayerNorm(48).double().to(device)
+    ln64.load_state_dict(ln.state_dict())
+    backend = CountingBackend()
+    compiled = torch.compile(ln, backend=backend, dynamic=True)
+    for rows in (37, 300, 5):
+        x = torch.randn(rows, 48, device=device, requires_grad=True)
+        dy = torch.randn(rows, 48, device=device)
+        got = torch.autograd.grad(compiled(x), (x, ln.weight, ln.bias), dy)
+        x64 = x.detach().double().requires_grad_()
+        ref = torch.autograd.grad(ln64(x64), (x64, ln64.weight, ln64.bias), dy.double())
+        for g, r in zip(got, ref):
+            torch.testing.assert_close(g.double(), r, rtol=1e-4, atol=1e-4)
+    assert backend.calls <= 2  # dynamo may call the backend twice on the very first call
+    bwd = [k for k in backend.report.kernels if k.graph == "backward"]
+    assert len(bwd) == 1 and "column sum(s) over XSTEPS" in bwd[-1].schedule, [k.schedule for k in bwd]
