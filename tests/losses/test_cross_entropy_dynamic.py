@@ -1,6 +1,6 @@
-"""The fused cross-entropy under symbolic sizes: [rows, classes] logits with a symbolic row count (and
-a static class count) are fused, one compilation serving every row count; other symbolic layouts stay
-ATen with the reason."""
+"""The fused cross-entropy under symbolic sizes: [rows, classes] logits with a symbolic row count and a
+static or symbolic class count (the kernels read it per call) are fused, one compilation serving every
+size; other symbolic layouts stay ATen with the reason."""
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -50,3 +50,26 @@ def test_symbolic_logits_with_classes_not_last_stay_aten_and_exact():
         logits, targets = torch.randn(b, 11, t), torch.randint(0, 11, (b, t))
         torch.testing.assert_close(compiled(logits, targets), _per_position(logits, targets), rtol=1e-5, atol=1e-6)
     assert any("symbolic" in reason for _, reason in backend.report.fallbacks), backend.report.fallbacks
+
+
+def _token_loss(logits, targets):
+    return F.cross_entropy(logits, targets)
+
+
+def test_symbolic_class_count_is_fused_once_and_exact():
+    """Logits passed in with dynamic=True: rows and classes both symbolic (the benchmark's case)."""
+    torch.manual_seed(0)
+    backend = CountingBackend()
+    compiled = torch.compile(_token_loss, backend=backend, dynamic=True)
+    for rows, classes in [(6, 37), (9, 130), (4, 1000)]:
+        logits = torch.randn(rows, classes, requires_grad=True)
+        targets = torch.randint(0, classes, (rows,))
+        loss = compiled(logits, targets)
+        logits64 = logits.detach().double().requires_grad_()
+        ref = _token_loss(logits64, targets)
+        torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-6)
+        (got,), (want,) = torch.autograd.grad(loss, (logits,)), torch.autograd.grad(ref, (logits64,))
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-6)
+    assert backend.calls == 1
+    assert any("fxopt_ops.cross_entropy(" in g.wrapper_source for g in backend.report.graphs)
+    assert any("fxopt_ops.cross_entropy_backward(" in g.wrapper_source for g in backend.report.graphs)
