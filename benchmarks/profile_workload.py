@@ -1,6 +1,6 @@
 """Where a benchmark workload's fxopt time goes: fxopt.profile over the workload's own function and inputs.
 
-    PYTHONPATH=. python -m benchmarks.profile_workload --workloads gpt_block_train,llama_block_mixed [--quick]
+    PYTHONPATH=. python -m benchmarks.profile_workload --workloads gpt_block_train,llama_block_mixed [--quick] [--dynamic]
 
 Each workload is compiled with the options the runner gives fxopt (precision for a mixed workload,
 plus --fxopt-option KEY=VALUE), and fxopt.profile prints each kernel and ATen call with its measured
@@ -33,7 +33,10 @@ def main(argv=None) -> int:
     p.add_argument("--fxopt-option", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--inductor", action="store_true",
                    help="also list fxopt's and Inductor's GPU kernels per call (torch.profiler)")
+    p.add_argument("--dynamic", action="store_true", help="compile with dynamic=True (symbolic sizes), fxopt "
+                   "and (with --inductor) Inductor")
     args = p.parse_args(argv)
+    measure.DYNAMIC[0] = True if args.dynamic else None
     device = "cuda" if torch.cuda.is_available() else "cpu"
     extra = dict(measure.parse_fxopt_option(o) for o in args.fxopt_option)
     for w in workloads.get(args.workloads):
@@ -44,7 +47,7 @@ def main(argv=None) -> int:
         if w.training:  # fn runs its own backward; its outputs must not send profile() into a second one
             fn = _detached(fn)
         with measure.grad_mode(w):
-            prof = fxopt.profile(fn, *inputs, repeat=args.repeat, **options)
+            prof = fxopt.profile(fn, *inputs, repeat=args.repeat, dynamic=args.dynamic, **options)
         rows = sorted(prof.rows, key=lambda r: -r.seconds)[:args.top]
         print(f"== {w.name} ({device}, options {options})")
         print("\n".join(str(prof).splitlines()[:4]))

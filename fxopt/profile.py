@@ -169,20 +169,21 @@ class ProfileReport:
         return "\n".join(_summary(self) + _table(self.rows))
 
 
-def profile(model, *inputs, warmup: int = 3, repeat: int = 10, **options) -> ProfileReport:
+def profile(model, *inputs, warmup: int = 3, repeat: int = 10, dynamic: bool = False, **options) -> ProfileReport:
     """Compile `model` with fxopt, run it, and time each kernel and ATen call of every compiled graph.
 
     A step is `model(*inputs)`, plus the gradients of its outputs when they require grad (returned by
     torch.autograd.grad, never accumulated into .grad). `warmup` steps run untimed (at least one: it
     compiles); then `repeat` steps are timed, each whole and region by region (so the step's time
-    holds the regions' and includes the hooks' own small cost). Options are fxopt's (precision, fuse, ...)."""
+    holds the regions' and includes the hooks' own small cost). `dynamic=True` compiles with symbolic
+    sizes, as torch.compile(dynamic=True) does. Options are fxopt's (precision, fuse, ...)."""
     global _TIMER
     if repeat < 1:
         raise ValueError(f"fxopt.profile: repeat={repeat}; at least one step must be timed")
     report = Report()
     opts = Options.from_kwargs(**options).replace(profile=True)
     compiled = torch.compile(model, backend=lambda gm, example: compile_dynamo_graph(gm, example, opts, report),
-                             dynamic=False)
+                             dynamic=dynamic)
     step = _step(compiled, model, inputs)
     for _ in range(max(1, warmup)):
         step()

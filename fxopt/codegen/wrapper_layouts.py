@@ -138,7 +138,7 @@ def launch_checks(gm: fx.GraphModule, kernels: dict[str, Kernel], launched) -> d
     """For every kernel the wrapper launches (by name): the argument positions whose specialisation can
     differ between calls, which fast_launch.FastKernel re-checks at each launch: pointers that are not
     `aligned_values` (graph inputs, other ATen results) and ints given as size expressions (symbolic
-    sizes). Workspaces and outputs are allocated by the wrapper and the other ints are literals in its
+    sizes) or as per-call source. Workspaces and outputs are allocated by the wrapper and the other ints are literals in its
     source, the same on every call. Arguments are (inputs..., workspaces..., outputs..., ints)."""
     aligned = aligned_values(gm)
     checks = {}
@@ -148,6 +148,7 @@ def launch_checks(gm: fx.GraphModule, kernels: dict[str, Kernel], launched) -> d
         inputs = [i for i, a in enumerate(n.args) if a not in aligned]
         for kk in launched(kernels[n.target]):
             first_int = len(n.args) + len(kk.workspaces) + len(kk.outputs)
-            ints = [first_int + j for j, v in enumerate(kk.int_args) if is_symbolic(v)]
+            # a str is Python source the wrapper evaluates per call (column sums' XSTEPS): it varies too
+            ints = [first_int + j for j, v in enumerate(kk.int_args) if is_symbolic(v) or isinstance(v, str)]
             checks[kk.name] = tuple(inputs + ints)
     return checks

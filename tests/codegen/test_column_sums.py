@@ -182,3 +182,30 @@ def test_symbolic_row_count_keeps_column_sums_in_the_row_kernel(device, programs
     assert backend.calls <= 2  # dynamo may call the backend twice on the very first call
     bwd = [k for k in backend.report.kernels if k.graph == "backward"]
     assert len(bwd) == 1 and "column sum(s) over XSTEPS" in bwd[-1].schedule, [k.schedule for k in bwd]
+
+
+def test_per_call_xsteps_is_rechecked_at_every_launch(monkeypatch):
+    """XSTEPS of a symbolic row count is source the wrapper evaluates per call; it can be 1 at one call
+    (Triton specialises an int equal to 1) and more at the next, so the fast launcher must re-check it
+    (on the H200 it was reused: rows past the first step were never computed)."""
+    import fxopt.compile as compile_module
+    from fxopt.codegen.wrapper_layouts import launch_checks
+    from tests.helpers import CountingBackend
+
+    seen = []
+
+    def recording(gm, kernels, launched):
+        checks = launch_checks(gm, kernels, launched)
+        seen.append((kernels, checks))
+        return checks
+    monkeypatch.setattr(compile_module, "launch_checks", recording)
+    ln = torch.nn.LayerNorm(48)
+    compiled = torch.compile(ln, backend=CountingBackend(), dynamic=True)
+    compiled(torch.randn(37, 48, requires_grad=True)).sum().backward()
+    rows = [(k, checks) for kernels, checks in seen for kernel in kernels.values()
+            for k in (kernel.prologue,) if k is not None and k.name.endswith("_rows")]
+    assert rows, "no column-sum row kernel"
+    (kernel, checks), = rows
+    first_int = len(kernel.inputs) + len(kernel.workspaces) + len(kernel.outputs)
+    xsteps = first_int + [j for j, v in enumerate(kernel.int_args) if isinstance(v, str)][0]
+    assert xsteps in checks[kernel.name]
