@@ -7,7 +7,7 @@ import torch
 import torch.fx as fx
 
 from .op_classes import SUPPORTED_DTYPES
-from .symbolic import is_symbolic, sizes
+from .symbolic import hint, is_symbolic, shape_env_of_value, sizes
 
 aten = torch.ops.aten
 
@@ -87,18 +87,16 @@ def reduction_unsupported_reason(node: fx.Node, target: str) -> str | None:
 def is_column_sum_of(node: fx.Node, key) -> bool:
     """Whether `node` sums a tensor of the row group `key`'s shape over every dim the group keeps (the
     weight and bias gradients of a norm's backward), so that the group's row kernel can produce it as
-    a column epilogue: a static row length, rows reduced over the trailing dims and short enough to stay in
-    registers (codegen keeps the row kernel persistent), a floating-point result."""
+    a column epilogue: rows reduced over the trailing dims and short enough to stay in registers (codegen
+    keeps the row kernel persistent; a symbolic row length by its example value), a floating-point result."""
     info = reduction_info(node)
     shape, dims, device = key
     if info is None or info.kind != "sum" or info.in_shape != shape or info.device != device:
         return False
-    if any(is_symbolic(shape[d]) for d in dims):  # a symbolic row count is fine (codegen/column_sums.py)
-        return False
     xdims = tuple(d for d in range(len(shape)) if d not in dims)
     rnumel = 1
-    for d in dims:
-        rnumel *= shape[d]
+    for d in dims:  # a symbolic row length: its example value decides (codegen/column_sums.py serves any)
+        rnumel *= hint(shape[d], shape_env_of_value(node.args[0].meta["val"])) if is_symbolic(shape[d]) else shape[d]
     return (bool(xdims) and info.dims == xdims and reduces_trailing_dims(shape, dims)
             and rnumel <= ROW_IN_REGISTERS and node.meta["val"].dtype.is_floating_point)
 

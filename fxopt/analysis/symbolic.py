@@ -57,9 +57,16 @@ def same(a, b) -> bool:
 def shape_env_of(gm: fx.GraphModule):
     """The ShapeEnv behind the graph's SymInts, or None for a static graph."""
     for n in gm.graph.nodes:
-        v = n.meta.get("val")
-        for s in _symints(v):
-            return s.node.shape_env
+        env = shape_env_of_value(n.meta.get("val"))
+        if env is not None:
+            return env
+    return None
+
+
+def shape_env_of_value(v):
+    """The ShapeEnv behind a value's SymInts (a fake tensor, a SymInt, a list of them), or None."""
+    for s in _symints(v):
+        return s.node.shape_env
     return None
 
 

@@ -12,8 +12,9 @@ into the row group that computes its input and marks it (analysis/reductions.COL
 
 So the [N, M] product is neither written nor read back: the backward reads x and dy once, writes dx
 once, and touches only programs x M partials besides (COLUMN_PROGRAMS keeps that a few percent).
-With a symbolic row count (dynamic shapes; the row length must be static) the row kernel always runs
-COLUMN_PROGRAMS programs, so the workspace has a static size, and XSTEPS is computed per call.
+With a symbolic row count the row kernel always runs COLUMN_PROGRAMS programs and XSTEPS is computed
+per call; with a symbolic row length (the fuser takes it when the example's row fits in registers) the
+block sizes are computed per call too, the whole row in one block whatever its length.
 """
 from __future__ import annotations
 
@@ -79,10 +80,15 @@ def with_column_sums(em, prelude: list[str], xblock: int, rblock: int, warps: in
     """The (row kernel, combine kernel) pair for a persistent group `em` (a ReductionEmitter) with
     column sums; the row kernel is the combine kernel's prologue, as split reductions do."""
     cols = em.columns
-    xblock, warps, programs_wanted = em._column_config(xblock, warps)
-    if is_symbolic(em.xnumel):  # a fixed number of programs (a static workspace), the steps per call
+    setup: list[str] = []
+    if is_symbolic(em.rnumel):  # block sizes per call, from the row's length
+        xblock, rblock, warps, setup = _per_call_blocks(em)
+        programs_wanted = COLUMN_PROGRAMS
+    else:
+        xblock, warps, programs_wanted = em._column_config(xblock, warps)
+    if is_symbolic(em.xnumel) or setup:  # a fixed number of programs, the steps per call
         programs, steps, ragged = programs_wanted, f"cdiv(cdiv({pexpr(em.xnumel)}, {xblock}), {programs_wanted})", True
-        rows_per_program = f"XSTEPS x {xblock}"
+        rows_per_program = f"XSTEPS x {xblock if isinstance(xblock, int) else 'XBLOCK (per call)'}"
     else:
         blocks = -(-em.xnumel // xblock)
         steps = max(1, -(-blocks // programs_wanted))
@@ -114,12 +120,24 @@ def with_column_sums(em, prelude: list[str], xblock: int, rblock: int, warps: in
                   em.ops, programs, [em.xnumel, em.rnumel, steps, *em.syms], {"XBLOCK": xblock, "RBLOCK": rblock},
                   warps, workspaces=workspaces, symbols=symbols, **em.io_meta())
     combine = em._size_input_lines() + _combine_body(em, cols, acc_dtype)
+    combine_grid = f"cdiv({pexpr(em.rnumel)}, {COMBINE_RBLOCK})" if is_symbolic(em.rnumel) else \
+        -(-em.rnumel // COMBINE_RBLOCK)
     return Kernel(em.name, "reduction",
                   em._function(em.name, "column partials (combine)", combine, ["in", "ws", "out"],
                                ["rnumel", "NPROG", *syms], ["RBLOCK", "GBLOCK"], len(cols)),
-                  em.ops, -(-em.rnumel // COMBINE_RBLOCK), [em.rnumel, programs, *em.syms],
+                  em.ops, combine_grid, [em.rnumel, programs, *em.syms],
                   {"RBLOCK": COMBINE_RBLOCK, "GBLOCK": COMBINE_GBLOCK}, 4, notes={"reduction": kind},
-                  workspaces=workspaces, prologue=rows, symbols=symbols, **em.io_meta())
+                  workspaces=workspaces, prologue=rows, symbols=symbols, setup=setup, **em.io_meta())
+
+
+def _per_call_blocks(em) -> tuple[str, str, str, list[str]]:
+    """(XBLOCK, RBLOCK, num_warps, wrapper lines) of a row kernel with column sums over a symbolic row
+    length: the whole row in one block (whatever its length, up to Triton's largest block), XBLOCK and
+    warps as the static rules pick them (column_config over _config's persistent choice)."""
+    r, x, w = f"{em.name}_RBLOCK", f"{em.name}_XBLOCK", f"{em.name}_WARPS"
+    return x, r, w, [f"{r} = whole_row_block({pexpr(em.rnumel)}, '{em.name}')",
+                     f"{x} = max(1, min(next_power_of_2({pexpr(em.xnumel)}), 2048 // {r}))",
+                     f"{w} = max(2, min(16, {x} * {r} // 256))"]
 
 
 def _combine_body(em, cols: list[fx.Node], acc_dtype: dict) -> list[str]:

@@ -36,7 +36,8 @@ import triton
 import triton.language as tl
 {libdevice}{extra}
 from fxopt.codegen.wrapper_runtime import (cdiv, check_layout, device_guard, empty_strided_cpu,
-                                          empty_strided_cuda, next_power_of_2, reinterpret_tensor)
+                                          empty_strided_cuda, next_power_of_2, reinterpret_tensor,
+                                          whole_row_block)
 aten = torch.ops.aten
 prims = torch.ops.prims
 empty_strided = torch.empty_strided

@@ -63,3 +63,19 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= n (0 for n <= 0), as triton.next_power_of_2 for the sizes it gets."""
     return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+WHOLE_ROW_MAX = 1 << 20  # Triton's largest block (elements): the widest row one program holds whole
+
+
+def whole_row_block(rnumel: int, kernel: str) -> int:
+    """RBLOCK of a kernel that keeps a whole row of a symbolic length in one block (column sums): the
+    row's next power of two, with a clear error past Triton's largest block instead of one from deep
+    inside Triton."""
+    block = next_power_of_2(rnumel)
+    if block > WHOLE_ROW_MAX:
+        raise RuntimeError(f"fxopt: kernel {kernel} keeps whole rows in registers and was compiled for rows "
+                           f"like the example's; this call's rows have {rnumel} elements (more than "
+                           f"{WHOLE_ROW_MAX}). Compile with that dim static (torch._dynamo.mark_static) or "
+                           "dynamic=False.")
+    return block

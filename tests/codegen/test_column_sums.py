@@ -209,3 +209,30 @@ def test_per_call_xsteps_is_rechecked_at_every_launch(monkeypatch):
     first_int = len(kernel.inputs) + len(kernel.workspaces) + len(kernel.outputs)
     xsteps = first_int + [j for j, v in enumerate(kernel.int_args) if isinstance(v, str)][0]
     assert xsteps in checks[kernel.name]
+
+
+def test_symbolic_row_length_keeps_column_sums_with_blocks_chosen_per_call(device, programs):
+    """dynamic=True over LayerNorm backward's own op (every dim symbolic, as in the benchmark): the row
+    length is symbolic too, so RBLOCK, XBLOCK and warps are chosen per call (the whole row in one
+    block); one compilation for rows of 48, 130, 1000 and 17 elements, all against float64."""
+    from tests.helpers import CountingBackend
+
+    backend = CountingBackend()
+    compiled = torch.compile(ln_backward, backend=backend, dynamic=True)
+    for n, m in [(37, 48), (300, 130), (5, 1000), (64, 17)]:
+        args = ln_inputs(n, m, torch.float32, device, seed=n)
+        got = compiled(*args)
+        want = ln_backward(*(t.double() for t in args))
+        for g, r in zip(got, want):
+            torch.testing.assert_close(g.double(), r, rtol=1e-4, atol=1e-4)
+    assert backend.calls == 1
+    (kernel,) = backend.report.kernels
+    assert "column sum(s) over XSTEPS x XBLOCK (per call)" in kernel.schedule
+
+
+def test_a_row_past_tritons_largest_block_is_a_clear_error():
+    from fxopt.codegen.wrapper_runtime import WHOLE_ROW_MAX, whole_row_block
+
+    assert whole_row_block(1000, "k") == 1024 and whole_row_block(WHOLE_ROW_MAX, "k") == WHOLE_ROW_MAX
+    with pytest.raises(RuntimeError, match="mark_static"):
+        whole_row_block(WHOLE_ROW_MAX + 1, "k")
