@@ -25,7 +25,7 @@ from ..analysis.symbolic import is_symbolic, pexpr, strides, sizes
 from .dtypes import TL_DTYPE, compute_dtype
 from .indexing import print_index
 from .kernel import Kernel
-from .reduction_schedules import mask_line
+from .reduction_schedules import EVEN_PER_CALL, mask_line
 
 COLUMN_PROGRAMS = 264  # row-kernel programs to aim for: 2 per SM on an H100/H200-class GPU
 COMBINE_RBLOCK, COMBINE_GBLOCK = 64, 64  # columns per combine program, partial rows per step
@@ -103,7 +103,8 @@ def with_column_sums(em, prelude: list[str], xblock: int, rblock: int, warps: in
     body = [f"colacc_{n.name} = tl.zeros([XBLOCK, RBLOCK], {TL_DTYPE[acc_dtype[n]]})" for n in cols]
     body.append("for xstep in range(0, XSTEPS):" if COLUMN_STAGES <= 1 else
                 f"for xstep in tl.range(0, XSTEPS, num_stages={COLUMN_STAGES}):")
-    body += ["    " + line for line in [f"xoffset = {first}"] + prelude[1:] + em._persistent()]
+    row_body = em.persistent_per_call() if setup else em._persistent()
+    body += ["    " + line for line in [f"xoffset = {first}"] + prelude[1:] + row_body]
     body += ["# -- this program's column partials ----", "rindex = tl.arange(0, RBLOCK)[None, :]",
              "rmask = rindex < rnumel"]
     for k, n in enumerate(cols):
@@ -114,10 +115,11 @@ def with_column_sums(em, prelude: list[str], xblock: int, rblock: int, warps: in
     # size symbols: a static row can still read a SymInt input as a value (compiled autograd passes
     # mean's element count as one), so both kernels take them like every other kernel
     syms, symbols = [s.name for s in em.syms], em._examples(em.syms)
+    consts = {"XBLOCK": xblock, "RBLOCK": rblock, **({EVEN_PER_CALL: em.even_source(rblock)} if setup else {})}
     rows = Kernel(f"{em.name}_rows", "reduction",
                   em._function(f"{em.name}_rows", kind, body, ["in", "ws", "out"],
-                               ["xnumel", "rnumel", "XSTEPS", *syms], ["XBLOCK", "RBLOCK"], len(cols)),
-                  em.ops, programs, [em.xnumel, em.rnumel, steps, *em.syms], {"XBLOCK": xblock, "RBLOCK": rblock},
+                               ["xnumel", "rnumel", "XSTEPS", *syms], list(consts), len(cols)),
+                  em.ops, programs, [em.xnumel, em.rnumel, steps, *em.syms], consts,
                   warps, workspaces=workspaces, symbols=symbols, **em.io_meta())
     combine = em._size_input_lines() + _combine_body(em, cols, acc_dtype)
     combine_grid = f"cdiv({pexpr(em.rnumel)}, {COMBINE_RBLOCK})" if is_symbolic(em.rnumel) else \

@@ -40,9 +40,15 @@ def lane_reduce(kind: str, expr: str, target: str) -> str:
     return f"tl.sum({expr}, 1)[:, None]"
 
 
-def mask_line(axis: str, exact: bool) -> str:
+EVEN_PER_CALL = "EVEN_R"  # exact_r of a symbolic row in one block: a constexpr the wrapper sets per call
+
+
+def mask_line(axis: str, exact) -> str:
     """`xmask`/`rmask`: the bounds test, or a constant true block where the block divides the extent
-    (Triton folds it away: no compare and select per element)."""
+    (Triton folds it away: no compare and select per element); for a symbolic row held in one block,
+    either one, picked at compile time of each variant by the constexpr EVEN_R (the row is a power of two)."""
+    if exact == EVEN_PER_CALL:
+        return f"rmask = tl.full([1, RBLOCK], 1, tl.int1) if {EVEN_PER_CALL} else rindex < rnumel"
     if exact:
         return f"{axis}mask = tl.full({'[XBLOCK, 1]' if axis == 'x' else '[1, RBLOCK]'}, 1, tl.int1)  # no tail"
     return f"{axis}mask = {axis}index < {axis}numel"

@@ -214,12 +214,13 @@ def test_per_call_xsteps_is_rechecked_at_every_launch(monkeypatch):
 def test_symbolic_row_length_keeps_column_sums_with_blocks_chosen_per_call(device, programs):
     """dynamic=True over LayerNorm backward's own op (every dim symbolic, as in the benchmark): the row
     length is symbolic too, so RBLOCK, XBLOCK and warps are chosen per call (the whole row in one
-    block); one compilation for rows of 48, 130, 1000 and 17 elements, all against float64."""
+    block, no bounds test where the row fills it: EVEN_R); one compilation for rows of 48, 130, 1000,
+    17 and 64 elements, all against float64."""
     from tests.helpers import CountingBackend
 
     backend = CountingBackend()
     compiled = torch.compile(ln_backward, backend=backend, dynamic=True)
-    for n, m in [(37, 48), (300, 130), (5, 1000), (64, 17)]:
+    for n, m in [(37, 48), (300, 130), (5, 1000), (64, 17), (20, 64)]:
         args = ln_inputs(n, m, torch.float32, device, seed=n)
         got = compiled(*args)
         want = ln_backward(*(t.double() for t in args))
