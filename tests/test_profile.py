@@ -65,3 +65,15 @@ def _without_regions(source: str) -> str:
     lines = [line[4:] if line.startswith(" " * 8) else line for line in body.split("\n")
              if not re.fullmatch(r"    with region\('\w+'\):", line)]
     return head + "\ndef call(args):\n" + "\n".join(lines) + "\nINPUT_SPECS = " + tail
+
+
+def test_profile_with_dynamic_shapes_compiles_symbolic_graphs():
+    """dynamic=True reaches torch.compile: the profiled graphs have size symbols, and the rows are timed."""
+    import fxopt
+
+    def f(x):
+        return torch.softmax(x * 2.0, dim=-1)
+
+    prof = fxopt.profile(f, torch.randn(6, 40), warmup=1, repeat=2, dynamic=True)
+    assert prof.report.graphs and all(g.symbols for g in prof.report.graphs)
+    assert prof.rows and all(r.seconds >= 0 for r in prof.rows)
