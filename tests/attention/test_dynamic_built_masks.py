@@ -110,3 +110,16 @@ def test_a_head_dim_outside_the_kernels_range_runs_the_reference():
     """Head dim 8 (the kernels take 16..256): still correct, through the torch reference."""
     backend = _run(lambda q, k, v: _attend(q, k, v, _triu_bool), sizes=[(2, 8, 16), (2, 9, 8)])
     assert backend.calls == 1 and backend.report.attention[0].fused
+
+
+def test_a_default_scale_split_across_q_and_k():
+    """q and k each times head_dim ** -0.25 (some models split the scale): the product is proved
+    1/sqrt(head dim)."""
+    def fn(q, k, v):
+        d = q.size(-1)
+        s = (q * d ** -0.25) @ (k * d ** -0.25).transpose(-2, -1)
+        return _triu_bool(s, q.size(-2)) @ v
+
+    backend = _run(fn)
+    site = backend.report.attention[0]
+    assert site.fused and site.causal and site.scale is None, site
