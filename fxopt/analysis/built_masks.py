@@ -91,8 +91,8 @@ class _Walk:
         for a in lineage:
             self.visit(a)
         for a in node.all_input_nodes:
-            if isinstance(meta(a), torch.SymInt):
-                self.ok = False  # a size used as a value (e.g. compared with): not a plain triangle
+            if not isinstance(meta(a), torch.Tensor):
+                self.ok = False  # a size (or a scalar of sizes) used as a value: it may change with T
 
     def _scalar(self, node: fx.Node) -> None:
         if not self.values.is_constant(node):
@@ -114,7 +114,10 @@ def built_causal(tensor, keep_of, values, score_shape) -> bool:
     if not walk.ok or len(walk.triangles) != 1 or not walk.sizes:
         return False
     for n in CHECKED_LENGTHS:
-        value = values.value_with(tensor, {s: n for s in walk.sizes})
+        try:
+            value = values.value_with(tensor, {s: n for s in walk.sizes})
+        except Exception:  # noqa: BLE001 (anything that cannot be evaluated is simply not this shape)
+            return False
         if not isinstance(value, torch.Tensor):
             return False
         keep = keep_of(value.cpu(), tuple(value.shape))

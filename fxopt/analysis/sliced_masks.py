@@ -7,8 +7,8 @@ exactly that shape:
   - one `getitem` G slices a constant (a module buffer, or built from constants) to `[..., :Tq, :Tk]`
     on its last two dims, nothing else, with Tq and Tk provably the scores' query and key lengths,
     which are provably equal (dynamo has already guarded the slice's length against the buffer's);
-  - between G and the mask only elementwise ops whose other operands are constants or scalars, so
-    slicing commutes with them;
+  - between G and the mask only elementwise ops whose other operands are constants or Python scalars
+    (not values of the sizes), so slicing commutes with them;
   - evaluated on the whole buffer (G without its bounds), the mask keeps exactly the causal pattern.
 The facts are then those of a static causal mask: the kernel skips masked blocks and reads no mask,
 and the buffer is guarded like any compile-time mask. Anything else returns None (the caller reads
@@ -69,7 +69,9 @@ def _sliced_getitem(node: fx.Node, values) -> fx.Node | None:
             continue
         if n.op not in ("call_function", "call_method") or call_name(n) not in MASK_ELEMENTWISE:
             return None
-        todo += [a for a in n.all_input_nodes if isinstance(meta(a), torch.Tensor)]
+        if any(not isinstance(meta(a), torch.Tensor) for a in n.all_input_nodes):
+            return None  # a value of the sizes (a SymInt or SymFloat operand): not the same for every length
+        todo += n.all_input_nodes
     return found[0] if len(found) == 1 else None
 
 

@@ -163,3 +163,24 @@ def test_a_constant_mask_over_a_symbolic_batch_is_evaluated_at_compile_time():
     site = backend.report.attention[-1]
     assert site.fused and site.causal and "sliced" not in site.mask, site
     assert backend.report.graphs[0].symbols  # the batch really is symbolic
+
+
+class ScaledBufferMask(HandWritten):
+    """The sliced buffer times a value of the sizes before the comparison: not the sliced causal shape
+    (its entries may change with the length), so read per call; compiling it must not fail."""
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q = self.q(x).view(B, T, self.heads, self.hd).transpose(1, 2)
+        k, v = (t.view(B, T, self.heads, self.hd).transpose(1, 2) for t in self.kv(x).split(C, dim=2))
+        att = q @ k.transpose(-2, -1) * (1.0 / math.sqrt(self.hd))
+        keep = self.bias[:, :, :T, :T] * (1.0 / T)
+        att = att.masked_fill(keep == 0, float("-inf"))
+        y = torch.softmax(att, dim=-1) @ v
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+def test_a_sliced_buffer_combined_with_a_value_of_the_sizes_compiles_and_is_exact():
+    backend = _check_sizes(ScaledBufferMask(), [(2, 8), (3, 5)])
+    site = backend.report.attention[-1]
+    assert site.fused and "sliced to the length" not in site.mask, site

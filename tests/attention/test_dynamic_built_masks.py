@@ -123,3 +123,17 @@ def test_a_default_scale_split_across_q_and_k():
     backend = _run(fn)
     site = backend.report.attention[0]
     assert site.fused and site.causal and site.scale is None, site
+
+
+def _triangle_times_a_size(att, T):
+    """The triangle scaled by a value of the sizes before the fill: its entries change with the head
+    dim, so the mask is not taken as the built causal shape (it is read per call), and compiling it
+    does not fail."""
+    future = torch.triu(torch.ones(T, T, device=att.device), diagonal=1) * (1.0 / math.sqrt(att.size(0)))
+    return torch.softmax(att.masked_fill(future > 0, float("-inf")), dim=-1)
+
+
+def test_a_triangle_combined_with_a_value_of_the_sizes_is_not_the_built_shape():
+    backend = _run(lambda q, k, v: _attend(q, k, v, _triangle_times_a_size))
+    site = backend.report.attention[0]
+    assert site.fused and not site.causal, site
