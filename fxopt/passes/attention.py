@@ -7,6 +7,7 @@ matches, guards the buffers their masks came from, and reports every site (fused
 """
 from __future__ import annotations
 
+import logging
 import math
 import operator
 import os
@@ -25,6 +26,8 @@ from ..pass_manager import PassContext, PassResult
 from ..report import AttentionSite
 from .attention_match import Match, is_candidate, match_sdpa, match_site
 from .graph_edit import erase_unused
+
+_log = logging.getLogger("fxopt.attention")
 
 FUSED_OP = flash_attention._opoverload  # torch.ops.fxopt.flash_attention.default
 
@@ -194,6 +197,12 @@ class FuseAttention:
                 m = match_site(node, values) if kind == "softmax" else match_sdpa(node, values)
             except NotAttention as why:
                 site.reason = str(why)
+                ctx.attention.append(site)
+                continue
+            except Exception as exc:  # noqa: BLE001 (matching only reads the graph: the site stays as written)
+                first = (str(exc).strip().splitlines() or [""])[0]
+                site.reason = f"the matcher failed ({type(exc).__name__}: {first}); left as written"
+                _log.warning("fxopt attention: %s at %s", site.reason, site.node)
                 ctx.attention.append(site)
                 continue
             site.node, site.fused, site.causal, site.scale = prefix + m.out.name, True, m.facts.causal, m.scale

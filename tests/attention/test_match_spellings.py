@@ -297,3 +297,18 @@ def test_kv_cache_decode_step_runs_the_split_kv_kernel(device, monkeypatch):
     assert len(fused) == 1 and fused[0].causal
     check(decode_step, q, k, v)
     assert calls, "the decode kernel did not run"
+
+
+def test_a_matcher_failure_leaves_the_site_as_written_with_the_reason(device, monkeypatch):
+    """Matching only reads the graph, so an unexpected error in it (a matcher bug) must not fail the
+    compile: the site stays unfused, exact, and rep.attention says what failed."""
+    import fxopt.passes.attention as attention_pass
+
+    def broken(node, values):
+        raise RuntimeError("simulated matcher bug")
+    monkeypatch.setattr(attention_pass, "match_site", broken)
+    q, k, v = qkv(device)
+    torch.testing.assert_close(compile_fxopt(gpt2_masked_fill)(q, k, v), gpt2_masked_fill(q, k, v),
+                               rtol=1e-4, atol=1e-5)
+    site, = fxopt.explain(gpt2_masked_fill, q, k, v).attention
+    assert not site.fused and "matcher failed (RuntimeError: simulated matcher bug)" in site.reason
