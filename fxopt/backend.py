@@ -43,6 +43,7 @@ def compile_dynamo_graph(gm: fx.GraphModule, example_inputs, options: Options, r
         on_done = lambda rep: rep.save(dump_dir)  # noqa: E731
     ctx = PassContext(options=options, env=env, graph_name="torch", example_inputs=list(example_inputs),
                       inspect=options.keep_graphs or bool(dump_dir))
+    marks = _marks(report)
     pre = pipeline.pre_autograd_passes(options)
     if pre:
         verifier = GraphVerifier(gm, example_inputs, options.verify_tolerance, "torch-level") if options.verify else None
@@ -60,10 +61,27 @@ def compile_dynamo_graph(gm: fx.GraphModule, example_inputs, options: Options, r
         compiler = graphed_compiler(compiler, report, options)
     # explain() wants the backward graph now; torch.compile compiles it at the first backward call
     eager_backward = options.keep_graphs
-    with torch._functorch.config.patch(force_non_lazy_backward_lowering=eager_backward):
-        compiled = _aot(gm, example_inputs, compiler)
+    try:
+        with torch._functorch.config.patch(force_non_lazy_backward_lowering=eager_backward):
+            compiled = _aot(gm, example_inputs, compiler)
+    except BaseException:  # dynamo restarts the trace (e.g. to specialise a float): this attempt is void
+        _roll_back(report, marks)
+        raise
     compiled = with_cached_casts(compiled, cached_casts) if cached_casts else compiled
     return _guarded(compiled, ctx.input_guards) if ctx.input_guards else compiled
+
+
+_REPORT_LISTS = ("graphs", "pre_autograd", "pre_autograd_notes", "attention", "casts")
+
+
+def _marks(report: Report) -> dict[str, int]:
+    return {name: len(getattr(report, name)) for name in _REPORT_LISTS}
+
+
+def _roll_back(report: Report, marks: dict[str, int]) -> None:
+    """Drop what a failed or restarted compile added to the report, so that it lists what runs."""
+    for name, length in marks.items():
+        del getattr(report, name)[length:]
 
 
 def _guarded(compiled, guards):

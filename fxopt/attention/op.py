@@ -13,7 +13,8 @@ node. The op picks its implementation when it runs:
 Contract (the matcher builds calls that meet it): q [B, H, Tq, D], k and v [B, Hkv, Tk, D] with H a
 multiple of Hkv (grouped-query attention), any strides; `mask` None or an additive float mask
 broadcastable to [B, H, Tq, Tk]; causal is aligned bottom-right; `scale` None means 1/sqrt(D) of the
-tensors of each call (SDPA's default: what a graph with a symbolic head dim computes). A head dim
+tensors of each call (SDPA's default: what a graph with a symbolic head dim computes); `scale_by`, a 0-d
+tensor, multiplies the scale by its value to `scale_power` (a float attribute dynamo made an input). A head dim
 outside the kernels' range (possible only when it is symbolic: the matcher checks static ones) runs
 the reference, logged once. Returns (out [B, H, Tq, D] in q's
 dtype, lse [B, H, Tq] float32: the natural-log log-sum-exp of each row, saved for the backward).
@@ -74,8 +75,11 @@ def _kernels_take(q: Tensor) -> bool:
     return False
 
 
-def _scale_of(q: Tensor, scale: Optional[float]) -> float:
-    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+def _scale_of(q: Tensor, scale: Optional[float], scale_by: Optional[Tensor], scale_power: int) -> float:
+    """The call's scale: `scale` (None: 1/sqrt(head dim)), times a runtime scalar to a power when given
+    (a module's float attribute that dynamo passes as a 0-d tensor under dynamic shapes)."""
+    value = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return value if scale_by is None else value * float(scale_by) ** scale_power
 
 
 def _triton_call(t: Tensor, fn, *args, **kwargs):
@@ -102,10 +106,11 @@ def _full_mask(mask: Optional[Tensor], q: Tensor, k: Tensor) -> Optional[Tensor]
 
 
 def run_flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: Optional[float],
-                        causal: bool) -> tuple[Tensor, Tensor]:
+                        causal: bool, scale_by: Optional[Tensor] = None,
+                        scale_power: int = 1) -> tuple[Tensor, Tensor]:
     """The op's implementation; wrappers call it directly (codegen/direct_calls.py)."""
-    scale = _scale_of(q, scale)
-    if not _kernels_take(q):
+    scale = _scale_of(q, scale, scale_by, scale_power)
+    if not _kernels_take(q) or not 0 < scale < math.inf:  # (a runtime scale may be anything)
         out, lse = reference.attention(q, k, v, scale=scale, causal=causal, mask=mask)
         return _laid_out_like(out, q), lse.contiguous()
     from .flash_decode import decode_applies, flash_decode
@@ -121,16 +126,17 @@ flash_attention = torch.library.custom_op("fxopt::flash_attention", mutates_args
 
 
 @flash_attention.register_fake
-def _(q, k, v, mask, scale, causal):
+def _(q, k, v, mask, scale, causal, scale_by=None, scale_power=1):
     b, h, tq, _ = q.shape
     return torch.empty_like(q), q.new_empty(b, h, tq, dtype=torch.float32)
 
 
 def run_flash_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                                 mask: Optional[Tensor], scale: Optional[float],
-                                 causal: bool) -> tuple[Tensor, Tensor, Tensor]:
-    scale = _scale_of(q, scale)
-    if not _kernels_take(q):
+                                 mask: Optional[Tensor], scale: Optional[float], causal: bool,
+                                 scale_by: Optional[Tensor] = None,
+                                 scale_power: int = 1) -> tuple[Tensor, Tensor, Tensor]:
+    scale = _scale_of(q, scale, scale_by, scale_power)
+    if not _kernels_take(q) or not 0 < scale < math.inf:
         dq, dk, dv = reference.attention_backward(dout, q, k, v, scale=scale, causal=causal, mask=mask)
         return _laid_out_like(dq, q), _laid_out_like(dk, k), _laid_out_like(dv, v)
     from .flash_backward import flash_backward
@@ -143,22 +149,23 @@ flash_attention_backward = torch.library.custom_op("fxopt::flash_attention_backw
 
 
 @flash_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, mask, scale, causal):
+def _(dout, q, k, v, out, lse, mask, scale, causal, scale_by=None, scale_power=1):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # as the kernels write them
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, scale, causal = inputs
+    q, k, v, mask, scale, causal, scale_by, scale_power = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, mask)
-    ctx.scale, ctx.causal = scale, causal
+    ctx.save_for_backward(q, k, v, out, lse, mask, scale_by)
+    ctx.scale, ctx.causal, ctx.scale_power = scale, causal, scale_power
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, mask = ctx.saved_tensors
-    dq, dk, dv = flash_attention_backward(dout, q, k, v, out, lse, mask, ctx.scale, ctx.causal)
-    return dq, dk, dv, None, None, None
+    q, k, v, out, lse, mask, scale_by = ctx.saved_tensors
+    dq, dk, dv = flash_attention_backward(dout, q, k, v, out, lse, mask, ctx.scale, ctx.causal, scale_by,
+                                          ctx.scale_power)
+    return dq, dk, dv, None, None, None, None, None
 
 
 flash_attention.register_autograd(_backward, setup_context=_setup_context)

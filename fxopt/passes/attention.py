@@ -106,7 +106,8 @@ def rewrite(gm: fx.GraphModule, m: Match) -> fx.Node:
             q, k, v = (_call(graph, "unsqueeze", t, 0) for t in (q, k, v))
             if mask is not None:
                 mask = _call(graph, "unsqueeze", mask, 0) if len(shape(mask) or ()) == 3 else mask
-        fused = graph.call_function(FUSED_OP, (q, k, v, mask, m.scale, bool(m.facts.causal)))
+        runtime = (m.scale_by, m.scale_power) if m.scale_by is not None else ()
+        fused = graph.call_function(FUSED_OP, (q, k, v, mask, m.scale, bool(m.facts.causal), *runtime))
         out = graph.call_function(operator.getitem, (fused, 0))
         if rank == 3:
             out = _call(graph, "squeeze", out, 0)

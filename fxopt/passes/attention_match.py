@@ -42,6 +42,8 @@ class Match:
     facts: MaskFacts
     out: fx.Node  # the node whose uses the fused op takes over
     kv_groups: int = 1
+    scale_by: fx.Node | None = None  # a 0-d tensor input the scale is multiplied by per call, to scale_power
+    scale_power: int = 1
     recognised: list[str] = field(default_factory=list)
     chain: list[fx.Node] = field(default_factory=list)  # nodes the fused op makes dead
 
@@ -297,7 +299,35 @@ def _resolved_scale(scale, m: Match) -> float | None:
     if is_symbolic(head_dim) and is_inverse_sqrt(scale, head_dim):
         m.recognised.append(f"scale 1/sqrt({head_dim}) of the symbolic head dim (computed per call)")
         return None
+    runtime = _runtime_scalar(scale, m.q.graph)
+    if runtime is not None:
+        factor, m.scale_by, m.scale_power = runtime
+        m.recognised.append(f"scale {factor:g} * {m.scale_by.name}{'' if m.scale_power == 1 else '^-1'} "
+                            "(a float input, read per call)")
+        return _resolved_scale(factor, m)
     raise NotAttention(f"the scale {scale} depends on sizes, and not as 1/sqrt(head dim {head_dim})")
+
+
+def _runtime_scalar(scale, graph: fx.Graph):
+    """(c, tensor, power) when scale = c * x**power, power +-1, with x the value of a 0-d float tensor
+    input read by `.item()` (a module's float attribute, which dynamo passes as a tensor under dynamic
+    shapes: HF Llama's `self.scaling`); else None."""
+    if not hasattr(scale, "as_coeff_Mul") or len(scale.free_symbols) != 1:
+        return None
+    factor, rest = scale.as_coeff_Mul()
+    (symbol,) = scale.free_symbols
+    power = 1 if rest == symbol else (-1 if rest == 1 / symbol else None)
+    if power is None or not factor.is_number:
+        return None
+    for n in graph.nodes:
+        v = meta(n)
+        if (n.op == "call_method" and n.target == "item" and isinstance(v, torch.SymFloat)
+                and v.node.expr == symbol):
+            t = meta(n.args[0])
+            if n.args[0].op == "placeholder" and isinstance(t, torch.Tensor) and t.dim() == 0 \
+                    and t.dtype.is_floating_point:
+                return float(factor), n.args[0], power
+    return None
 
 
 def _requires_grad(node) -> bool:

@@ -137,3 +137,43 @@ def test_a_triangle_combined_with_a_value_of_the_sizes_is_not_the_built_shape():
     backend = _run(lambda q, k, v: _attend(q, k, v, _triangle_times_a_size))
     site = backend.report.attention[0]
     assert site.fused and not site.causal, site
+
+
+@pytest.mark.parametrize("by, power", [(0.25, 1), (4.0, -1), (-1.0, 1)])
+def test_the_op_scales_by_a_runtime_scalar(by, power):
+    """scale_by (a 0-d tensor: a module's float attribute dynamo made an input) multiplies the scale per
+    call, forward and gradients, against float64; a non-positive result takes the reference."""
+    from fxopt.attention.op import flash_attention
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 9, 16, requires_grad=True) for _ in range(3))
+    out = flash_attention(q, k, v, None, 0.5, True, torch.tensor(by), power)[0]
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    scale = 0.5 * by ** power
+    ref = _triu_bool(q64 @ k64.transpose(-2, -1) * scale, 9) @ v64
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
+    go = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), go)
+    want = torch.autograd.grad(ref, (q64, k64, v64), go.double())
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-4)
+
+
+class LlamaLikeScaling(torch.nn.Module):
+    """HF Llama keeps `self.scaling = head_dim ** -0.5`, a float attribute: under dynamic=True dynamo
+    passes it as a tensor input, then specialises it when the fused op needs a number (one restarted
+    trace). The site is fused with the attribute's value, reported once."""
+
+    def __init__(self):
+        super().__init__()
+        self.scaling = 16 ** -0.5
+
+    def forward(self, q, k, v):
+        att = (q @ k.transpose(-2, -1)) * self.scaling
+        return _triu_bool(att, q.size(-2)) @ v
+
+
+def test_a_float_attribute_scale_is_fused_and_reported_once():
+    backend = _run(LlamaLikeScaling(), sizes=[(2, 8, 16), (3, 5, 16)])
+    sites = backend.report.attention
+    assert len(sites) == 1 and sites[0].fused and sites[0].causal and sites[0].scale == pytest.approx(0.25), sites
