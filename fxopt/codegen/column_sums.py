@@ -25,7 +25,7 @@ from ..analysis.symbolic import is_symbolic, pexpr, strides, sizes
 from .dtypes import TL_DTYPE, compute_dtype
 from .indexing import print_index
 from .kernel import Kernel
-from .reduction_schedules import EVEN_PER_CALL, mask_line
+from .reduction_schedules import EVEN_PER_CALL, even_source, mask_line, per_call_xblock, persistent_per_call
 
 COLUMN_PROGRAMS = 264  # row-kernel programs to aim for: 2 per SM on an H100/H200-class GPU
 COMBINE_RBLOCK, COMBINE_GBLOCK = 64, 64  # columns per combine program, partial rows per step
@@ -103,7 +103,7 @@ def with_column_sums(em, prelude: list[str], xblock: int, rblock: int, warps: in
     body = [f"colacc_{n.name} = tl.zeros([XBLOCK, RBLOCK], {TL_DTYPE[acc_dtype[n]]})" for n in cols]
     body.append("for xstep in range(0, XSTEPS):" if COLUMN_STAGES <= 1 else
                 f"for xstep in tl.range(0, XSTEPS, num_stages={COLUMN_STAGES}):")
-    row_body = em.persistent_per_call() if setup else em._persistent()
+    row_body = persistent_per_call(em) if setup else em._persistent()
     body += ["    " + line for line in [f"xoffset = {first}"] + prelude[1:] + row_body]
     body += ["# -- this program's column partials ----", "rindex = tl.arange(0, RBLOCK)[None, :]",
              "rmask = rindex < rnumel"]
@@ -115,7 +115,7 @@ def with_column_sums(em, prelude: list[str], xblock: int, rblock: int, warps: in
     # size symbols: a static row can still read a SymInt input as a value (compiled autograd passes
     # mean's element count as one), so both kernels take them like every other kernel
     syms, symbols = [s.name for s in em.syms], em._examples(em.syms)
-    consts = {"XBLOCK": xblock, "RBLOCK": rblock, **({EVEN_PER_CALL: em.even_source(rblock)} if setup else {})}
+    consts = {"XBLOCK": xblock, "RBLOCK": rblock, **({EVEN_PER_CALL: even_source(em, rblock)} if setup else {})}
     rows = Kernel(f"{em.name}_rows", "reduction",
                   em._function(f"{em.name}_rows", kind, body, ["in", "ws", "out"],
                                ["xnumel", "rnumel", "XSTEPS", *syms], list(consts), len(cols)),
@@ -138,7 +138,7 @@ def _per_call_blocks(em) -> tuple[str, str, str, list[str]]:
     warps as the static rules pick them (column_config over _config's persistent choice)."""
     r, x, w = f"{em.name}_RBLOCK", f"{em.name}_XBLOCK", f"{em.name}_WARPS"
     return x, r, w, [f"{r} = whole_row_block({pexpr(em.rnumel)}, '{em.name}')",
-                     f"{x} = max(1, min(next_power_of_2({pexpr(em.xnumel)}), 2048 // {r}))",
+                     per_call_xblock(em, x, r),
                      f"{w} = max(2, min(16, {x} * {r} // 256))"]
 
 

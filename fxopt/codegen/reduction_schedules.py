@@ -14,6 +14,7 @@ import torch.fx as fx
 
 from ..analysis.op_classes import is_view
 from ..analysis.reductions import reduction_info
+from ..analysis.symbolic import pexpr
 from .dtypes import TL_DTYPE, compute_dtype
 from .kernel import Kernel
 from .online_softmax import find_online_pairs, online_finish, online_init, online_update
@@ -52,6 +53,26 @@ def mask_line(axis: str, exact) -> str:
     if exact:
         return f"{axis}mask = tl.full({'[XBLOCK, 1]' if axis == 'x' else '[1, RBLOCK]'}, 1, tl.int1)  # no tail"
     return f"{axis}mask = {axis}index < {axis}numel"
+
+
+def persistent_per_call(em) -> list[str]:
+    """The persistent body of a symbolic row held in one block: no bounds test where the call's row
+    fills the block (EVEN_R, set per call), as a static row that divides its block has none."""
+    saved, em.exact_r = em.exact_r, EVEN_PER_CALL
+    try:
+        return em._persistent()
+    finally:
+        em.exact_r = saved
+
+
+def even_source(em, rblock: str) -> str:
+    """EVEN_R as wrapper source: the call's row fills its block."""
+    return f"{rblock} == {pexpr(em.rnumel)}"
+
+
+def per_call_xblock(em, x: str, r: str) -> str:
+    """Wrapper line: XBLOCK rows of a per-call RBLOCK filling ~2048 lanes (the static rule, per call)."""
+    return f"{x} = max(1, min(next_power_of_2({pexpr(em.xnumel)}), 2048 // {r}))"
 
 
 SPLIT_GUARD = " & first_chunk"  # only chunk 0 stores row scalars in split kernels

@@ -35,7 +35,8 @@ from .column_sums import (accumulate_line, column_config, column_ops, column_str
                           with_column_sums)
 from .erf_poly import with_erf_helper
 from .kernel import Kernel
-from .reduction_schedules import EVEN_PER_CALL, LoopedSchedule, inner_view, lane_reduce, mask_line, split_kernel
+from .reduction_schedules import (EVEN_PER_CALL, LoopedSchedule, even_source, inner_view, lane_reduce, mask_line,
+                                  per_call_xblock, persistent_per_call, split_kernel)
 from .pointwise_ops import LOWERINGS, LowerCtx
 from .triton_pointwise import PointwiseEmitter, cdiv_source, operand_dtype, view_root
 
@@ -214,34 +215,22 @@ class ReductionEmitter(PointwiseEmitter):
         power met), XBLOCK and warps as _config picks them for a static row."""
         self.suffix = ""
         name = f"{self.name}_persistent"
-        source = self._function(name, "persistent", prelude + self.persistent_per_call(), ["in", "out"], ints,
+        source = self._function(name, "persistent", prelude + persistent_per_call(self), ["in", "out"], ints,
                                 ["XBLOCK", "RBLOCK", EVEN_PER_CALL])
         r, x = f"{name}_RBLOCK", f"{name}_XBLOCK"
         setup = [f"{r} = next_power_of_2({pexpr(self.rnumel)})",
-                 f"{x} = max(1, min(next_power_of_2({pexpr(self.xnumel)}), 2048 // {r}))"]
+                 per_call_xblock(self, x, r)]
         warps = f"max(2, min(8, {x} * {r} // 1024))"
-        consts = {"XBLOCK": x, "RBLOCK": r, EVEN_PER_CALL: self.even_source(r)}
+        consts = {"XBLOCK": x, "RBLOCK": r, EVEN_PER_CALL: even_source(self, r)}
         return self._kernel(name, source, f"cdiv({pexpr(self.xnumel)}, {x})", consts,
                             warps, "persistent (row length per call)", setup)
-
-    def persistent_per_call(self) -> list[str]:
-        """The persistent body of a symbolic row held in one block: no bounds test where the call's row
-        fills the block (EVEN_R, set per call), as a static row that divides its block has none."""
-        saved, self.exact_r = self.exact_r, EVEN_PER_CALL
-        try:
-            return self._persistent()
-        finally:
-            self.exact_r = saved
-
-    def even_source(self, rblock: str) -> str:
-        return f"{rblock} == {pexpr(self.rnumel)}"
 
     def _per_call_config(self):
         """(grid, constexprs, num_warps, wrapper lines) of a row whose length is known only per call:
         RBLOCK = the row's next power of two up to LOOP_RBLOCK, XBLOCK rows filling ~2048 lanes."""
         r, x = f"{self.name}_RBLOCK", f"{self.name}_XBLOCK"
         setup = [f"{r} = min({LOOP_RBLOCK}, next_power_of_2({pexpr(self.rnumel)}))",
-                 f"{x} = max(1, min(next_power_of_2({pexpr(self.xnumel)}), 2048 // {r}))"]
+                 per_call_xblock(self, x, r)]
         warps = f"max(1, min(16, {x} * {r} // 256))"
         return f"cdiv({pexpr(self.xnumel)}, {x})", {"XBLOCK": x, "RBLOCK": r}, warps, setup
 
