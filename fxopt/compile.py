@@ -241,7 +241,7 @@ def _precompile(module, kernels: dict[str, Kernel]) -> None:
     in LLVM and ptxas), so the first call does not compile them one after another."""
     def warm(k: Kernel):
         try:
-            getattr(module, k.name).warmup(*k.warmup_args(), grid=k.grid_tuple(), num_warps=k.num_warps,
+            getattr(module, k.name).warmup(*k.warmup_args(), grid=k.grid_tuple(), **k.options(),
                                            **k.constexprs)
         except Exception as exc:
             raise FxoptError(f"fxopt: Triton could not compile kernel {k.name}: {exc}\n{k.source}") from exc

@@ -28,6 +28,11 @@ from .kernel import Kernel
 from .reduction_schedules import EVEN_PER_CALL, even_source, mask_line, per_call_xblock, persistent_per_call
 
 COLUMN_PROGRAMS = 264  # row-kernel programs to aim for: 2 per SM on an H100/H200-class GPU
+# Registers per SM on H100/H200-class GPUs: the row kernel is capped at REGISTERS // (2 programs x threads)
+# per thread so two programs share an SM, as COLUMN_PROGRAMS assumes. Without the cap triton 3.6 gave
+# the dynamic-shape LayerNorm backward 88 registers at 16 warps (64 static): one program per SM, 264
+# programs in two waves, 1.24x the static time.
+SM_REGISTERS = 65536
 COMBINE_RBLOCK, COMBINE_GBLOCK = 64, 64  # columns per combine program, partial rows per step
 # Software pipelining of the row loop: with more than one stage Triton copies the next rows' loads into
 # shared memory (cp.async) while this row is computed, instead of each row waiting for its own loads
@@ -120,7 +125,7 @@ def with_column_sums(em, prelude: list[str], xblock: int, rblock: int, warps: in
                   em._function(f"{em.name}_rows", kind, body, ["in", "ws", "out"],
                                ["xnumel", "rnumel", "XSTEPS", *syms], list(consts), len(cols)),
                   em.ops, programs, [em.xnumel, em.rnumel, steps, *em.syms], consts,
-                  warps, workspaces=workspaces, symbols=symbols, **em.io_meta())
+                  warps, workspaces=workspaces, symbols=symbols, maxnreg=register_cap(warps), **em.io_meta())
     combine = em._size_input_lines() + _combine_body(em, cols, acc_dtype)
     combine_grid = f"cdiv({pexpr(em.rnumel)}, {COMBINE_RBLOCK})" if is_symbolic(em.rnumel) else \
         -(-em.rnumel // COMBINE_RBLOCK)
@@ -130,6 +135,15 @@ def with_column_sums(em, prelude: list[str], xblock: int, rblock: int, warps: in
                   em.ops, combine_grid, [em.rnumel, programs, *em.syms],
                   {"RBLOCK": COMBINE_RBLOCK, "GBLOCK": COMBINE_GBLOCK}, 4, notes={"reduction": kind},
                   workspaces=workspaces, prologue=rows, symbols=symbols, setup=setup, **em.io_meta())
+
+
+def register_cap(warps: int | str) -> int | str | None:
+    """maxnreg that lets two row-kernel programs of `warps` warps share an SM (None: no cap needed,
+    past the 255 registers a thread can have); per-call source for per-call warps."""
+    if isinstance(warps, str):
+        return f"min(255, {SM_REGISTERS} // (2 * 32 * ({warps})))"
+    cap = SM_REGISTERS // (2 * 32 * warps)
+    return cap if cap < 255 else None
 
 
 def _per_call_blocks(em) -> tuple[str, str, str, list[str]]:

@@ -37,6 +37,8 @@ class Kernel:
     # the size symbols) holds at call time
     alternative: "Kernel | None" = None
     alternative_when: str = ""
+    # a register cap per thread (Triton's maxnreg), int or per-call source; None leaves ptxas free
+    maxnreg: int | str | None = None
 
     @property
     def symbolic(self) -> bool:
@@ -65,4 +67,9 @@ class Kernel:
         """The integer and constexpr arguments of a launch, as source."""
         ints = "".join(f", {pexpr(v) if is_symbolic(v) else v}" for v in self.int_args)
         consts = "".join(f", {k}={v}" for k, v in self.constexprs.items())
-        return f"{ints}{consts}, num_warps={self.num_warps}"
+        cap = "" if self.maxnreg is None else f", maxnreg={self.maxnreg}"
+        return f"{ints}{consts}, num_warps={self.num_warps}{cap}"
+
+    def options(self) -> dict:
+        """Triton's launch options besides the constexprs: num_warps, and maxnreg where capped."""
+        return {"num_warps": self.num_warps, **({} if self.maxnreg is None else {"maxnreg": self.maxnreg})}

@@ -237,3 +237,37 @@ def test_a_row_past_tritons_largest_block_is_a_clear_error():
     assert whole_row_block(1000, "k") == 1024 and whole_row_block(WHOLE_ROW_MAX, "k") == WHOLE_ROW_MAX
     with pytest.raises(RuntimeError, match="mark_static"):
         whole_row_block(WHOLE_ROW_MAX + 1, "k")
+
+
+def test_row_kernel_registers_are_capped_so_two_programs_share_an_sm():
+    """COLUMN_PROGRAMS assumes two row-kernel programs per SM; the launch caps registers (maxnreg) so
+    they fit: 64 per thread at 16 warps, computed per call where the warps are (symbolic row length).
+    Without it triton 3.6 gave the dynamic LayerNorm backward 88 registers: one program per SM."""
+    from tests.helpers import CountingBackend
+
+    assert column_sums.register_cap(16) == 64 and column_sums.register_cap(8) == 128
+    assert column_sums.register_cap(4) is None  # 256 would be past the 255 a thread can have
+    assert eval(column_sums.register_cap("16")) == 64 and eval(column_sums.register_cap("2")) == 255
+    backend = CountingBackend()
+    compiled = torch.compile(ln_backward, backend=backend, dynamic=True)
+    args = ln_inputs(37, 48, torch.float32, "cpu")
+    got, want = compiled(*args), ln_backward(*(t.double() for t in args))
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g.double(), r, rtol=1e-4, atol=1e-4)
+    launch = [line for line in backend.report.wrapper_source.splitlines() if "_rows[" in line]
+    assert len(launch) == 1 and "maxnreg=min(255, 65536 // (2 * 32 * (" in launch[0], launch
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="registers are ptxas's: GPU only")
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_cuda_row_kernel_keeps_to_its_register_cap(dynamic):
+    from fxopt.codegen import fast_launch
+
+    compiled = torch.compile(ln_backward, backend="fxopt", dynamic=dynamic)
+    args = ln_inputs(1024, 4096, torch.bfloat16, "cuda")  # 16 warps: a cap of 64
+    got, want = compiled(*args), ln_backward(*(t.double() for t in args))
+    for g, r in zip(got, want):
+        assert_close_to_reference(g, r, torch.bfloat16)
+    regs = [k.n_regs for fk in list(fast_launch.ALL) if fk.fn.__name__.endswith("_rows")
+            for k, _, _ in fk._compiled.values() if k.metadata.num_warps == 16]
+    assert regs and max(regs) <= 64, regs
