@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .dtypes import TL_DTYPE
-from .erf_poly import erf_call
+from .erf_poly import erf_call, gelu_call
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -96,8 +96,13 @@ def _tanh(c, x):
     return f"(1.0 - 2.0 / (tl.exp(2.0 * {x}) + 1.0))"
 
 
+def _poly_ok(c) -> bool:
+    """fp32 values whose results are rounded to 16 bits: erf_poly's branch-free erf and GELU serve."""
+    return c.compute == torch.float32 and (c.out_dtype in (torch.bfloat16, torch.float16) or c._fp32_into_16bit)
+
+
 def _erf(c, x):
-    if c.compute == torch.float32 and (c.out_dtype in (torch.bfloat16, torch.float16) or c._fp32_into_16bit):
+    if _poly_ok(c):
         return erf_call(x)  # branch-free (erf_poly.py): a 16-bit result hides its 4 ulp of fp32
     return f"libdevice.erf({x})" if c.target == "cuda" else f"tl.math.erf({x})"
 
@@ -114,6 +119,8 @@ def _gelu(c, x, approximate="none"):
     if approximate == "tanh":
         inner = f"0.7978845608028654 * ({x} + 0.044715 * {x} * {x} * {x})"
         return f"(0.5 * {x} * (1.0 + {_tanh(c, inner)}))"
+    if _poly_ok(c):
+        return gelu_call(x)
     return f"(0.5 * {x} * (1.0 + {_erf(c, f'{x} * 0.7071067811865476')}))"
 
 

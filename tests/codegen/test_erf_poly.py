@@ -2,6 +2,7 @@
 interpreter: within 4 ulp of float64's erf over a dense grid in fp32, special values right, and GELU
 through torch.compile rounding to the same bf16 values as eager almost everywhere."""
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -9,25 +10,35 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from fxopt.codegen.erf_poly import CLAMP, SPLIT, erf_call, with_erf_helper
+from fxopt.codegen.erf_poly import CLAMP, GELU_CLAMP, SPLIT, erf_call, gelu_call, with_erf_helper
 from tests.helpers import compile_fxopt
 
-_KERNEL = f'''@triton.jit
-def erf_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+_KERNEL = '''@triton.jit
+def {name}(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + i, i < n)
-    tl.store(out_ptr + i, {erf_call("x")}, i < n)
+    tl.store(out_ptr + i, {call}, i < n)
 '''
-_SOURCE = "import triton\nimport triton.language as tl\n\n\n" + with_erf_helper(_KERNEL, "interpret")
+
+
+def load_kernel(tmp_path_factory, name: str, call: str):
+    source = "import triton\nimport triton.language as tl\n\n\n" + with_erf_helper(
+        _KERNEL.format(name=name, call=call), "interpret")
+    path = tmp_path_factory.mktemp(name) / f"{name}.py"  # @triton.jit reads its source from a file
+    path.write_text(source)
+    namespace = {}
+    exec(compile(source, str(path), "exec"), namespace)
+    return namespace[name]
 
 
 @pytest.fixture(scope="module")
 def erf_kernel(tmp_path_factory):
-    path = tmp_path_factory.mktemp("erf") / "erf_kernel.py"  # @triton.jit reads its source from a file
-    path.write_text(_SOURCE)
-    namespace = {}
-    exec(compile(_SOURCE, str(path), "exec"), namespace)
-    return namespace["erf_kernel"]
+    return load_kernel(tmp_path_factory, "erf_kernel", erf_call("x"))
+
+
+@pytest.fixture(scope="module")
+def gelu_kernel(tmp_path_factory):
+    return load_kernel(tmp_path_factory, "gelu_kernel", gelu_call("x"))
 
 
 def run(kernel, x: torch.Tensor) -> torch.Tensor:
@@ -52,6 +63,29 @@ def test_special_values(erf_kernel):
     got = run(erf_kernel, x)
     assert math.isnan(got[0])
     assert got[1:].tolist() == [1.0, -1.0, 1.0, -1.0, 1.0, -1.0]
+
+
+def test_gelu_close_to_float64_in_fp32(gelu_kernel):
+    """The GELU helper: within 1e-5 relative of float64 where |x| < 3 (16-bit results cannot see that),
+    within 1e-5 absolute everywhere, exact zero past the clamp on the negative side."""
+    x = torch.cat([torch.linspace(-9, 9, 180001), torch.logspace(-30, 0, 3001), -torch.logspace(-30, 0, 3001),
+                   torch.tensor([GELU_CLAMP, -GELU_CLAMP, 0.0, -0.0])]).float()
+    got = run(gelu_kernel, x).double()
+    want = F.gelu(x.double())
+    inner = x.abs() < 3
+    rel = ((got - want).abs() / want.abs().clamp(min=1e-300))[inner & (x != 0)]
+    assert rel.max().item() <= 1e-5, rel.max().item()
+    assert (got - want).abs().max().item() <= 1e-5
+    assert torch.equal(got[x <= -GELU_CLAMP], torch.zeros_like(got[x <= -GELU_CLAMP]))
+    assert torch.equal(torch.signbit(got[x == 0]), torch.signbit(x[x == 0]))  # GELU(-0) = -0
+
+
+def test_gelu_special_values(gelu_kernel):
+    x = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e30, -1e30])
+    got = run(gelu_kernel, x)
+    # float64's GELU: NaN, inf, NaN (-inf * 0, as eager's formula), 1e30, -0 (CPU eager says NaN for inf)
+    assert got.isnan().tolist() == [True, False, True, False, False]
+    assert got[1].item() == float("inf") and got[3].item() == x[3].item() and got[4].item() == 0.0
 
 
 def test_fp16_gelu_as_accurate_as_eager():
@@ -83,5 +117,7 @@ def test_precision_policy_of_fp32_values_inside_16_bit_kernels():
     lower = lambda op, c: LOWERINGS[op](c, None, ["x"])  # noqa: E731
     assert lower(aten.exp.default, inside) == "tl.exp(x)" and lower(aten.exp.default, plain) == "libdevice.exp(x)"
     assert lower(aten.erf.default, inside) == "_fx_erf(x)" and lower(aten.erf.default, plain) == "libdevice.erf(x)"
+    gelu = lambda c: LOWERINGS[aten.gelu.default](c, SimpleNamespace(kwargs={}), ["x"])  # noqa: E731
+    assert gelu(inside) == "_fx_gelu(x)" and "libdevice.erf" in gelu(plain)
     assert lower(aten.sin.default, inside) == "libdevice.sin(x)"
     assert not inside.approx_ok and LowerCtx("cuda", bf16, f32).approx_ok
