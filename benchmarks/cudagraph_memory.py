@@ -1,4 +1,5 @@
-"""Memory held by CUDA graphs: fxopt's graphs sharing one pool vs a private pool each, vs Inductor.
+"""Memory held by CUDA graphs: fxopt's graphs sharing one pool vs a private pool each, with the tensors
+saved for the backward lent (default) or copied out, vs Inductor.
 
     PYTHONPATH=. python -m benchmarks.cudagraph_memory [--workloads gpt_block_train_cg,gpt_block_b1_cg]
 
@@ -17,7 +18,7 @@ import sys
 
 import torch
 
-CONFIGS = ("fxopt shared pool", "fxopt private pools", "inductor")
+CONFIGS = ("fxopt shared pool", "fxopt saved copied", "fxopt private pools", "inductor")
 
 
 def child(workload: str, config: str) -> dict:
@@ -28,6 +29,7 @@ def child(workload: str, config: str) -> dict:
     w = WORKLOADS[workload]
     fn, inputs = w.make("cuda", torch.bfloat16, False)
     cudagraphs.SHARE_POOL = config != "fxopt private pools"
+    cudagraphs.LEND_SAVED = config != "fxopt saved copied"
     torch.cuda.synchronize()
     before = torch.cuda.memory_reserved()
     compiled = measure.compile_for("inductor" if config == "inductor" else "fxopt", fn, w)

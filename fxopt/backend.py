@@ -46,7 +46,8 @@ def compile_dynamo_graph(gm: fx.GraphModule, example_inputs, options: Options, r
     marks = _marks(report)
     pre = pipeline.pre_autograd_passes(options)
     if pre:
-        verifier = GraphVerifier(gm, example_inputs, options.verify_tolerance, "torch-level") if options.verify else None
+        verifier = (GraphVerifier(gm, example_inputs, options.verify_tolerance, "torch-level")
+                    if options.verify else None)
         gm, records, _ = PassManager(pre, verifier).run(gm, ctx)
         report.pre_autograd.extend(records)
         report.attention.extend(ctx.attention)

@@ -74,7 +74,8 @@ def check_devices(gm: fx.GraphModule) -> None:
                 devs.setdefault(str(v.device), a.name)
         if len(devs) > 1:
             listing = ", ".join(f"'{name}' on {d}" for d, name in devs.items())
-            raise node_error(n, f"mixes devices: {listing}", "move these tensors to one device before calling the model")
+            raise node_error(n, f"mixes devices: {listing}",
+                             "move these tensors to one device before calling the model")
 
 
 def _kernel_name(gm: fx.GraphModule, index: int) -> str:

@@ -1,21 +1,33 @@
 """The inputs and outputs of a captured CUDA graph: static input buffers, and outputs copied out
-of graph memory after each replay (the next replay overwrites it).
+of graph memory after each replay (the next replay overwrites it), or lent.
 
 The copy rule: every output whose memory the graph owns is copied once per replay, one copy per
 storage (outputs that alias each other, a view and its base, keep aliasing, with the same strides
 and storage offsets); an output that aliases an input is rebuilt as a view of the caller's tensor.
 Cost: one device-to-device copy of the output bytes and one allocation per output storage per call.
+
+The lending rule: a forward graph's tensors saved for the backward (no user sees them; autograd
+holds them until the backward ran) are handed out in graph memory instead, over a storage of their
+own that does not own the memory, so the graph can tell when the last of them died
+(StorageWeakRef). While any is alive the graph is not replayed (the caller runs the graph uncaptured
+instead), so a replay never overwrites what a pending backward will read. The backward graph reads
+lent tensors where they are (Lending.pointers) instead of copying them into static buffers: saved
+activations then exist once, in the forward graph's memory, instead of three times (graph memory,
+the caller's copy, the backward's static input).
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 
 class Outputs:
     """How each output leaves the graph: copied out of graph memory (one copy per storage, so
     outputs that alias each other still do), rebuilt over the caller's input, or a plain value."""
 
-    def __init__(self, outs, inputs: list):
+    def __init__(self, outs, inputs: list, lend: frozenset = frozenset()):
         owner = {}
         for i, t in enumerate(inputs):
             if isinstance(t, torch.Tensor) and t.numel() > 0:
@@ -31,6 +43,14 @@ class Outputs:
             start -= (start - base) % 16  # so every dtype's offset into the copy stays whole
             group[base] = (len(self.srcs), start)
             self.srcs.append(_view(o.untyped_storage(), start - base, torch.uint8, (end - start,), (1,)))
+        # a storage is lent only if every output over it may be (none a user sees)
+        users = {o.untyped_storage().data_ptr() for i, o in enumerate(outs) if i not in lend
+                 and isinstance(o, torch.Tensor) and o.numel() > 0}
+        self.lendable = [base not in users for base in group]
+        lent_bases = {base for base, ok in zip(group, self.lendable) if ok}
+        self.pointers = {o.data_ptr() for o in outs if isinstance(o, torch.Tensor) and o.numel() > 0
+                         and o.untyped_storage().data_ptr() in lent_bases}  # where a backward may read them
+        self._lent: list[StorageWeakRef] = []
         self.specs = []  # (kind, where, offset, dtype, shape, stride)
         for o in outs:
             if not isinstance(o, torch.Tensor):
@@ -47,11 +67,27 @@ class Outputs:
                 g, start = group[base]
                 self.specs.append(("copy", g, (o.data_ptr() - start) // o.element_size(), *meta))
 
-    def materialize(self, args) -> tuple:
-        """Fresh outputs for this replay: the copies, then views over them or over the caller's inputs."""
-        copies = [torch.empty(s.numel(), dtype=torch.uint8, device=s.device) for s in self.srcs]
-        if copies:
-            torch._foreach_copy_(copies, self.srcs)
+    def lent_alive(self) -> bool:
+        """Whether a tensor lent by the last replay is still alive (the next replay would overwrite it)."""
+        if self._lent and all(ref.expired() for ref in self._lent):
+            self._lent = []
+        return bool(self._lent)
+
+    def materialize(self, args, lend: bool = False) -> tuple:
+        """Outputs for this replay: copies (lent storages with `lend`), then views over them or over
+        the caller's inputs."""
+        copies = [None if lend and ok else torch.empty(s.numel(), dtype=torch.uint8, device=s.device)
+                  for s, ok in zip(self.srcs, self.lendable)]
+        todo = [g for g, c in enumerate(copies) if c is not None]
+        if todo:
+            torch._foreach_copy_([copies[g] for g in todo], [self.srcs[g] for g in todo])
+        if lend:
+            self._lent = []
+            for g, src in enumerate(self.srcs):
+                if copies[g] is None:
+                    storage = torch._C._construct_storage_from_data_pointer(src.data_ptr(), src.device, src.numel())
+                    copies[g] = _view(storage, 0, torch.uint8, (src.numel(),), (1,))
+                    self._lent.append(StorageWeakRef(storage))
         outs = []
         for kind, where, offset, dtype, shape, stride in self.specs:
             if kind == "copy":
@@ -84,3 +120,22 @@ def static_buffer(arg: torch.Tensor):
         return torch.empty_strided(arg.shape, arg.stride(), dtype=arg.dtype, device=arg.device), None
     flat = torch.empty(_extent(arg), dtype=arg.dtype, device=arg.device)
     return flat.as_strided(arg.shape, arg.stride()), flat
+
+
+class Lending:
+    """What the graphs of one compiled callable lent (see the module docstring): the forward graphs'
+    lendable outputs, whose addresses a backward graph may read in place, and captured forward
+    graphs dropped (re-captured, evicted, refused) while tensors they lent were alive, kept until
+    those die so their memory is not handed to another graph."""
+
+    def __init__(self):
+        self.outputs: "weakref.WeakSet[Outputs]" = weakref.WeakSet()
+        self.retired: list = []
+
+    def pointers(self) -> set[int]:
+        return {p for o in list(self.outputs) for p in o.pointers}
+
+    def retire(self, captured) -> None:
+        self.retired = [c for c in self.retired if c.outputs.lent_alive()]
+        if captured is not None and captured.outputs.lent_alive():
+            self.retired.append(captured)

@@ -11,11 +11,14 @@ Per compiled graph (forward, backward or inference) and per input signature (sha
                          a graph never reads memory its caller no longer means.
 Outputs are copied out of the graph's memory after every replay (the next replay overwrites it), so
 a caller's earlier results never change; an output that aliases an input is rebuilt as a view of the
-caller's tensor. Nothing a caller holds lives in graph memory, so all of it is scratch between
-replays, and the graphs of one compiled callable (forward, backward, every captured shape) share one
-memory pool per device: the pool is as large as the largest graph's scratch, not their sum.
-Safe because those graphs run one after another on one stream (autograd runs a backward on its
-forward's stream) and none reads pool memory another wrote. The callable holds the pool for its
+caller's tensor. The exception (cudagraph_io, LEND_SAVED): a forward graph's tensors saved for the
+backward are lent in graph memory, the forward is not replayed while any of them is alive (it runs
+uncaptured instead), and the backward graph reads them in place. The graphs of one compiled callable
+(forward, backward, every captured shape) share one memory pool per device: the pool is as large as
+the largest graph's scratch, not their sum, plus every graph's outputs (kept alive by the graph, so
+no capture allocates over them). Safe because those graphs run one after another on one stream
+(autograd runs a backward on its forward's stream) and the only pool memory one reads that another
+wrote is lent memory, which no replay touches while it is lent. The callable holds the pool for its
 lifetime as a `torch.cuda.MemPool` plus an anchor graph captured into it: the device allocator counts
 the MemPool as a user, but torch 2.11's pinned-host allocator counts only captured graphs and refuses
 (`use_count > 0` assertion) a capture into a pool whose graphs were all destroyed, which is what a
@@ -24,129 +27,23 @@ re-capture (the old graph is dropped first) or an eviction would otherwise do.
 from __future__ import annotations
 
 import warnings
-from collections import OrderedDict
 
 import torch
 import torch.fx as fx
 
-from .analysis.op_classes import is_collective
 from .compile import choose_target
-from .cudagraph_io import Outputs, static_buffer
+from .cudagraph_checks import (MAX_GRAPHS, SYNC_OPS, Refused, SignatureCache, mutated_inputs,  # noqa: F401
+                               refusal_reason, signature)
+from .cudagraph_io import Lending, Outputs, static_buffer
 from .options import Environment
 from .report import GraphReport
 
 WARMUP_CALLS = 2  # uncaptured calls per signature before capture
-MAX_GRAPHS = 8  # captured signatures kept per compiled graph (least recently used evicted)
-aten = torch.ops.aten
-SYNC_OPS = {aten._local_scalar_dense.default, aten.item.default, aten.is_nonzero.default, aten.equal.default}
 _warned: set[str] = set()
 
 
-class Refused(Exception):
-    """Why a graph cannot be captured; it then runs without CUDA graphs."""
-
-
-def refusal_reason(gm: fx.GraphModule, target: str, profile: bool = False) -> str | None:
-    """Why this ATen graph cannot be captured, read from the graph before any call (None: it can)."""
-    if target != "cuda":
-        return f"the graph runs on the CPU ({target}); CUDA graphs need CUDA tensors"
-    if profile:
-        return "profile=True times every launch on its own; a replayed graph has no launches to time"
-    for n in gm.graph.nodes:
-        if n.op != "call_function":
-            continue
-        tags = getattr(n.target, "tags", ())
-        if torch.Tag.nondeterministic_seeded in tags or "rngprims" in str(n.target):
-            return (f"random op {n.target} ({n.name}): fxopt does not capture random ops yet (a seeded run "
-                    f"would not repeat eager's numbers); dropout in training: model.eval() or p=0 avoids it")
-        if is_collective(n):
-            return (f"collective {n.target} ({n.name}): fxopt does not capture communication into CUDA graphs "
-                    f"(the process group's streams and work objects live outside the graph)")
-        if n.target in SYNC_OPS or torch.Tag.data_dependent_output in tags:
-            return f"{n.target} ({n.name}) reads a GPU value on the CPU (a sync), which capture cannot record"
-        if torch.Tag.dynamic_output_shape in tags:
-            return f"{n.target} ({n.name}) has a data-dependent output shape (the CPU waits for the GPU)"
-    for n in gm.graph.nodes:
-        val = n.meta.get("val")
-        if n.op == "placeholder" and isinstance(val, torch.Tensor) and val.device.type != "cuda":
-            return (f"input {n.name} is a {val.device.type.upper()} tensor: its value would be frozen into "
-                    f"the graph at capture")
-    return None
-
-
-def mutated_inputs(gm: fx.GraphModule) -> set[int]:
-    """Positions of the inputs the graph writes in place (through views too): they must be read in
-    place, since a write to a static copy would never reach the caller's tensor."""
-    index = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
-    written = set()
-    for n in gm.graph.nodes:
-        schema = getattr(n.target, "_schema", None)
-        if n.op != "call_function" or schema is None:
-            continue
-        for i, spec in enumerate(schema.arguments):
-            if spec.alias_info is None or not spec.alias_info.is_write:
-                continue
-            value = n.args[i] if i < len(n.args) else n.kwargs.get(spec.name)
-            while isinstance(value, fx.Node) and getattr(value.target, "is_view", False):
-                value = value.args[0]
-            if value in index:
-                written.add(index[value])
-    return written
-
-
-def signature(args, cpu_ok: bool = False) -> tuple[tuple, int]:
-    """(key, device): what a captured graph is specific to. Refused for CPU tensors (their values
-    would be baked in), several devices, or inputs that cannot be keyed."""
-    key, devices = [], set()
-    for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor):
-            dev = a.get_device()
-            if dev < 0 and not cpu_ok:
-                raise Refused(f"input {i} is a CPU tensor at run time: its value would be frozen into the graph")
-            devices.add(dev)
-            key.append((a.shape, a.stride(), a.dtype, dev))
-        else:
-            try:
-                hash(a)
-            except TypeError:
-                raise Refused(f"input {i} is a {type(a).__name__}, which cannot key a captured graph") from None
-            key.append((type(a), a))
-    if len(devices) > 1:
-        raise Refused(f"inputs on several devices {sorted(devices)}: one graph runs on one GPU")
-    return tuple(key), (devices.pop() if devices else -1)
-
-
-class SignatureCache:
-    """A bounded LRU map from input signature to its state; evicting drops the captured graph."""
-
-    def __init__(self, maxsize: int = MAX_GRAPHS):
-        if maxsize < 1:
-            raise ValueError(f"fxopt: the CUDA graph cache needs room for at least one graph, got {maxsize}")
-        self.maxsize, self.evicted = maxsize, 0
-        self._items: OrderedDict = OrderedDict()
-
-    def get(self, key):
-        value = self._items.get(key)
-        if value is not None:
-            self._items.move_to_end(key)
-        return value
-
-    def put(self, key, value):
-        self._items[key] = value
-        self._items.move_to_end(key)
-        while len(self._items) > self.maxsize:
-            self._items.popitem(last=False)
-            self.evicted += 1
-        return value
-
-    def __len__(self):
-        return len(self._items)
-
-    def __contains__(self, key):
-        return key in self._items
-
-
 SHARE_POOL = True  # False: a private pool per captured graph (benchmarks/cudagraph_memory.py compares)
+LEND_SAVED = True  # False: tensors saved for the backward are copied out like every output
 
 
 class CudaGraphs:
@@ -269,16 +166,20 @@ class GraphedCallable:
     """The boxed callable aot_autograd gets: the compiled graph, replayed as CUDA graphs."""
 
     def __init__(self, fn, name: str, record: GraphReport, mutated: set[int], backend=None,
-                 warmup: int = WARMUP_CALLS, max_graphs: int = MAX_GRAPHS):
+                 warmup: int = WARMUP_CALLS, max_graphs: int | None = None, lending: Lending | None = None,
+                 lend: frozenset = frozenset()):
         # an instance attribute: dynamo's aot_autograd helper wraps the compiled backward with
         # functools.wraps, which copies the instance's __dict__ (a class attribute would be lost and
         # aot_autograd would call this unboxed)
         self._boxed_call = True
         self.fn, self.name, self.record, self.mutated = fn, name, record, mutated
         self.backend = backend if backend is not None else CudaGraphs()
-        self.warmup, self.cache = warmup, SignatureCache(max_graphs)
+        self.warmup = warmup
+        self.cache = SignatureCache(MAX_GRAPHS if max_graphs is None else max_graphs, self._evicted)
+        # outputs saved for the backward, lent instead of copied (cudagraph_io); shared with the backward
+        self.lending, self.lend = (lending if lending is not None else Lending()), (lend if LEND_SAVED else frozenset())
         self.refused: str | None = None
-        self.captures = self.recaptures = 0
+        self.captures = self.recaptures = self.held_back = 0
         self._note = len(record.notes)
         record.notes.append(f"cudagraphs: enabled, nothing captured yet (capture at call {warmup + 1} of each "
                             f"input signature)")
@@ -300,8 +201,13 @@ class GraphedCallable:
         if cap is not None:
             moved = [i for i, ptr in cap.direct if args[i].data_ptr() != ptr]
             if not moved:
+                if cap.outputs.lent_alive():  # a pending backward still reads what the last replay lent
+                    self.held_back += 1
+                    self._update_note()
+                    return self.fn(args)
                 return self._replay(cap, args, device)
             entry.moved.update(moved)
+            self.lending.retire(cap)
             entry.captured, cap = None, None
             self.recaptures += 1
         else:
@@ -323,7 +229,8 @@ class GraphedCallable:
 
     def _capture(self, entry: _Entry, args, device: int) -> _Captured:
         tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-        copied = [i for i in tensors if i in entry.moved]
+        lent = self.lending.pointers() if entry.moved else set()  # a forward graph's memory: read in place
+        copied = [i for i in tensors if i in entry.moved and args[i].data_ptr() not in lent]
         stale = sorted(self.mutated.intersection(copied))
         if stale:
             raise Refused(f"input {stale[0]} is written in place by the graph but arrives at a new address on "
@@ -334,8 +241,11 @@ class GraphedCallable:
             static[i] = buf
             copies.append((i, buf, flat))
         graph, outs = self.backend.capture(self.fn, list(static), device)
-        direct = [(i, args[i].data_ptr()) for i in tensors if i not in entry.moved]
-        return _Captured(graph, direct, copies, Outputs(outs, static))
+        direct = [(i, args[i].data_ptr()) for i in tensors if i not in copied]
+        outputs = Outputs(outs, static, self.lend)
+        if self.lend:
+            self.lending.outputs.add(outputs)
+        return _Captured(graph, direct, copies, outputs)
 
     def _replay(self, cap: _Captured, args, device: int) -> tuple:
         for i, buf, flat in cap.copies:
@@ -344,13 +254,20 @@ class GraphedCallable:
             else:
                 flat.copy_(args[i].as_strided((flat.numel(),), (1,)))
         self.backend.replay(cap.graph, device)
-        outs = cap.outputs.materialize(args)
+        outs = cap.outputs.materialize(args, lend=bool(self.lend))
         args.clear()
         return outs
+
+    def _evicted(self, entry: _Entry) -> None:
+        self.lending.retire(entry.captured)
+        if entry.captured is not None:
+            self._update_note()
 
     def refuse(self, reason: str) -> None:
         """Run without graphs from now on; the reason goes to the report and, once, to a warning."""
         self.refused = reason
+        for entry in self.cache.entries():
+            self.lending.retire(entry.captured)
         self.cache = SignatureCache(self.cache.maxsize)  # drop captured graphs and their memory
         refuse(self.record, self.name, reason, self._note)
 
@@ -358,7 +275,9 @@ class GraphedCallable:
         self.record.notes[self._note] = (
             f"cudagraphs: captured {self.captures} graph(s) ({len(self.cache)} kept of at most "
             f"{self.cache.maxsize}, {self.cache.evicted} evicted, {self.recaptures} re-captured after a static "
-            f"input moved); outputs are copied out after each replay")
+            f"input moved); " + (f"tensors saved for the backward lent, not copied (held back from a replay "
+                                 f"{self.held_back} time(s) while a backward was pending); other " if self.lend else "")
+            + "outputs are copied out after each replay")
 
 
 def refuse(record: GraphReport, name: str, reason: str, note: int | None = None) -> None:
@@ -376,12 +295,13 @@ def refuse(record: GraphReport, name: str, reason: str, note: int | None = None)
 def graphed_compiler(compiler, report, options):
     """Wrap an aot_autograd graph compiler so every graph it compiles replays as CUDA graphs; the
     graphs of one compiled callable (forward, backward, inference) capture into one shared pool."""
-    backend = CudaGraphs()
+    backend, lending = CudaGraphs(), Lending()
 
     def compile_graph(gm: fx.GraphModule, example_inputs, *, graph_name: str):
         target = choose_target(gm, Environment.read())
         reason = refusal_reason(gm, target, options.profile)  # read before the passes rewrite gm
         mutated = mutated_inputs(gm)
+        lend = saved_for_backward(gm) if graph_name == "forward" else frozenset()
         first = len(report.graphs)
         call = compiler(gm, example_inputs, graph_name=graph_name)
         record = next((g for g in report.graphs[first:] if g.name == graph_name), None)
@@ -390,6 +310,18 @@ def graphed_compiler(compiler, report, options):
         if reason is not None:
             refuse(record, graph_name, reason)
             return call
-        return GraphedCallable(call, graph_name, record, mutated, backend)
+        return GraphedCallable(call, graph_name, record, mutated, backend, lending=lending, lend=lend)
 
     return compile_graph
+
+
+def saved_for_backward(gm: fx.GraphModule) -> frozenset:
+    """Positions of a forward graph's outputs that aot_autograd saves for the backward (after the
+    user's outputs, mutated inputs and intermediate bases: fw_metadata.num_forward); none if this
+    torch does not say."""
+    ctx = torch._guards.TracingContext.try_get()
+    first = getattr(getattr(ctx, "fw_metadata", None), "num_forward", None)
+    if not isinstance(first, int):
+        return frozenset()
+    outputs = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
+    return frozenset(range(first, len(outputs)))

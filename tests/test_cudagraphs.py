@@ -24,6 +24,7 @@ from fxopt import cudagraphs
 from fxopt.cudagraphs import GraphedCallable, SignatureCache, mutated_inputs, refusal_reason, signature
 from fxopt.options import Options
 from fxopt.report import GraphReport
+from tests.helpers import CountingBackend
 
 gpu = pytest.mark.gpu
 
@@ -50,7 +51,9 @@ class FakeGraphs:
         return fn(args)
 
     def capture(self, fn, args, device):
-        static = list(args)
+        # a real graph reads its inputs by address and holds none of them: keep aliases that do not
+        # own the memory, so the graph does not keep alive what the caller let go (lent tensors)
+        static = [_unowned(a) if isinstance(a, torch.Tensor) else a for a in args]
         saved = [a.clone() if isinstance(a, torch.Tensor) else None for a in static]
         self.capturing = True
         try:
@@ -69,6 +72,12 @@ class FakeGraphs:
             if isinstance(o, torch.Tensor):
                 o.copy_(n)
         self.replays += 1
+
+
+def _unowned(t: torch.Tensor) -> torch.Tensor:
+    storage = t.untyped_storage()
+    alias = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), t.device, storage.nbytes())
+    return torch.empty(0, dtype=t.dtype).set_(alias, t.storage_offset(), t.shape, t.stride())
 
 
 def graphed(fn, backend=None, mutated=(), **kw):
@@ -311,3 +320,106 @@ def test_fake_graphs_train_through_torch_compile_like_eager(monkeypatch):
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
     assert len(made) == 1 and made[0].captures == 2 and made[0].replays == 2 * (len(batches) - 2)
+
+
+# ---------------------------------------------------------------- saved tensors lent to the backward (CPU)
+
+def _fake_training(monkeypatch):
+    """(compiled model, eager copy, report) with FakeGraphs standing in for CUDA."""
+    monkeypatch.setattr(cudagraphs, "CudaGraphs", FakeGraphs)
+    monkeypatch.setattr(cudagraphs, "refusal_reason", lambda gm, target, profile=False: None)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 4))
+    ref = copy.deepcopy(model)
+    backend = CountingBackend(cudagraphs=True)
+    return torch.compile(model, backend=backend), model, ref, backend
+
+
+def _grads(model):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _forward_note(backend) -> str:
+    return next(n for g in backend.report.graphs if g.name == "forward" for n in g.notes if "cudagraphs" in n)
+
+
+@pytest.mark.parametrize("lend", [True, False], ids=["lent", "copied"])
+def test_gradient_accumulation_two_forwards_before_their_backwards(monkeypatch, lend):
+    """Two forwards, then both backwards (gradient accumulation): the second forward may not replay
+    over what the first lent its pending backward, so it runs uncaptured ("held back"); gradients
+    equal eager's at every step, lent or copied."""
+    monkeypatch.setattr(cudagraphs, "LEND_SAVED", lend)
+    compiled, model, ref, backend = _fake_training(monkeypatch)
+    for step in range(5):
+        xs = [torch.randn(6, 8) for _ in range(2)]
+        for m, net in ((model, compiled), (ref, ref)):
+            m.zero_grad()
+            losses = [net(x).square().mean() for x in xs]
+            for loss in losses:
+                loss.backward()
+        for g, r in zip(_grads(model), _grads(ref)):
+            torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+    note = _forward_note(backend)
+    assert ("lent, not copied" in note) == lend, note
+    if lend:
+        assert "held back from a replay 0 time" not in note, note
+
+
+def test_retained_graph_read_again_after_another_forward(monkeypatch):
+    """backward(retain_graph=True) keeps the lent tensors alive: a forward in between runs uncaptured
+    instead of replaying over them, and the second backward of the first graph reads them unchanged."""
+    compiled, model, ref, _ = _fake_training(monkeypatch)
+    for step in range(5):
+        x1, x2 = torch.randn(6, 8), torch.randn(6, 8)
+        for m, net in ((model, compiled), (ref, ref)):
+            m.zero_grad()
+            first = net(x1).square().mean()
+            first.backward(retain_graph=True)
+            second = net(x2).square().mean()
+            first.backward()
+            second.backward()
+        for g, r in zip(_grads(model), _grads(ref)):
+            torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+
+
+def test_forward_evicted_while_its_backward_is_pending(monkeypatch):
+    """Room for one captured signature: shape A is captured and lends, then a forward of shape B
+    evicts A's graph while A's backward is pending. A's memory is kept until what it lent dies, so
+    the pending backward reads the right values; gradients equal eager's."""
+    monkeypatch.setattr(cudagraphs, "MAX_GRAPHS", 1)
+    compiled, model, ref, backend = _fake_training(monkeypatch)
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    for step in range(5):
+        xs = [torch.randn(6, 8)] + ([torch.randn(10, 8)] if step >= 3 else [])
+        for m, net in ((model, compiled), (ref, ref)):
+            m.zero_grad()
+            losses = [net(x).square().mean() for x in xs]
+            for loss in losses:
+                loss.backward()
+        for g, r in zip(_grads(model), _grads(ref)):
+            torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+    notes = [n for g in backend.report.graphs if g.name == "forward" for n in g.notes if "cudagraphs" in n]
+    assert any("evicted" in n and "0 evicted" not in n for n in notes), notes
+
+
+def test_plain_training_loop_lends_without_holding_back(monkeypatch):
+    """forward, backward, step: the lent tensors die in the backward, so every forward replays (two
+    captures in all, no re-capture) and the backward reads them where the forward left them."""
+    made = []
+
+    class Recording(FakeGraphs):
+        def __init__(self):
+            super().__init__()
+            made.append(self)
+    compiled, model, ref, backend = _fake_training(monkeypatch)
+    monkeypatch.setattr(cudagraphs, "CudaGraphs", Recording)
+    compiled = torch.compile(model, backend=backend)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(6):
+        loss = compiled(torch.randn(6, 8)).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    note = _forward_note(backend)
+    assert "lent, not copied (held back from a replay 0 time(s)" in note, note
+    assert made[-1].captures == 2 and made[-1].replays == 8

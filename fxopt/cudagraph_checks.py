@@ -1,0 +1,124 @@
+"""What a CUDA graph may be captured with, read before any call, and what a captured graph is keyed by:
+the refusal rules (random ops, collectives, CPU syncs, CPU inputs), the inputs a graph writes in
+place, the input signature, and the bounded LRU cache of captured signatures (fxopt/cudagraphs.py)."""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+import torch.fx as fx
+
+from .analysis.op_classes import is_collective
+
+MAX_GRAPHS = 8  # captured signatures kept per compiled graph (least recently used evicted)
+aten = torch.ops.aten
+SYNC_OPS = {aten._local_scalar_dense.default, aten.item.default, aten.is_nonzero.default, aten.equal.default}
+
+
+class Refused(Exception):
+    """Why a graph cannot be captured; it then runs without CUDA graphs."""
+
+
+def refusal_reason(gm: fx.GraphModule, target: str, profile: bool = False) -> str | None:
+    """Why this ATen graph cannot be captured, read from the graph before any call (None: it can)."""
+    if target != "cuda":
+        return f"the graph runs on the CPU ({target}); CUDA graphs need CUDA tensors"
+    if profile:
+        return "profile=True times every launch on its own; a replayed graph has no launches to time"
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        tags = getattr(n.target, "tags", ())
+        if torch.Tag.nondeterministic_seeded in tags or "rngprims" in str(n.target):
+            return (f"random op {n.target} ({n.name}): fxopt does not capture random ops yet (a seeded run "
+                    f"would not repeat eager's numbers); dropout in training: model.eval() or p=0 avoids it")
+        if is_collective(n):
+            return (f"collective {n.target} ({n.name}): fxopt does not capture communication into CUDA graphs "
+                    f"(the process group's streams and work objects live outside the graph)")
+        if n.target in SYNC_OPS or torch.Tag.data_dependent_output in tags:
+            return f"{n.target} ({n.name}) reads a GPU value on the CPU (a sync), which capture cannot record"
+        if torch.Tag.dynamic_output_shape in tags:
+            return f"{n.target} ({n.name}) has a data-dependent output shape (the CPU waits for the GPU)"
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        if n.op == "placeholder" and isinstance(val, torch.Tensor) and val.device.type != "cuda":
+            return (f"input {n.name} is a {val.device.type.upper()} tensor: its value would be frozen into "
+                    f"the graph at capture")
+    return None
+
+
+def mutated_inputs(gm: fx.GraphModule) -> set[int]:
+    """Positions of the inputs the graph writes in place (through views too): they must be read in
+    place, since a write to a static copy would never reach the caller's tensor."""
+    index = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    written = set()
+    for n in gm.graph.nodes:
+        schema = getattr(n.target, "_schema", None)
+        if n.op != "call_function" or schema is None:
+            continue
+        for i, spec in enumerate(schema.arguments):
+            if spec.alias_info is None or not spec.alias_info.is_write:
+                continue
+            value = n.args[i] if i < len(n.args) else n.kwargs.get(spec.name)
+            while isinstance(value, fx.Node) and getattr(value.target, "is_view", False):
+                value = value.args[0]
+            if value in index:
+                written.add(index[value])
+    return written
+
+
+def signature(args, cpu_ok: bool = False) -> tuple[tuple, int]:
+    """(key, device): what a captured graph is specific to. Refused for CPU tensors (their values
+    would be baked in), several devices, or inputs that cannot be keyed."""
+    key, devices = [], set()
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            dev = a.get_device()
+            if dev < 0 and not cpu_ok:
+                raise Refused(f"input {i} is a CPU tensor at run time: its value would be frozen into the graph")
+            devices.add(dev)
+            key.append((a.shape, a.stride(), a.dtype, dev))
+        else:
+            try:
+                hash(a)
+            except TypeError:
+                raise Refused(f"input {i} is a {type(a).__name__}, which cannot key a captured graph") from None
+            key.append((type(a), a))
+    if len(devices) > 1:
+        raise Refused(f"inputs on several devices {sorted(devices)}: one graph runs on one GPU")
+    return tuple(key), (devices.pop() if devices else -1)
+
+
+class SignatureCache:
+    """A bounded LRU map from input signature to its state; evicting drops the captured graph."""
+
+    def __init__(self, maxsize: int = MAX_GRAPHS, on_evict=None):
+        if maxsize < 1:
+            raise ValueError(f"fxopt: the CUDA graph cache needs room for at least one graph, got {maxsize}")
+        self.maxsize, self.evicted, self.on_evict = maxsize, 0, on_evict
+        self._items: OrderedDict = OrderedDict()
+
+    def get(self, key):
+        value = self._items.get(key)
+        if value is not None:
+            self._items.move_to_end(key)
+        return value
+
+    def put(self, key, value):
+        self._items[key] = value
+        self._items.move_to_end(key)
+        while len(self._items) > self.maxsize:
+            _, old = self._items.popitem(last=False)
+            self.evicted += 1
+            if self.on_evict is not None:
+                self.on_evict(old)
+        return value
+
+    def entries(self) -> list:
+        return list(self._items.values())
+
+    def __len__(self):
+        return len(self._items)
+
+    def __contains__(self, key):
+        return key in self._items
