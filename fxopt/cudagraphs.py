@@ -51,7 +51,15 @@ class CudaGraphs:
     memory pool per device (see the module docstring)."""
 
     cpu_ok = False
-    _streams: dict[int, torch.cuda.Stream] = {}  # the side stream per device: warm-up and capture
+    # the side streams per device: (device, "warmup") and (device, "capture"). Captures get a stream of
+    # their own because cuBLAS keeps a workspace per (handle, stream), allocated at the stream's first
+    # matmul: on a stream only captures use, that is inside a capture, so in the graphs' pool, which
+    # holds it as long as the graphs live. On the warm-up stream it came from the general allocator,
+    # and a graph captured there read memory that anyone clearing the workspaces (Inductor's CUDA-graph
+    # trees do, at every warm-up and recording) gave back: on the H200 a process that ran Inductor's
+    # reduce-overhead training step next to fxopt's then failed in fxopt's backward replay
+    # ("unspecified launch failure").
+    _streams: dict[tuple, torch.cuda.Stream] = {}
 
     def __init__(self, share_pool: bool | None = None):
         self.share_pool = SHARE_POOL if share_pool is None else share_pool
@@ -75,10 +83,10 @@ class CudaGraphs:
         """Called inside someone else's capture: run plainly, the outer graph records it."""
         return torch.cuda.is_current_stream_capturing()
 
-    def _stream(self, device: int) -> torch.cuda.Stream:
-        if device not in self._streams:
-            self._streams[device] = torch.cuda.Stream(device)
-        return self._streams[device]
+    def _stream(self, device: int, use: str = "warmup") -> torch.cuda.Stream:
+        if (device, use) not in self._streams:
+            self._streams[device, use] = torch.cuda.Stream(device)
+        return self._streams[device, use]
 
     def warmup(self, fn, args, device: int):
         with torch.cuda.device(device):
@@ -99,7 +107,7 @@ class CudaGraphs:
         """Capture fn(args) on the side stream into `pool`. On failure the side stream is retired and
         the device's generator released (a capture that never ended leaves it "capturing")."""
         with torch.cuda.device(device):
-            graph, side = torch.cuda.CUDAGraph(), self._stream(device)
+            graph, side = torch.cuda.CUDAGraph(), self._stream(device, "capture")
             torch.cuda.synchronize()
             with torch.cuda.stream(side):
                 try:
@@ -114,7 +122,7 @@ class CudaGraphs:
                         graph.capture_end()
                     except Exception:  # noqa: BLE001 (the capture is already invalid; keep the first error)
                         _release_generator(device)
-                    self._streams.pop(device, None)  # a failed capture retires its stream
+                    self._streams.pop((device, "capture"), None)  # a failed capture retires its stream
                     raise
                 try:
                     graph.capture_end()
@@ -127,7 +135,7 @@ class CudaGraphs:
         """After a capture that failed to begin or end: the generator is left capturing and the
         stream in capture mode, so release the one and retire the other."""
         _release_generator(device)
-        self._streams.pop(device, None)
+        self._streams.pop((device, "capture"), None)
 
     def replay(self, graph, device: int) -> None:
         graph.replay()
