@@ -73,21 +73,20 @@ class Outputs:
             self._lent = []
         return bool(self._lent)
 
-    def materialize(self, args, lend: bool = False) -> tuple:
-        """Outputs for this replay: copies (lent storages with `lend`), then views over them or over
-        the caller's inputs."""
-        copies = [None if lend and ok else torch.empty(s.numel(), dtype=torch.uint8, device=s.device)
-                  for s, ok in zip(self.srcs, self.lendable)]
-        todo = [g for g, c in enumerate(copies) if c is not None]
+    def materialize(self, args) -> tuple:
+        """Outputs for this replay: copies, or lent storages for the lendable ones, then views over
+        them or over the caller's inputs."""
+        copies, todo, self._lent = [], [], []
+        for src, lendable in zip(self.srcs, self.lendable):
+            if lendable:
+                storage = torch._C._construct_storage_from_data_pointer(src.data_ptr(), src.device, src.numel())
+                self._lent.append(StorageWeakRef(storage))
+                copies.append(_view(storage, 0, torch.uint8, (src.numel(),), (1,)))
+            else:
+                todo.append(len(copies))
+                copies.append(torch.empty(src.numel(), dtype=torch.uint8, device=src.device))
         if todo:
             torch._foreach_copy_([copies[g] for g in todo], [self.srcs[g] for g in todo])
-        if lend:
-            self._lent = []
-            for g, src in enumerate(self.srcs):
-                if copies[g] is None:
-                    storage = torch._C._construct_storage_from_data_pointer(src.data_ptr(), src.device, src.numel())
-                    copies[g] = _view(storage, 0, torch.uint8, (src.numel(),), (1,))
-                    self._lent.append(StorageWeakRef(storage))
         outs = []
         for kind, where, offset, dtype, shape, stride in self.specs:
             if kind == "copy":

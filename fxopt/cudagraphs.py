@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from .compile import choose_target
-from .cudagraph_checks import (MAX_GRAPHS, SYNC_OPS, Refused, SignatureCache, mutated_inputs,  # noqa: F401
+from .cudagraph_checks import (MAX_GRAPHS, Refused, SignatureCache, mutated_inputs,
                                refusal_reason, signature)
 from .cudagraph_io import Lending, Outputs, static_buffer
 from .options import Environment
@@ -262,7 +262,7 @@ class GraphedCallable:
             else:
                 flat.copy_(args[i].as_strided((flat.numel(),), (1,)))
         self.backend.replay(cap.graph, device)
-        outs = cap.outputs.materialize(args, lend=bool(self.lend))
+        outs = cap.outputs.materialize(args)
         args.clear()
         return outs
 

@@ -38,24 +38,22 @@ def device_source(device: torch.device) -> str:
 def allocation(o, guarded: int | None) -> str:
     """Source allocating a kernel output like `o`: torch's C allocator for CPU tensors and for the
     guarded CUDA device (wrapper_runtime.py), torch.empty_strided with the device otherwise."""
-    size, stride = ptuple(sizes(o)), ptuple(strides(o))
-    if o.device.type == "cpu":
-        return f"empty_strided_cpu({size}, {stride}, {o.dtype})"
-    if o.device.type == "cuda" and guarded is not None and o.device.index == guarded:
-        return f"empty_strided_cuda({size}, {stride}, {o.dtype})"
-    return f"empty_strided({size}, {stride}, dtype={o.dtype}, device={device_source(o.device)})"
+    return _allocate(sizes(o), strides(o), o.dtype, o.device, guarded)
 
 
 def scratch_allocation(shape, dtype, device: torch.device, guarded: int | None) -> str:
-    """Source allocating a kernel's workspace (row-major [chunks, columns]): the C allocator, as
-    `allocation` does, with size and stride expressions where the size is symbolic (torch.empty goes
-    through the dispatcher: a few microseconds more per call)."""
-    stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))  # ints or sympy expressions
+    """Source allocating a kernel's workspace (row-major [chunks, columns]) as `allocation` does, with
+    size and stride expressions where the size is symbolic."""
+    return _allocate(shape, tuple(math.prod(shape[i + 1:]) for i in range(len(shape))), dtype, device, guarded)
+
+
+def _allocate(shape, stride, dtype, device: torch.device, guarded: int | None) -> str:
+    size, stride = ptuple(shape), ptuple(stride)
     if device.type == "cpu":
-        return f"empty_strided_cpu({ptuple(shape)}, {ptuple(stride)}, {dtype})"
+        return f"empty_strided_cpu({size}, {stride}, {dtype})"
     if device.type == "cuda" and guarded is not None and device.index == guarded:
-        return f"empty_strided_cuda({ptuple(shape)}, {ptuple(stride)}, {dtype})"
-    return f"torch.empty({ptuple(shape)}, dtype={dtype}, device={device_source(device)})"
+        return f"empty_strided_cuda({size}, {stride}, {dtype})"
+    return f"empty_strided({size}, {stride}, dtype={dtype}, device={device_source(device)})"
 
 
 def known_layouts(gm: fx.GraphModule, kernels: dict[str, Kernel]) -> set[fx.Node]:

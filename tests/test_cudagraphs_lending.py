@@ -1,0 +1,119 @@
+"""CUDA graphs lending a forward's saved tensors to the backward (fxopt/cudagraph_io.py), on the CPU
+against FakeGraphs (test_cudagraphs.py): gradient accumulation, a retained graph, eviction while a
+backward is pending and the plain training loop, each against eager. The same cases on real CUDA
+graphs are in test_cudagraphs_gpu.py."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from fxopt import cudagraphs
+from test_cudagraphs import FakeGraphs
+from tests.helpers import CountingBackend
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings(monkeypatch):
+    monkeypatch.setattr(cudagraphs, "_warned", set())
+
+
+def _fake_training(monkeypatch):
+    """(compiled model, eager copy, report) with FakeGraphs standing in for CUDA."""
+    monkeypatch.setattr(cudagraphs, "CudaGraphs", FakeGraphs)
+    monkeypatch.setattr(cudagraphs, "refusal_reason", lambda gm, target, profile=False: None)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 4))
+    ref = copy.deepcopy(model)
+    backend = CountingBackend(cudagraphs=True)
+    return torch.compile(model, backend=backend), model, ref, backend
+
+
+def _grads(model):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _accumulate_like_eager(compiled, model, ref, batches) -> None:
+    """Per step, every batch's forward, then every backward (gradient accumulation); the gradients
+    must equal eager's after each step."""
+    for xs in batches:
+        for m, net in ((model, compiled), (ref, ref)):
+            m.zero_grad()
+            losses = [net(x).square().mean() for x in xs]
+            for loss in losses:
+                loss.backward()
+        for g, r in zip(_grads(model), _grads(ref)):
+            torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+
+
+def _forward_note(backend) -> str:
+    return next(n for g in backend.report.graphs if g.name == "forward" for n in g.notes if "cudagraphs" in n)
+
+
+@pytest.mark.parametrize("lend", [True, False], ids=["lent", "copied"])
+def test_gradient_accumulation_two_forwards_before_their_backwards(monkeypatch, lend):
+    """Two forwards, then both backwards (gradient accumulation): the second forward may not replay
+    over what the first lent its pending backward, so it runs uncaptured ("held back"); gradients
+    equal eager's at every step, lent or copied."""
+    monkeypatch.setattr(cudagraphs, "LEND_SAVED", lend)
+    compiled, model, ref, backend = _fake_training(monkeypatch)
+    _accumulate_like_eager(compiled, model, ref, [[torch.randn(6, 8) for _ in range(2)] for _ in range(5)])
+    note = _forward_note(backend)
+    assert ("lent, not copied" in note) == lend, note
+    if lend:
+        assert "held back from a replay 0 time" not in note, note
+
+
+def test_retained_graph_read_again_after_another_forward(monkeypatch):
+    """backward(retain_graph=True) keeps the lent tensors alive: a forward in between runs uncaptured
+    instead of replaying over them, and the second backward of the first graph reads them unchanged."""
+    compiled, model, ref, _ = _fake_training(monkeypatch)
+    for step in range(5):
+        x1, x2 = torch.randn(6, 8), torch.randn(6, 8)
+        for m, net in ((model, compiled), (ref, ref)):
+            m.zero_grad()
+            first = net(x1).square().mean()
+            first.backward(retain_graph=True)
+            second = net(x2).square().mean()
+            first.backward()
+            second.backward()
+        for g, r in zip(_grads(model), _grads(ref)):
+            torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+
+
+def test_forward_evicted_while_its_backward_is_pending(monkeypatch):
+    """Room for one captured signature: shape A is captured and lends, then a forward of shape B
+    evicts A's graph while A's backward is pending. A's memory is kept until what it lent dies, so
+    the pending backward reads the right values; gradients equal eager's."""
+    monkeypatch.setattr(cudagraphs, "MAX_GRAPHS", 1)
+    compiled, model, ref, backend = _fake_training(monkeypatch)
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    batches = [[torch.randn(6, 8)] + ([torch.randn(10, 8)] if step >= 3 else []) for step in range(5)]
+    _accumulate_like_eager(compiled, model, ref, batches)
+    notes = [n for g in backend.report.graphs if g.name == "forward" for n in g.notes if "cudagraphs" in n]
+    assert any("evicted" in n and "0 evicted" not in n for n in notes), notes
+
+
+def test_plain_training_loop_lends_without_holding_back(monkeypatch):
+    """forward, backward, step: the lent tensors die in the backward, so every forward replays (two
+    captures in all, no re-capture) and the backward reads them where the forward left them."""
+    made = []
+
+    class Recording(FakeGraphs):
+        def __init__(self):
+            super().__init__()
+            made.append(self)
+    compiled, model, ref, backend = _fake_training(monkeypatch)
+    monkeypatch.setattr(cudagraphs, "CudaGraphs", Recording)
+    compiled = torch.compile(model, backend=backend)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(6):
+        loss = compiled(torch.randn(6, 8)).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    note = _forward_note(backend)
+    assert "lent, not copied (held back from a replay 0 time(s)" in note, note
+    assert made[-1].captures == 2 and made[-1].replays == 8
