@@ -5,6 +5,7 @@ from .options import Options
 from .passes.attention import FuseAttention
 from .passes.cleanup import Cleanup
 from .passes.collective_waits import SinkCollectiveWaits
+from .passes.cpu_scalars import ScalarsToDevice
 from .passes.cross_entropy import FuseCrossEntropy
 from .passes.fuse import FusePointwise
 from .passes.fuse_reductions import FuseReductions
@@ -31,6 +32,7 @@ def post_grad_passes(options: Options) -> list:
     """On each ATen graph aot_autograd hands over (forward, backward, or inference)."""
     passes = [
         Cleanup(),  # drop aliases, no-op views/casts and duplicates first, so groups come out larger
+        ScalarsToDevice(),  # (CUDA) a 0-d CPU input (dynamo's float attributes) read once: its math fuses on the GPU
         SumsThroughViews(),  # sum(view(dy, [B*T, C]), 0) -> sum(dy, (0, 1)): a bias gradient the row kernel can sum
         FoldMatmulCasts(),  # (CUDA) mm(bf16) -> cast to fp32 becomes mm(..., out_dtype=fp32): no cast kernel
         RecomputeForReductions(),  # column sums (dw, db) get their own copy of cheap row math

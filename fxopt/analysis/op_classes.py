@@ -95,7 +95,7 @@ def is_wait(node: fx.Node) -> bool:
 
 
 def classify(node: fx.Node) -> str:
-    """pointwise | view | reduction | matmul | random | creation | collective | fxopt | other."""
+    """pointwise | item | view | reduction | matmul | random | creation | collective | fxopt | other."""
     t = node.target
     if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
         return "other"
@@ -105,6 +105,8 @@ def classify(node: fx.Node) -> str:
         return "fxopt"  # fxopt's own fused ops (attention): already a kernel, not a fallback
     if t in POINTWISE_OPS:
         return "pointwise"
+    if t is aten._local_scalar_dense.default:
+        return "item"
     if t.is_view:
         return "view"
     if t in _MATMUL:
@@ -132,6 +134,8 @@ FALLBACK_REASONS = {
     "creation": "creation op: stays an ATen call (allocates its own output)",
     "collective": "collective communication: stays an ATen call; collectives keep their order, a wait "
                   "moves down to its result's first use (passes/collective_waits.py)",
+    "item": "reads a 0-d tensor's value on the host (.item(); of a CPU scalar input, passes/cpu_scalars.py, "
+            "without a GPU sync)",
     "other": "no Triton lowering for this op yet",
 }
 
@@ -220,7 +224,8 @@ GATHERS = frozenset({aten.cat.default})
 
 def cat_unsupported_reason(node: fx.Node, target: str) -> str | None:
     """None when a pointwise kernel can compute this cat: two or more non-empty inputs of the result's
-    dtype, device and rank, fixed sizes. Each input is read from memory, at its offset along the dim."""
+    dtype, device and rank, fixed sizes along the cat dim (the others may be symbolic: a rotary cat
+    under dynamic shapes). Each input is read from memory, at its offset along the dim."""
     out = node.meta.get("val")
     inputs = node.args[0] if node.args else []
     if not isinstance(out, torch.Tensor) or not isinstance(inputs, (list, tuple)) or len(inputs) < 2:
@@ -230,13 +235,14 @@ def cat_unsupported_reason(node: fx.Node, target: str) -> str | None:
     vals = [a.meta.get("val") if isinstance(a, fx.Node) else None for a in inputs]
     if any(not isinstance(v, torch.Tensor) for v in vals):
         return "cat input without tensor metadata"
-    if any(is_symbolic(d) for v in (out, *vals) for d in sizes(v)):
-        return "cat over symbolic sizes stays an ATen call"
+    dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % max(out.dim(), 1)
+    if any(v.dim() == out.dim() and is_symbolic(sizes(v)[dim]) for v in vals):
+        return "cat along a symbolic size stays an ATen call (the pieces' bounds must be numbers)"
     if any(v.dtype != out.dtype for v in vals):
         return "cat promoting dtypes stays an ATen call"
     if any(v.device != out.device for v in vals):
         return "cat inputs on different devices"
-    if any(v.dim() != out.dim() or v.numel() == 0 for v in vals) or out.numel() == 0:
+    if any(v.dim() != out.dim() or 0 in sizes(v) for v in vals) or 0 in sizes(out):  # sympy: no guards
         return "cat with empty inputs or inputs of another rank (legacy empty tensors) stays an ATen call"
     return None
 

@@ -97,7 +97,9 @@ def format_value(a, names) -> str:
 _ATEN = torch.ops.aten
 # ATen calls the wrapper writes as their torch functions, for the same reason (~1-1.6 us less each)
 TORCH_FUNCTIONS = {_ATEN.mm.default: "torch.mm", _ATEN.addmm.default: "torch.addmm", _ATEN.bmm.default: "torch.bmm",
-                   _ATEN.cat.default: "torch.cat"}
+                   _ATEN.cat.default: "torch.cat", _ATEN._local_scalar_dense.default: "torch.Tensor.item",
+                   _ATEN.scalar_tensor.default: "torch.scalar_tensor"}
+_SAME_KWARGS = {_ATEN.scalar_tensor.default}  # whose torch function takes the ATen op's keyword arguments
 
 
 def _callee(target) -> str:
@@ -233,7 +235,7 @@ def generate_wrapper(gm: fx.GraphModule, kernels: dict[str, Kernel], graph: str,
             elif n.target in VIEW_METHODS and not n.kwargs:
                 rest = ", ".join(args[1:])
                 body += _timed([f"{n.name} = {args[0]}.{VIEW_METHODS[n.target]}({rest})"], n.name, profile)
-            elif n.target in TORCH_FUNCTIONS and not n.kwargs:
+            elif n.target in TORCH_FUNCTIONS and (not n.kwargs or n.target in _SAME_KWARGS):
                 body += _timed([f"{n.name} = {TORCH_FUNCTIONS[n.target]}({', '.join(args)})"], n.name, profile)
             else:
                 body += _timed([f"{n.name} = {_callee(n.target)}({', '.join(args)})"], n.name, profile)
@@ -274,11 +276,13 @@ def cuda_device_index(gm: fx.GraphModule) -> int | None:
     """The index of the one CUDA device a graph's tensors live on (its wrapper runs under a device guard
     and allocates through the current device); None for CPU graphs, and for graphs with no CUDA index
     or more than one device (those allocate with an explicit device). Kernel outputs are the values of
-    the graph's call_module nodes, so the nodes' values cover them."""
+    the graph's call_module nodes, so the nodes' values cover them. 0-d CPU tensors (scalars dynamo
+    passes for float attributes, passes/cpu_scalars.py) do not count: no kernel reads them."""
     devices = set()
     for n in gm.graph.nodes:
         val = n.meta.get("val")
-        devices |= {v.device for v in (val if isinstance(val, (tuple, list)) else (val,)) if isinstance(v, torch.Tensor)}
+        devices |= {v.device for v in (val if isinstance(val, (tuple, list)) else (val,))
+                    if isinstance(v, torch.Tensor) and not (v.device.type == "cpu" and v.dim() == 0)}
     if len(devices) != 1:
         return None
     (device,) = devices

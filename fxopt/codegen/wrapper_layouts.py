@@ -6,7 +6,7 @@ kernel on its pointers' 16-byte alignment and its ints' values, and at most laun
 fixed by construction.
 
 Allocations go through torch's C allocator (wrapper_runtime.py) wherever the device is the guarded
-one and sizes are fixed. A value's layout is proven when the wrapper made or checked it: inputs
+one (with size and stride expressions under symbolic sizes). A value's layout is proven when the wrapper made or checked it: inputs
 checked with check_layout, kernel outputs (allocated with their meta strides), matmul results (ATen
 allocates them row-major) and views of these; views of proven values are made with
 `reinterpret_tensor` (C, no dispatcher: ~1 us less each, and a training step makes dozens).
@@ -19,7 +19,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..analysis.symbolic import is_symbolic, ptuple, sizes, strides
+from ..analysis.symbolic import is_symbolic, plain_arithmetic, ptuple, same, sizes, strides
 from .kernel import Kernel
 
 _ATEN = torch.ops.aten
@@ -57,13 +57,13 @@ def _allocate(shape, stride, dtype, device: torch.device, guarded: int | None) -
 
 
 def known_layouts(gm: fx.GraphModule, kernels: dict[str, Kernel]) -> set[fx.Node]:
-    """The view nodes whose base's layout is proven (see the module docstring; fixed sizes only): the
-    wrapper makes these with reinterpret_tensor and their meta layout. A view of anything else (another
+    """The view nodes whose base's layout is proven (see the module docstring): the wrapper makes these
+    with reinterpret_tensor and their meta layout (size and stride expressions under symbolic sizes). A view of anything else (another
     ATen result, an input the wrapper does not check) keeps the view method, which checks as it goes."""
     proven, views = set(), set()
     for n in gm.graph.nodes:
         val = n.meta.get("val")
-        if not _static_layout(val):
+        if not _expressible_layout(val):
             continue
         origin = _origin(n, proven)
         if n.op == "placeholder":
@@ -71,7 +71,7 @@ def known_layouts(gm: fx.GraphModule, kernels: dict[str, Kernel]) -> set[fx.Node
         elif origin == "kernel":
             ok = _allocated_like(val, _kernel_output(n, kernels))
         elif origin == "matmul":
-            ok = val.is_contiguous()
+            ok = _row_major(val)
         else:
             ok = origin == "view"
         if ok:
@@ -124,12 +124,25 @@ def _kernel_output(n: fx.Node, kernels: dict[str, Kernel]) -> torch.Tensor:
     return kernels[n.args[0].target].outputs[n.args[1]]
 
 
-def _static_layout(val) -> bool:
-    return isinstance(val, torch.Tensor) and all(isinstance(d, int) for d in (*val.shape, *val.stride()))
+def _expressible_layout(val) -> bool:
+    """A tensor whose sizes and strides the wrapper can write: numbers, or + and * of size symbols."""
+    return isinstance(val, torch.Tensor) and all(plain_arithmetic(d) for d in (*sizes(val), *strides(val)))
 
 
 def _allocated_like(val: torch.Tensor, out: torch.Tensor) -> bool:
-    return tuple(val.shape) == tuple(out.shape) and tuple(val.stride()) == tuple(out.stride())
+    """Same sizes and strides for every value of the size symbols (structural: no guard)."""
+    pairs = [*zip(sizes(val), sizes(out)), *zip(strides(val), strides(out))]
+    return val.dim() == out.dim() and all(same(a, b) for a, b in pairs)
+
+
+def _row_major(val: torch.Tensor) -> bool:
+    """Contiguous for every value of the size symbols (a dim of size 1 may have any stride)."""
+    expected = 1
+    for size, stride in reversed(list(zip(sizes(val), strides(val)))):
+        if not (size == 1 or same(stride, expected)):
+            return False
+        expected = expected * size
+    return True
 
 
 def launch_checks(gm: fx.GraphModule, kernels: dict[str, Kernel], launched) -> dict[str, tuple[int, ...]]:

@@ -131,3 +131,32 @@ def test_integer_and_bool_cats_are_exact(device, dtype):
     ops, _, _ = ops_and_wrapper(fn, a, b)
     assert "aten.cat.default" in ops
     assert torch.equal(compile_fxopt(fn)(a, b), fn(a, b))
+
+
+def test_rotary_cat_fuses_under_symbolic_batch_and_sequence(device):
+    """Only the sizes along the cat dim must be numbers (the pieces' bounds): a rotary cat over the head
+    dim fuses with symbolic batch and sequence, and one compilation serves every size."""
+    from helpers import CountingBackend
+    be = CountingBackend()
+    compiled = torch.compile(rotary, backend=be)
+    for B, T in ((2, 12), (3, 7), (5, 20)):
+        q = torch.randn(B, T, 4, 32, device=device).transpose(1, 2)
+        cos, sin = (torch.randn(T, 32, device=device) for _ in range(2))
+        for t, dims in ((q, (0, 2)), (cos, (0,)), (sin, (0,))):  # the head dim stays a number, as in a model
+            torch._dynamo.mark_dynamic(t, dims)
+        out = compiled(q, cos, sin)
+        assert_close_to_reference(out, rotary(to64(q), to64(cos), to64(sin)), torch.float32)
+    assert be.calls == 1
+    ops = [op for k in be.report.kernels for op in k.ops]
+    assert "aten.cat.default" in ops and "torch.cat" not in be.report.wrapper_source
+
+
+def test_a_cat_along_a_symbolic_dim_stays_aten_with_its_reason():
+    from helpers import CountingBackend
+    be = CountingBackend()
+    f = lambda a, b: torch.cat([a, b], 0) * 2.0  # noqa: E731
+    compiled = torch.compile(f, backend=be, dynamic=True)
+    for n in (3, 5):
+        a, b = torch.randn(n, 4), torch.randn(n + 1, 4)
+        torch.testing.assert_close(compiled(a, b), f(a, b))
+    assert any("cat along a symbolic size" in why for _, why in be.report.fallbacks)

@@ -27,6 +27,29 @@ def test_views_of_kernel_outputs_and_matmuls_are_reinterpreted_and_right():
         torch.testing.assert_close(got, want)
 
 
+def test_views_under_symbolic_sizes_are_reinterpreted_with_size_expressions():
+    """The same proof under symbolic sizes: the view's sizes and strides are written as expressions of the
+    size symbols, evaluated per call; one compilation serves every size."""
+    from helpers import CountingBackend
+
+    def f(x, w):
+        h = torch.relu(x * 2.0)  # [N, 8] kernel output
+        y = (h @ w).view(-1, 3, 4).transpose(1, 2)  # a matmul result [N, 12], viewed
+        return y, h.view(-1, 2, 4)
+    be = CountingBackend()
+    compiled = torch.compile(f, backend=be)
+    for n in (6, 10, 34):
+        x, w = torch.randn(n, 8, dtype=torch.float64), torch.randn(8, 12, dtype=torch.float64)
+        torch._dynamo.mark_dynamic(x, 0)  # the rows symbolic (the feature dims stay numbers, as in a model)
+        for got, want in zip(compiled(x, w), f(x, w)):
+            assert got.shape == want.shape and got.stride() == want.stride()
+            torch.testing.assert_close(got, want)
+    assert be.calls == 1
+    views = [line for line in be.report.wrapper_source.splitlines() if "reinterpret_tensor(" in line]
+    assert views and any(any(c.isalpha() for c in line.split("reinterpret_tensor(")[1].split(",", 1)[1])
+                         for line in views)  # a size or stride expression with a symbol in it
+
+
 def test_a_view_of_an_unchecked_input_keeps_the_view_method():
     def f(x, w):
         return x.view(6, 4) @ w  # x only feeds a view and a matmul: its layout is never checked

@@ -1,0 +1,128 @@
+"""passes/cpu_scalars.py: a 0-d CPU tensor input (dynamo's float attribute under dynamic=True) whose
+elementwise math feeds GPU ops becomes a GPU scalar made from its value, so that math fuses on the
+GPU; anything else reading it is left alone.
+
+Structure is checked on the CPU with fake CUDA tensors; the numerics need a GPU (marked gpu)."""
+import pytest
+import torch
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from fxopt.options import Environment, Options
+from fxopt.pass_manager import PassContext
+from fxopt.passes.cpu_scalars import ScalarsToDevice
+from fxopt.passes.fuse import FusePointwise
+from fxopt.passes.fuse_reductions import FuseReductions
+from tests.helpers import CountingBackend
+
+aten = torch.ops.aten
+
+
+def _graph(fn, x_device="cuda", eps_dtype=torch.float64):
+    with FakeTensorMode():
+        x = torch.empty(4, 32, device=x_device)
+        eps = torch.empty((), dtype=eps_dtype)  # on the CPU, as dynamo passes a float attribute
+        return make_fx(fn)(x, eps)
+
+
+def _run(gm, target="cuda"):
+    ctx = PassContext(Options(), Environment(), target=target)
+    return ScalarsToDevice()(gm, ctx), ctx
+
+
+def rmsnorm(x, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps.to(torch.float32))
+
+
+def test_the_scalar_is_read_once_and_its_cast_computes_on_the_gpu():
+    gm = _graph(rmsnorm)
+    result, ctx = _run(gm)
+    assert result.stats == {"moved": 1}
+    eps = [n for n in gm.graph.nodes if n.op == "placeholder"][1]
+    assert [u.target for u in eps.users] == [aten._local_scalar_dense.default]
+    # the cast to float32 is the scalar made in float32 (the same rounding): no cast left
+    (scalar,) = [n for n in gm.graph.nodes if n.target is aten.scalar_tensor.default]
+    assert scalar.kwargs["dtype"] == torch.float32 and scalar.kwargs["device"].type == "cuda"
+    assert not [n for n in gm.graph.nodes if n.target is aten._to_copy.default]
+    for n in gm.graph.nodes:  # every tensor besides the input itself is now on the GPU
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor) and n is not eps:
+            assert val.device.type == "cuda", n.name
+    # and the whole norm is one fused group: the add no longer mixes devices
+    FuseReductions()(gm, ctx)
+    FusePointwise()(gm, ctx)
+    assert sum(n.op == "call_module" for n in gm.graph.nodes) == 1
+
+
+def _returns_chain_value(x, eps):
+    e = eps.to(torch.float32) * 2
+    return x + e, e  # e is a graph output: it must stay a CPU tensor
+
+
+def _chain_read_by_aten(x, eps):
+    e = eps.to(torch.float32)
+    return x + e, e.expand(3)  # a view of the CPU value
+
+
+def _read_only_by_cpu_math(x, eps):
+    return x.sum() + 1, eps * 3  # nothing on the GPU reads the scalar
+
+
+def test_math_on_the_scalar_after_its_cast_moves_with_it():
+    gm = _graph(lambda x, eps: x / (eps.to(torch.float32) * 2 + 1))
+    result, _ = _run(gm)
+    assert result.stats == {"moved": 1}
+    (mul,) = [n for n in gm.graph.nodes if n.target is aten.mul.Tensor]
+    assert mul.args[0].target is aten.scalar_tensor.default
+    for n in [mul, *mul.users]:
+        assert n.meta["val"].device.type == "cuda" and n.meta["val"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("fn", [_returns_chain_value, _chain_read_by_aten, _read_only_by_cpu_math])
+def test_a_scalar_whose_values_leave_the_gpu_math_is_left_alone(fn):
+    gm = _graph(fn)
+    before = str(gm.graph)
+    result, _ = _run(gm)
+    assert result.stats == {"moved": 0} and str(gm.graph) == before
+
+
+@pytest.mark.parametrize("case", ["cpu_graph", "int_scalar"])
+def test_cpu_graphs_and_integer_scalars_are_left_alone(case):
+    gm = _graph(rmsnorm, x_device="cpu") if case == "cpu_graph" else \
+        _graph(lambda x, n: x * n.to(torch.float32), eps_dtype=torch.int64)
+    result, _ = _run(gm, target="interpret" if case == "cpu_graph" else "cuda")
+    assert result.stats == {"moved": 0}
+
+
+class RMSNorm(nn.Module):
+    """Llama's, with eps a float attribute: dynamo passes it as a 0-d CPU tensor under dynamic=True."""
+
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.rand(d) + 0.5), eps
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_dynamic_rmsnorm_with_a_float_attribute_is_one_kernel_and_equal_to_eager():
+    torch._dynamo.reset()
+    m = RMSNorm(256).cuda()
+    be = CountingBackend()
+    compiled = torch.compile(m, backend=be, dynamic=True)
+    for rows in (8, 24, 100):
+        x = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16) * 3
+        with torch.no_grad():
+            got = compiled(x)
+            ref = RMSNorm.forward(m.double(), x.double()).to(got.dtype)
+            m.float()
+        torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
+    assert be.calls == 1
+    src = be.report.wrapper_source
+    assert "convert_element_type" not in src and "with device_guard" in src
+    assert len([k for k in be.report.kernels if k.graph in ("forward", "inference")]) == 1
