@@ -63,8 +63,8 @@ def parse_args(argv=None):
     measure.DYNAMIC[0] = True if args.dynamic else None
     args.backend_list = [b.strip() for b in args.backends.split(",") if b.strip()]
     for b in args.backend_list:
-        if b not in measure.BACKENDS:
-            p.error(f"unknown backend {b!r}; known: {', '.join(measure.BACKENDS)}")
+        if b not in measure.BACKENDS + measure.OPTIONAL_BACKENDS:
+            p.error(f"unknown backend {b!r}; known: {', '.join(measure.BACKENDS + measure.OPTIONAL_BACKENDS)}")
     return args
 
 
@@ -96,7 +96,7 @@ def run_backend(w, backend, fn, inputs, expected, ref64, args, copy_gbs, min_byt
             row.update(ok=ok, max_abs_diff=diff)
             if why:
                 row["note"] = why
-            if backend == "fxopt":
+            if backend.startswith("fxopt"):
                 row["plan_ratio"] = measure.plan_ratio()
             stage = "time"
             ms = measure.bench_ms(call, args.device, args.warmup, args.rep)
@@ -190,10 +190,12 @@ def run_workload(w, args, copy_gbs) -> list[dict]:
 def add_speed_ratios(rows):
     """Give each row of one workload `vs` = baseline median_ms / its own (>1: faster than the baseline).
 
-    The baseline is the SDPA anchor row where the workload has one (it ran), else the inductor row; it
-    is marked "base". No baseline row or no baseline time: no ratios."""
+    The baseline is the SDPA anchor row where the workload has one (it ran), else the inductor row, else
+    (static vs dynamic, `--backends fxopt,fxopt_dynamic`) the fxopt row; it is marked "base". No
+    baseline row or no baseline time: no ratios."""
     by_backend = {r["backend"]: r for r in rows}
-    base_name = next((b for b in ("sdpa", "inductor") if b in by_backend), None)
+    candidates = ("sdpa", "inductor", "fxopt") if "fxopt_dynamic" in by_backend else ("sdpa", "inductor")
+    base_name = next((b for b in candidates if b in by_backend), None)
     base_ms = by_backend[base_name].get("median_ms") if base_name else None
     if not base_ms:
         return
