@@ -1,5 +1,5 @@
 """What a CUDA graph may be captured with, read before any call, and what a captured graph is keyed by:
-the refusal rules (random ops, collectives, CPU syncs, CPU inputs), the inputs a graph writes in
+the refusal rules (random ops, collectives, CPU syncs, CPU inputs other than scalars), the inputs a graph writes in
 place, the input signature, and the bounded LRU cache of captured signatures (fxopt/cudagraphs.py)."""
 from __future__ import annotations
 
@@ -35,16 +35,29 @@ def refusal_reason(gm: fx.GraphModule, target: str, profile: bool = False) -> st
         if is_collective(n):
             return (f"collective {n.target} ({n.name}): fxopt does not capture communication into CUDA graphs "
                     f"(the process group's streams and work objects live outside the graph)")
-        if n.target in SYNC_OPS or torch.Tag.data_dependent_output in tags:
+        if (n.target in SYNC_OPS or torch.Tag.data_dependent_output in tags) and not _reads_cpu_scalar(n):
             return f"{n.target} ({n.name}) reads a GPU value on the CPU (a sync), which capture cannot record"
         if torch.Tag.dynamic_output_shape in tags:
             return f"{n.target} ({n.name}) has a data-dependent output shape (the CPU waits for the GPU)"
     for n in gm.graph.nodes:
         val = n.meta.get("val")
-        if n.op == "placeholder" and isinstance(val, torch.Tensor) and val.device.type != "cuda":
+        if n.op == "placeholder" and isinstance(val, torch.Tensor) and val.device.type != "cuda" \
+                and not _cpu_scalar(val):
             return (f"input {n.name} is a {val.device.type.upper()} tensor: its value would be frozen into "
                     f"the graph at capture")
     return None
+
+
+def _cpu_scalar(val) -> bool:
+    """A 0-d CPU tensor (dynamo's float attribute under dynamic=True): its value is part of the input
+    signature (`signature`), so the value a graph froze at capture is the one every replay of it has."""
+    return isinstance(val, torch.Tensor) and val.device.type == "cpu" and val.dim() == 0
+
+
+def _reads_cpu_scalar(n: fx.Node) -> bool:
+    """`.item()` of a 0-d CPU input (passes/cpu_scalars.py): a host read, not a GPU sync."""
+    ins = n.all_input_nodes
+    return len(ins) == 1 and ins[0].op == "placeholder" and _cpu_scalar(ins[0].meta.get("val"))
 
 
 def mutated_inputs(gm: fx.GraphModule) -> set[int]:
@@ -68,13 +81,17 @@ def mutated_inputs(gm: fx.GraphModule) -> set[int]:
 
 
 def signature(args, cpu_ok: bool = False) -> tuple[tuple, int]:
-    """(key, device): what a captured graph is specific to. Refused for CPU tensors (their values
-    would be baked in), several devices, or inputs that cannot be keyed."""
+    """(key, device): what a captured graph is specific to. A 0-d CPU tensor is keyed by its value (the
+    graph freezes it: a new value, a new graph). Refused for other CPU tensors (their values would be
+    baked in), several devices, or inputs that cannot be keyed."""
     key, devices = [], set()
     for i, a in enumerate(args):
         if isinstance(a, torch.Tensor):
             dev = a.get_device()
             if dev < 0 and not cpu_ok:
+                if a.dim() == 0:
+                    key.append((a.dtype, repr(a.item())))  # repr: NaN keys equal, -0.0 and 0.0 do not
+                    continue
                 raise Refused(f"input {i} is a CPU tensor at run time: its value would be frozen into the graph")
             devices.add(dev)
             key.append((a.shape, a.stride(), a.dtype, dev))

@@ -159,11 +159,19 @@ class _Captured:
 class _Entry:
     """One input signature: warm-up calls seen, inputs seen at more than one address, its graph."""
 
-    def __init__(self):
+    def __init__(self, cpu_ok: bool = False):
         self.calls, self.ptrs, self.moved, self.captured = 0, None, set(), None
+        self.cpu_ok = cpu_ok  # a backend that runs on CPU tensors (tests): CPU tensors are graph inputs
+
+    def graph_inputs(self, args) -> list[int]:
+        """Positions of the tensors the graph reads from memory: not the 0-d CPU tensors, which the
+        signature keys by value (read on the host, at capture)."""
+        return [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)
+                and (self.cpu_ok or not (a.dim() == 0 and a.device.type == "cpu"))]
 
     def observe(self, args) -> None:
-        ptrs = [a.data_ptr() if isinstance(a, torch.Tensor) else None for a in args]
+        read = set(self.graph_inputs(args))
+        ptrs = [a.data_ptr() if i in read else None for i, a in enumerate(args)]
         self.calls += 1
         if self.ptrs is not None:
             self.moved.update(i for i, (p, q) in enumerate(zip(ptrs, self.ptrs)) if p != q)
@@ -204,7 +212,7 @@ class GraphedCallable:
             return self.fn(args)
         entry = self.cache.get(key)
         if entry is None:
-            entry = self.cache.put(key, _Entry())
+            entry = self.cache.put(key, _Entry(self.backend.cpu_ok))
         cap = entry.captured
         if cap is not None:
             moved = [i for i, ptr in cap.direct if args[i].data_ptr() != ptr]
@@ -236,7 +244,7 @@ class GraphedCallable:
         return self._replay(entry.captured, args, device)
 
     def _capture(self, entry: _Entry, args, device: int) -> _Captured:
-        tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        tensors = entry.graph_inputs(args)
         lent = self.lending.pointers() if entry.moved else set()  # a forward graph's memory: read in place
         copied = [i for i in tensors if i in entry.moved and args[i].data_ptr() not in lent]
         stale = sorted(self.mutated.intersection(copied))

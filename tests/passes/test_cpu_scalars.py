@@ -126,3 +126,42 @@ def test_gpu_dynamic_rmsnorm_with_a_float_attribute_is_one_kernel_and_equal_to_e
     src = be.report.wrapper_source
     assert "convert_element_type" not in src and "with device_guard" in src
     assert len([k for k in be.report.kernels if k.graph in ("forward", "inference")]) == 1
+
+
+def test_cuda_graphs_key_a_cpu_scalar_by_value_and_read_only_gpu_inputs_from_memory():
+    """With the scalar made on the GPU from its value, a captured graph freezes that value: the graph's
+    signature holds it (a new value, a new graph), and the scalar is not an input read from memory."""
+    from fxopt.cudagraph_checks import Refused, refusal_reason, signature
+    from fxopt.cudagraphs import _Entry
+    eps = torch.tensor(1e-6, dtype=torch.float64)
+    key = signature([eps])[0]
+    assert key == signature([torch.tensor(1e-6, dtype=torch.float64)])[0]
+    assert key != signature([torch.tensor(1e-5, dtype=torch.float64)])[0]
+    nan = torch.tensor(float("nan"))
+    assert signature([nan])[0] == signature([nan.clone()])[0]  # else every call would capture anew
+    with pytest.raises(Refused, match="CPU tensor"):
+        signature([torch.randn(3)])
+    assert _Entry().graph_inputs([torch.randn(3), eps, 3]) == [0]
+    assert _Entry(cpu_ok=True).graph_inputs([torch.randn(3), eps, 3]) == [0, 1]
+    gm = _graph(rmsnorm)
+    _run(gm)
+    assert refusal_reason(gm, "cuda") is None  # its .item() reads the host, not the GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_dynamic_rmsnorm_with_a_float_attribute_replays_as_cuda_graphs():
+    torch._dynamo.reset()
+    m = RMSNorm(256).cuda()
+    be = CountingBackend(cudagraphs=True)
+    compiled = torch.compile(m, backend=be, dynamic=True)
+    for eps in (1e-6, 1e-6, 1e-6, 1e-6, 1e-2, 1e-2, 1e-2, 1e-2):  # a new eps: a new graph, never the old value
+        m.eps = eps
+        x = torch.randn(24, 256, device="cuda", dtype=torch.bfloat16) * 0.05
+        with torch.no_grad():
+            got = compiled(x).clone()
+            ref = RMSNorm.forward(m.double(), x.double()).to(got.dtype)
+            m.float()
+        torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
+    notes = " ".join(note for g in be.report.graphs for note in g.notes)
+    assert "refused" not in notes and "captured 2 graph(s)" in notes, notes  # one per eps (2 warm-up calls each)
