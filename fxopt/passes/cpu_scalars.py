@@ -109,7 +109,7 @@ class ScalarsToDevice:
 
             def scalar(dtype: torch.dtype) -> fx.Node:
                 """`scalar_tensor(s, dtype)` on the GPU: s rounded to dtype, as a cast of p rounds it."""
-                with gm.graph.inserting_before(first):
+                with gm.graph.inserting_after(s):  # before every reader (they all follow s)
                     q = gm.graph.call_function(aten.scalar_tensor.default, (s,), {"dtype": dtype, "device": device})
                 with fake_mode:
                     q.meta["val"] = torch.empty((), dtype=dtype, device=device)

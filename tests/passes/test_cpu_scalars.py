@@ -79,6 +79,19 @@ def test_math_on_the_scalar_after_its_cast_moves_with_it():
         assert n.meta["val"].device.type == "cuda" and n.meta["val"].dtype == torch.float32
 
 
+def test_two_casts_and_a_direct_use_each_get_their_scalar():
+    def f(x, eps):
+        return (x + eps.to(torch.float32)) * eps.to(torch.float16) + x * eps
+    gm = _graph(f)
+    result, _ = _run(gm)
+    assert result.stats == {"moved": 1}
+    made = sorted(str(n.kwargs["dtype"]) for n in gm.graph.nodes if n.target is aten.scalar_tensor.default)
+    assert made == ["torch.float16", "torch.float32", "torch.float64"]
+    gm.graph.lint()
+    eps = [n for n in gm.graph.nodes if n.op == "placeholder"][1]
+    assert [u.target for u in eps.users] == [aten._local_scalar_dense.default]
+
+
 @pytest.mark.parametrize("fn", [_returns_chain_value, _chain_read_by_aten, _read_only_by_cpu_math])
 def test_a_scalar_whose_values_leave_the_gpu_math_is_left_alone(fn):
     gm = _graph(fn)
