@@ -23,9 +23,10 @@ from .workloads import tensors
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIRST_CALL_MARK = "FIRST_CALL_JSON "
 BACKENDS = ("eager", "inductor", "fxopt", "sdpa")  # sdpa: the workload's anchor, run eagerly
-# Asked for by name only: fxopt compiled with dynamic=True in the same process as "fxopt" (the host's
-# speed differs between processes by more than issue 9's 10%, so static vs dynamic alternate in one)
-OPTIONAL_BACKENDS = ("fxopt_dynamic",)
+# Asked for by name only: fxopt (Inductor) compiled with dynamic=True in the same process as "fxopt"
+# ("inductor"): the host's speed differs between processes by more than issue 9's 10%, so static and
+# dynamic alternate in one
+OPTIONAL_BACKENDS = ("fxopt_dynamic", "inductor_dynamic")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # allclose tolerances against eager, per dtype (compiled kernels compute in fp32 and round once, eager
 # rounds after every op, so a chain of ops differs by a few ulps of the output)
@@ -70,8 +71,9 @@ def compile_for(backend: str, fn, w=None):
     graphs = bool(getattr(w, "cudagraphs", False))
     if backend == "eager":
         return autocast(fn, precision)
-    if backend == "inductor":
-        return torch.compile(autocast(fn, precision), mode="reduce-overhead" if graphs else None, dynamic=DYNAMIC[0])
+    if backend in ("inductor", "inductor_dynamic"):
+        dynamic = True if backend == "inductor_dynamic" else DYNAMIC[0]
+        return torch.compile(autocast(fn, precision), mode="reduce-overhead" if graphs else None, dynamic=dynamic)
     if backend in ("fxopt", "fxopt_dynamic"):
         dynamic = True if backend == "fxopt_dynamic" else DYNAMIC[0]
         return torch.compile(fn, backend=_recording_fxopt(precision=precision, cudagraphs=graphs), dynamic=dynamic)
