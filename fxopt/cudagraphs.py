@@ -31,6 +31,7 @@ import warnings
 import torch
 import torch.fx as fx
 
+from . import cudagraph_workspaces
 from .compile import choose_target
 from .cudagraph_checks import (MAX_GRAPHS, Refused, SignatureCache, mutated_inputs,
                                refusal_reason, signature)
@@ -195,7 +196,9 @@ class GraphedCallable:
         # outputs saved for the backward, lent instead of copied (cudagraph_io); shared with the backward
         self.lending, self.lend = (lending if lending is not None else Lending()), (lend if LEND_SAVED else frozenset())
         self.refused: str | None = None
-        self.captures = self.recaptures = self.held_back = 0
+        self.captures = self.recaptures = self.held_back = self.workspace_retirements = 0
+        self.workspaces_cleared = False  # set when someone frees cuBLAS's workspaces (cudagraph_workspaces)
+        cudagraph_workspaces.watch(self)
         self._note = len(record.notes)
         record.notes.append(f"cudagraphs: enabled, nothing captured yet (capture at call {warmup + 1} of each "
                             f"input signature)")
@@ -210,6 +213,8 @@ class GraphedCallable:
             return self.fn(args)
         if self.backend.busy():
             return self.fn(args)
+        if self.workspaces_cleared:
+            self._retire_all()
         entry = self.cache.get(key)
         if entry is None:
             entry = self.cache.put(key, _Entry(self.backend.cpu_ok))
@@ -274,6 +279,19 @@ class GraphedCallable:
         args.clear()
         return outs
 
+    def _retire_all(self) -> None:
+        """cuBLAS's workspaces were freed since the last call: every graph's matmuls point at freed
+        memory, so none replays again (those with lent outputs live until the outputs die); each
+        signature warms up and captures anew."""
+        self.workspaces_cleared = False
+        if not len(self.cache):
+            return
+        for entry in self.cache.entries():
+            self.lending.retire(entry.captured)
+        self.cache = SignatureCache(self.cache.maxsize, self._evicted)
+        self.workspace_retirements += 1
+        self._update_note()
+
     def _evicted(self, entry: _Entry) -> None:
         self.lending.retire(entry.captured)
         if entry.captured is not None:
@@ -291,7 +309,8 @@ class GraphedCallable:
         self.record.notes[self._note] = (
             f"cudagraphs: captured {self.captures} graph(s) ({len(self.cache)} kept of at most "
             f"{self.cache.maxsize}, {self.cache.evicted} evicted, {self.recaptures} re-captured after a static "
-            f"input moved); " + (f"tensors saved for the backward lent, not copied (held back from a replay "
+            f"input moved, all retired {self.workspace_retirements} time(s) after cuBLAS's workspaces were "
+            f"freed); " + (f"tensors saved for the backward lent, not copied (held back from a replay "
                                  f"{self.held_back} time(s) while a backward was pending); other " if self.lend else "")
             + "outputs are copied out after each replay")
 

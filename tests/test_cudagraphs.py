@@ -217,6 +217,27 @@ def test_static_input_at_a_new_address_recaptures_never_reads_stale_memory():
     assert fake.captures == 2
 
 
+def test_cleared_cublas_workspaces_retire_every_graph_before_the_next_replay():
+    """Someone freeing cuBLAS's workspaces (Inductor's CUDA-graph trees, at each of their recordings)
+    frees memory our captured matmuls use: no graph replays after that; each signature warms up and
+    captures again."""
+    from fxopt import cudagraph_workspaces
+    fake = FakeGraphs()
+    g, record = graphed(boxed(lambda x, w: torch.tanh(x @ w)), fake)
+    other, _ = graphed(boxed(lambda x: x * 2), FakeGraphs())  # another callable: marked too
+    w = torch.randn(8, 8)
+    for _ in range(4):
+        g([torch.randn(4, 8), w])
+    assert (fake.warmups, fake.captures, fake.replays) == (2, 1, 2)
+    cudagraph_workspaces.cleared()
+    assert g.workspaces_cleared and other.workspaces_cleared
+    for _ in range(4):
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(g([x, w])[0], torch.tanh(x @ w))
+    assert (fake.warmups, fake.captures, fake.replays) == (4, 2, 4)  # warmed up again, captured anew
+    assert g.workspace_retirements == 1 and "all retired 1 time(s)" in record.notes[0]
+
+
 def test_new_signature_new_graph_cache_bounded_lru():
     fake = FakeGraphs()
     g, record = graphed(boxed(lambda x: x * 3), fake, max_graphs=2, warmup=1)

@@ -69,6 +69,23 @@ def test_cuda_graphs_mlp_inference_matches_eager_and_plain_fxopt():
 
 
 @gpu
+def test_cuda_graphs_retired_when_cublas_workspaces_are_cleared():
+    """Inductor's CUDA-graph trees free cuBLAS's workspaces at each recording; the clear goes through
+    fxopt's watch, and the next call warms up and captures again instead of replaying over freed memory."""
+    torch.manual_seed(0)
+    model = MLP().cuda().eval()
+    with torch.no_grad():
+        fn = fxopt.optimize(model, torch.randn(2, 16, 64, device="cuda"), cudagraphs=True)
+        for step in range(8):
+            if step == 4:
+                torch._C._cuda_clearCublasWorkspaces()  # what Inductor calls
+            x = torch.randn(2, 16, 64, device="cuda")
+            torch.testing.assert_close(fn(x), model(x), rtol=1e-4, atol=1e-4)
+    notes = _notes(fn.report)
+    assert notes and all("captured 2 graph(s)" in n and "all retired 1 time(s)" in n for n in notes), notes
+
+
+@gpu
 def test_cuda_graphs_previous_output_does_not_change():
     torch.manual_seed(0)
     model = MLP().cuda().eval()
