@@ -9,7 +9,8 @@ PRECISIONS = (None, "fp32", "bf16", "fp16")
 MEMORY_PLANS = (False, True, "apply")
 # passes that only make the result faster and can be left out one by one (fuse=False, attention=False and
 # precision=None switch off the others)
-SKIPPABLE_PASSES = ("sums_through_views", "fold_matmul_casts", "recompute_for_reductions", "sink_collective_waits")
+SKIPPABLE_PASSES = ("cpu_scalars_to_device", "sums_through_views", "fold_matmul_casts", "recompute_for_reductions",
+                    "sink_collective_waits")
 
 
 @dataclass(frozen=True)
