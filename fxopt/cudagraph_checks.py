@@ -1,6 +1,7 @@
 """What a CUDA graph may be captured with, read before any call, and what a captured graph is keyed by:
-the refusal rules (random ops, collectives, CPU syncs, CPU inputs other than scalars), the inputs a graph writes in
-place, the input signature, and the bounded LRU cache of captured signatures (fxopt/cudagraphs.py)."""
+the refusal rules (random ops, collectives, CPU syncs, CPU inputs other than scalars), the inputs a
+graph writes in place, the input signature, and the bounded LRU cache of captured signatures
+(fxopt/cudagraphs.py)."""
 from __future__ import annotations
 
 from collections import OrderedDict

@@ -6,10 +6,11 @@ kernel on its pointers' 16-byte alignment and its ints' values, and at most laun
 fixed by construction.
 
 Allocations go through torch's C allocator (wrapper_runtime.py) wherever the device is the guarded
-one (with size and stride expressions under symbolic sizes). A value's layout is proven when the wrapper made or checked it: inputs
-checked with check_layout, kernel outputs (allocated with their meta strides), matmul results (ATen
-allocates them row-major) and views of these; views of proven values are made with
-`reinterpret_tensor` (C, no dispatcher: ~1 us less each, and a training step makes dozens).
+one (with size and stride expressions under symbolic sizes). A value's layout is proven when the
+wrapper made or checked it: inputs checked with check_layout, kernel outputs (allocated with their
+meta strides), matmul results (ATen allocates them row-major) and views of these; views of proven
+values are made with `reinterpret_tensor` (C, no dispatcher: ~1 us less each, and a training step
+makes dozens), under symbolic sizes too (layouts compared structurally, never with a guard).
 """
 from __future__ import annotations
 
@@ -58,8 +59,9 @@ def _allocate(shape, stride, dtype, device: torch.device, guarded: int | None) -
 
 def known_layouts(gm: fx.GraphModule, kernels: dict[str, Kernel]) -> set[fx.Node]:
     """The view nodes whose base's layout is proven (see the module docstring): the wrapper makes these
-    with reinterpret_tensor and their meta layout (size and stride expressions under symbolic sizes). A view of anything else (another
-    ATen result, an input the wrapper does not check) keeps the view method, which checks as it goes."""
+    with reinterpret_tensor and their meta layout (size and stride expressions under symbolic sizes).
+    A view of anything else (another ATen result, an input the wrapper does not check) keeps the view
+    method, which checks as it goes."""
     proven, views = set(), set()
     for n in gm.graph.nodes:
         val = n.meta.get("val")
