@@ -2,15 +2,22 @@
 way a server calls it: batch 2..64 and length 16..4096 through one graph (batch 1 is specialised by
 dynamo and compiles once more), results equal eager. Fused groups run as eager subgraphs here
 (TRITON_INTERPRET=0, the CPU's eager target): what is checked is the compilation count and the
-symbolic wrapper's sizes, not kernel numerics (tests/test_dynamic_shapes.py does those).
+symbolic wrapper's sizes, not kernel numerics (tests/test_dynamic_shapes.py does those, and the HF-style
+Llama below, whose kernels run in the interpreter).
 
 The block's causal buffer is longer than the longest sequence: a length equal to the buffer's makes
 dynamo guard `T != max_len` on the slice `bias[:, :, :T, :T]` and compile once more (dynamo's guard on
 the model code, the same under Inductor)."""
+import sys
+from pathlib import Path
+
 import torch
 
-from helpers import CountingBackend
+from helpers import CountingBackend, assert_close_to_reference
 from benchmarks.workloads_attention import GPTBlock
+
+sys.path.insert(0, str(Path(__file__).parent / "models"))
+from hf_llama import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 PAIRS = [(2, 16), (64, 16), (17, 333), (4, 1024), (2, 4096), (33, 50)]
 
@@ -32,3 +39,27 @@ def test_gpt_block_serves_batch_2_to_64_and_length_16_to_4096_with_one_compilati
     assert backend.calls == first + 1
     symbolic = [g for g in backend.report.graphs if g.symbols]
     assert symbolic and all(site.fused for site in backend.report.attention[:1])
+
+
+def test_hf_llama_under_dynamic_shapes_fuses_its_rotary_cat_and_equals_float64():
+    """An HF-style Llama (RMSNorm, rotary `cat`, grouped-query attention, additive mask) compiled with
+    dynamic=True: the kernels run in the interpreter; one compilation serves three (batch, length)
+    pairs, logits equal float64 eager, and the rotary cat (symbolic batch and length, fixed head dim)
+    is fused into its multiply-add kernel instead of an ATen cat."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig()).eval()
+    reference = LlamaForCausalLM(LlamaConfig()).double().eval()
+    reference.load_state_dict(model.state_dict())
+    be = CountingBackend()
+    compiled = torch.compile(model, backend=be, dynamic=True)
+    calls = None
+    with torch.no_grad():
+        for batch, length in ((2, 8), (3, 5), (2, 11)):
+            ids = torch.randint(0, 80, (batch, length))
+            mask = torch.ones(batch, length, dtype=torch.long)
+            assert_close_to_reference(compiled(ids, mask), reference(ids, mask), torch.float32)
+            calls = be.calls if calls is None else calls
+    assert be.calls == calls  # dynamo's graph breaks compile together, on the first call only
+    calls_made = "\n".join(g.wrapper_source.split("def call")[-1] for g in be.report.graphs)
+    assert "torch.cat(" not in calls_made and "aten.cat" not in calls_made
+    assert sum("aten.cat.default" in k.ops for k in be.report.kernels) >= 3  # the embedding's, q's and k's
