@@ -71,11 +71,11 @@ def compile_for(backend: str, fn, w=None):
     graphs = bool(getattr(w, "cudagraphs", False))
     if backend == "eager":
         return autocast(fn, precision)
-    if backend in ("inductor", "inductor_dynamic"):
-        dynamic = True if backend == "inductor_dynamic" else DYNAMIC[0]
+    dynamic = True if backend in OPTIONAL_BACKENDS else DYNAMIC[0]  # "<compiler>_dynamic"
+    compiler = backend.removesuffix("_dynamic")
+    if compiler == "inductor":
         return torch.compile(autocast(fn, precision), mode="reduce-overhead" if graphs else None, dynamic=dynamic)
-    if backend in ("fxopt", "fxopt_dynamic"):
-        dynamic = True if backend == "fxopt_dynamic" else DYNAMIC[0]
+    if compiler == "fxopt":
         return torch.compile(fn, backend=_recording_fxopt(precision=precision, cudagraphs=graphs), dynamic=dynamic)
     raise SystemExit(f"unknown backend {backend!r}; known: {', '.join(BACKENDS + OPTIONAL_BACKENDS)}")
 

@@ -9,7 +9,7 @@ from collections import OrderedDict
 import torch
 import torch.fx as fx
 
-from .analysis.op_classes import is_collective
+from .analysis.op_classes import is_collective, is_cpu_scalar
 
 MAX_GRAPHS = 8  # captured signatures kept per compiled graph (least recently used evicted)
 aten = torch.ops.aten
@@ -43,22 +43,16 @@ def refusal_reason(gm: fx.GraphModule, target: str, profile: bool = False) -> st
     for n in gm.graph.nodes:
         val = n.meta.get("val")
         if n.op == "placeholder" and isinstance(val, torch.Tensor) and val.device.type != "cuda" \
-                and not _cpu_scalar(val):
+                and not is_cpu_scalar(val):  # a CPU scalar is keyed by value (`signature`)
             return (f"input {n.name} is a {val.device.type.upper()} tensor: its value would be frozen into "
                     f"the graph at capture")
     return None
 
 
-def _cpu_scalar(val) -> bool:
-    """A 0-d CPU tensor (dynamo's float attribute under dynamic=True): its value is part of the input
-    signature (`signature`), so the value a graph froze at capture is the one every replay of it has."""
-    return isinstance(val, torch.Tensor) and val.device.type == "cpu" and val.dim() == 0
-
-
 def _reads_cpu_scalar(n: fx.Node) -> bool:
     """`.item()` of a 0-d CPU input (passes/cpu_scalars.py): a host read, not a GPU sync."""
     ins = n.all_input_nodes
-    return len(ins) == 1 and ins[0].op == "placeholder" and _cpu_scalar(ins[0].meta.get("val"))
+    return len(ins) == 1 and ins[0].op == "placeholder" and is_cpu_scalar(ins[0].meta.get("val"))
 
 
 def mutated_inputs(gm: fx.GraphModule) -> set[int]:

@@ -33,6 +33,7 @@ import torch.fx as fx
 
 from . import cudagraph_workspaces
 from .compile import choose_target
+from .analysis.op_classes import is_cpu_scalar
 from .cudagraph_checks import (MAX_GRAPHS, Refused, SignatureCache, mutated_inputs,
                                refusal_reason, signature)
 from .cudagraph_io import Lending, Outputs, static_buffer
@@ -167,8 +168,7 @@ class _Entry:
     def graph_inputs(self, args) -> list[int]:
         """Positions of the tensors the graph reads from memory: not the 0-d CPU tensors, which the
         signature keys by value (read on the host, at capture)."""
-        return [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)
-                and (self.cpu_ok or not (a.dim() == 0 and a.device.type == "cpu"))]
+        return [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and (self.cpu_ok or not is_cpu_scalar(a))]
 
     def observe(self, args) -> None:
         read = set(self.graph_inputs(args))
@@ -286,11 +286,15 @@ class GraphedCallable:
         self.workspaces_cleared = False
         if not len(self.cache):
             return
+        self._drop_graphs()
+        self.workspace_retirements += 1
+        self._update_note()
+
+    def _drop_graphs(self) -> None:
+        """Forget every captured graph (its memory goes, or waits in Lending while it lent tensors live)."""
         for entry in self.cache.entries():
             self.lending.retire(entry.captured)
         self.cache = SignatureCache(self.cache.maxsize, self._evicted)
-        self.workspace_retirements += 1
-        self._update_note()
 
     def _evicted(self, entry: _Entry) -> None:
         self.lending.retire(entry.captured)
@@ -300,9 +304,7 @@ class GraphedCallable:
     def refuse(self, reason: str) -> None:
         """Run without graphs from now on; the reason goes to the report and, once, to a warning."""
         self.refused = reason
-        for entry in self.cache.entries():
-            self.lending.retire(entry.captured)
-        self.cache = SignatureCache(self.cache.maxsize)  # drop captured graphs and their memory
+        self._drop_graphs()
         refuse(self.record, self.name, reason, self._note)
 
     def _update_note(self) -> None:

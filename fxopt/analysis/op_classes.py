@@ -61,6 +61,22 @@ if hasattr(aten.mm, "dtype"):
     _MATMUL.add(aten.mm.dtype)  # a 16-bit mm writing fp32 (passes/matmul_casts.py)
 
 
+def is_cpu_scalar(value) -> bool:
+    """A 0-d CPU tensor: how dynamo passes a module's float attribute under dynamic=True. ATen reads
+    it as a number next to GPU tensors; fxopt's kernels never read it from memory (passes/cpu_scalars.py)."""
+    return isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.dim() == 0
+
+
+def tensor_devices(gm: fx.GraphModule) -> set[torch.device]:
+    """The devices of the graph's tensor values (multi-output values included), CPU scalars left out."""
+    devices = set()
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        devices |= {v.device for v in (val if isinstance(val, (tuple, list)) else (val,))
+                    if isinstance(v, torch.Tensor) and not is_cpu_scalar(v)}
+    return devices
+
+
 def is_view(node: fx.Node) -> bool:
     """An ATen op whose output aliases its input (permute, expand, view, slice, ...)."""
     t = node.target

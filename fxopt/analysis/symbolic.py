@@ -39,6 +39,15 @@ def strides(val: torch.Tensor) -> tuple:
     return tuple(expr(s) for s in val.stride())
 
 
+def row_major_strides(shape) -> tuple:
+    """The strides of a contiguous tensor of these sizes (numbers or size expressions)."""
+    strides, step = [], 1
+    for size in reversed(tuple(shape)):
+        strides.append(step)
+        step = step * size
+    return tuple(reversed(strides))
+
+
 def storage_offset(val: torch.Tensor) -> int | sympy.Expr:
     return expr(val.storage_offset())
 

@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from ..analysis.liveness import tensor_bytes
-from ..analysis.op_classes import out_variant
+from ..analysis.op_classes import out_variant, tensor_devices
 from ..analysis.symbolic import expr, hint, pexpr, ptuple, shape_env_of, sizes, strides, symbol_bindings
 from ..report import BufferRecord, MemoryPlan
 from .kernel import Kernel
@@ -278,11 +278,7 @@ def cuda_device_index(gm: fx.GraphModule) -> int | None:
     or more than one device (those allocate with an explicit device). Kernel outputs are the values of
     the graph's call_module nodes, so the nodes' values cover them. 0-d CPU tensors (scalars dynamo
     passes for float attributes, passes/cpu_scalars.py) do not count: no kernel reads them."""
-    devices = set()
-    for n in gm.graph.nodes:
-        val = n.meta.get("val")
-        devices |= {v.device for v in (val if isinstance(val, (tuple, list)) else (val,))
-                    if isinstance(v, torch.Tensor) and not (v.device.type == "cpu" and v.dim() == 0)}
+    devices = tensor_devices(gm)
     if len(devices) != 1:
         return None
     (device,) = devices

@@ -14,13 +14,12 @@ makes dozens), under symbolic sizes too (layouts compared structurally, never wi
 """
 from __future__ import annotations
 
-import math
 import operator
 
 import torch
 import torch.fx as fx
 
-from ..analysis.symbolic import is_symbolic, plain_arithmetic, ptuple, same, sizes, strides
+from ..analysis.symbolic import is_symbolic, plain_arithmetic, ptuple, row_major_strides, same, sizes, strides
 from .kernel import Kernel
 
 _ATEN = torch.ops.aten
@@ -45,7 +44,7 @@ def allocation(o, guarded: int | None) -> str:
 def scratch_allocation(shape, dtype, device: torch.device, guarded: int | None) -> str:
     """Source allocating a kernel's workspace (row-major [chunks, columns]) as `allocation` does, with
     size and stride expressions where the size is symbolic."""
-    return _allocate(shape, tuple(math.prod(shape[i + 1:]) for i in range(len(shape))), dtype, device, guarded)
+    return _allocate(shape, row_major_strides(shape), dtype, device, guarded)
 
 
 def _allocate(shape, stride, dtype, device: torch.device, guarded: int | None) -> str:
@@ -139,12 +138,8 @@ def _allocated_like(val: torch.Tensor, out: torch.Tensor) -> bool:
 
 def _row_major(val: torch.Tensor) -> bool:
     """Contiguous for every value of the size symbols (a dim of size 1 may have any stride)."""
-    expected = 1
-    for size, stride in reversed(list(zip(sizes(val), strides(val)))):
-        if not (size == 1 or same(stride, expected)):
-            return False
-        expected = expected * size
-    return True
+    dims = zip(sizes(val), strides(val), row_major_strides(sizes(val)))
+    return all(size == 1 or same(stride, expected) for size, stride, expected in dims)
 
 
 def launch_checks(gm: fx.GraphModule, kernels: dict[str, Kernel], launched) -> dict[str, tuple[int, ...]]:

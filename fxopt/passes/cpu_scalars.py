@@ -23,15 +23,14 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from ..analysis.op_classes import POINTWISE_OPS
+from ..analysis.op_classes import POINTWISE_OPS, is_cpu_scalar, tensor_devices
 from ..pass_manager import PassContext, PassResult
 
 aten, prims = torch.ops.aten, torch.ops.prims
 
 
 def _cpu_scalar(node: fx.Node) -> bool:
-    val = node.meta.get("val")
-    return isinstance(val, torch.Tensor) and val.device.type == "cpu" and val.dim() == 0
+    return is_cpu_scalar(node.meta.get("val"))
 
 
 def _on_gpu_pointwise(node: fx.Node) -> bool:
@@ -67,8 +66,7 @@ def scalar_chain(p: fx.Node) -> tuple[list[fx.Node], set[fx.Node]] | None:
 
 
 def _graph_cuda_device(gm: fx.GraphModule) -> torch.device | None:
-    devices = {v.device for n in gm.graph.nodes if isinstance(v := n.meta.get("val"), torch.Tensor)
-               and v.device.type == "cuda"}
+    devices = {d for d in tensor_devices(gm) if d.type == "cuda"}
     return devices.pop() if len(devices) == 1 else None
 
 
@@ -103,13 +101,12 @@ class ScalarsToDevice:
                 continue
             chain, frontier = found
             fake_mode = next(iter(frontier)).meta["val"].fake_mode
-            first = chain[0] if chain else min(frontier, key=_position(gm))
-            with gm.graph.inserting_before(first):
-                s = gm.graph.call_function(aten._local_scalar_dense.default, (p,))
+            with gm.graph.inserting_before(next(n for n in gm.graph.nodes if n.op != "placeholder")):
+                s = gm.graph.call_function(aten._local_scalar_dense.default, (p,))  # before every reader
 
             def scalar(dtype: torch.dtype) -> fx.Node:
                 """`scalar_tensor(s, dtype)` on the GPU: s rounded to dtype, as a cast of p rounds it."""
-                with gm.graph.inserting_after(s):  # before every reader (they all follow s)
+                with gm.graph.inserting_after(s):
                     q = gm.graph.call_function(aten.scalar_tensor.default, (s,), {"dtype": dtype, "device": device})
                 with fake_mode:
                     q.meta["val"] = torch.empty((), dtype=dtype, device=device)
@@ -131,8 +128,3 @@ class ScalarsToDevice:
             gm.graph.lint()
             gm.recompile()
         return PassResult(gm, bool(moved), {"moved": moved})
-
-
-def _position(gm: fx.GraphModule):
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    return order.__getitem__
