@@ -1,10 +1,11 @@
 """Dynamic shapes on a real GPT block: one compilation for batch 1..64 x length 16..4096, and its speed.
 
-    PYTHONPATH=. python -m benchmarks.dynamic_sweep [--device cuda] [--d-model 1024 --heads 16]
+    PYTHONPATH=. python -m benchmarks.dynamic_sweep [--device cuda] [--d-model 1024 --heads 16] [--size-oblivious]
 
 Compiles a GPT-2 block (d1024, 16 heads, hand-written causal attention, bf16) once with
 `torch.compile(backend=..., dynamic=True)`, calls it at every (batch, length) of the grid below, counts
-the backend's compilations (batch 1 is specialised by dynamo: one more, expected), and checks each
+the backend's compilations (batch 1 is specialised by dynamo: one more, expected; none with
+--size-oblivious, which sets torch.fx.experimental._config.backed_size_oblivious), and checks each
 output against eager in float64 (bf16 tolerance). Then, for a few pairs, times the dynamic
 compilation against a static one compiled for that pair alone (median ms, triton.testing.do_bench).
 """
@@ -53,7 +54,11 @@ def main(argv=None) -> int:
     p.add_argument("--d-model", type=int, default=1024)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--quick", action="store_true", help="small grid and model (a CPU smoke test)")
+    p.add_argument("--size-oblivious", action="store_true",
+                   help="no 0/1 specialisation of sizes (torch.fx.experimental._config.backed_size_oblivious)")
     args = p.parse_args(argv)
+    if args.size_oblivious:
+        torch.fx.experimental._config.backed_size_oblivious = True
     batches, lengths, timed = (BATCHES, LENGTHS, TIMED) if not args.quick else ((2, 3, 1), (16, 40), ((2, 16),))
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     torch._dynamo.config.cache_size_limit = 64  # the static compilations below are separate entries
@@ -76,8 +81,9 @@ def main(argv=None) -> int:
                 first = backend.calls if first is None else first  # dynamo may call twice for the first graph
                 print(f"batch {b:2d} length {t:4d}: compilations so far {backend.calls}, "
                       f"error vs float64 {err:.2e} (eager {eager_err:.2e})", flush=True)
+    expected = "0 expected" if args.size_oblivious else "batch 1 is specialised by dynamo: 1 expected"
     print(f"{len(batches) * len(lengths)} (batch, length) pairs: {backend.calls} backend calls, "
-          f"{backend.calls - first} after the first pair (batch 1 is specialised by dynamo: 1 expected); "
+          f"{backend.calls - first} after the first pair ({expected}); "
           f"worst error / eager's error {worst:.2f}")
     print(f"symbols {[g.symbols for g in backend.report.graphs if g.symbols][:1]}")
     print("pair         dynamic ms  static ms  dynamic/static")

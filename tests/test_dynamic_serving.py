@@ -63,3 +63,28 @@ def test_hf_llama_under_dynamic_shapes_fuses_its_rotary_cat_and_equals_float64()
     calls_made = "\n".join(g.wrapper_source.split("def call")[-1] for g in be.report.graphs)
     assert "torch.cat(" not in calls_made and "aten.cat" not in calls_made
     assert sum("aten.cat.default" in k.ops for k in be.report.kernels) >= 3  # the embedding's, q's and k's
+
+
+def test_size_oblivious_sizes_serve_batch_1_from_the_same_compilation_and_length_1_compiles():
+    """Under torch.fx.experimental._config.backed_size_oblivious dynamo does not specialise sizes of 1:
+    batch 1 runs through the graph compiled for batch 2 (kernels in the interpreter, equal float64).
+    A length of 1 still recompiles (dynamo's guard in matmul's decomposition), and that graph mixes
+    a size symbol with the constant 1 it is guarded to equal (LayerNorm's [s, s, 1] statistics next
+    to a [1, 1, 1] rstd): fxopt reads the symbol as 1 there instead of failing in codegen."""
+    torch.manual_seed(0)
+    block = GPTBlock(32, 2, max_len=64).eval()
+    reference = GPTBlock(32, 2, max_len=64).double().eval()
+    reference.load_state_dict(block.state_dict())
+    backend = CountingBackend()
+    compiled = torch.compile(block, backend=backend, dynamic=True)
+    with torch.fx.experimental._config.patch(backed_size_oblivious=True), torch.no_grad():
+        calls = None
+        for b, t in ((2, 16), (1, 16), (3, 9), (1, 5)):
+            x = torch.randn(b, t, 32)
+            assert_close_to_reference(compiled(x), reference(x.double()), torch.float32)
+            calls = backend.calls if calls is None else calls
+        assert backend.calls == calls, "batch 1 recompiled under backed_size_oblivious"
+        for b in (1, 3):  # one token: a second graph, then served for other batches
+            x = torch.randn(b, 1, 32)
+            assert_close_to_reference(compiled(x), reference(x.double()), torch.float32)
+    assert backend.calls >= calls + 1

@@ -22,13 +22,45 @@ Size = "int | sympy.Expr"
 
 
 def expr(x) -> int | sympy.Expr:
-    """An int as itself; a SymInt as its sympy expression (an int when dynamo made it a constant)."""
+    """An int as itself; a SymInt as its sympy expression (an int when dynamo made it a constant, or
+    when a guard pins its symbols: see `pinned`)."""
     if isinstance(x, torch.SymInt):
         e = x.node.expr
+        if not e.is_number:
+            pins = pinned(x.node.shape_env)
+            if pins and not pins.keys().isdisjoint(e.free_symbols):
+                e = sympy.expand(e.xreplace(pins))
         return int(e) if e.is_number else e
     if isinstance(x, sympy.Expr):
         return int(x) if x.is_number else x
     return int(x)
+
+
+def pinned(shape_env) -> dict:
+    """Symbols that a guard fixes to a number ({s77: 1} for a guard Eq(s77, 1)).
+
+    Dynamo normally turns a size of 1 into the constant 1, but under
+    `torch.fx.experimental._config.backed_size_oblivious = True` a size 1 seen while tracing keeps its
+    symbol, and an op that must know it is 1 adds the guard Eq(s, 1) without replacing the symbol: the
+    graph then mixes s and 1 for one size (LayerNorm's [s, s, 1] statistics next to its [1, 1, 1]
+    rstd). The compiled graph only runs where its guards hold, so reading s as 1 is exact. Cached per
+    ShapeEnv and number of guards (guards only grow)."""
+    if shape_env is None:
+        return {}
+    count = len(shape_env.guards)
+    cached = getattr(shape_env, "_fxopt_pinned", None)
+    if cached is None or cached[0] != count:
+        pins = {}
+        for guard in shape_env.guards:
+            e = guard.expr
+            if isinstance(e, sympy.Eq):
+                a, b = e.args
+                if a.is_Symbol and b.is_number:
+                    pins[a] = b
+                elif b.is_Symbol and a.is_number:
+                    pins[b] = a
+        cached = shape_env._fxopt_pinned = (count, pins)
+    return cached[1]
 
 
 def sizes(val: torch.Tensor) -> tuple:
