@@ -27,9 +27,11 @@ CANDIDATES = {
     "softmax_long": [(1, r, w) for r in (2048, 4096, 8192) for w in (8, 16)],
     "ln_bwd": [("col", x, w, p) for x, w, p in COLUMN_CONFIGS],
     "rms_bwd": [("col", x, w, p) for x, w, p in COLUMN_CONFIGS],
-    # the default program config with the row loop software-pipelined over 2 or 3 stages
-    "ln_bwd_stages": [("col", 1, 16, 264, s) for s in (1, 2, 3)] + [("col", 1, 8, 528, s) for s in (2, 3)],
-    "rms_bwd_stages": [("col", 1, 16, 264, s) for s in (1, 2, 3)] + [("col", 1, 8, 528, s) for s in (2, 3)],
+    # the row loop software-pipelined over 1 to 6 stages (each stage holds the next rows in shared memory)
+    "ln_bwd_stages": [("col", 1, 16, 264, s) for s in (1, 3, 4, 5, 6)] + [("col", 1, 8, 528, s) for s in (3, 4, 5)]
+    + [("col", 1, 16, 132, s) for s in (4, 6)],
+    "rms_bwd_stages": [("col", 1, 16, 264, s) for s in (1, 3, 4, 5, 6)] + [("col", 1, 8, 528, s) for s in (3, 4, 5)]
+    + [("col", 1, 16, 132, s) for s in (4, 6)],
 }
 
 
