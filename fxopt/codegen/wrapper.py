@@ -26,7 +26,7 @@ from ..analysis.op_classes import out_variant, tensor_devices
 from ..analysis.symbolic import expr, hint, pexpr, ptuple, shape_env_of, sizes, strides, symbol_bindings
 from ..report import BufferRecord, MemoryPlan
 from .kernel import Kernel
-from .wrapper_layouts import VIEW_METHODS, allocation, known_layouts, scratch_allocation
+from .wrapper_layouts import VIEW_METHODS, allocation, elided_splits, known_layouts, scratch_allocation
 from .wrapper_layouts import device_source as _dev
 
 HEADER = '''\
@@ -196,7 +196,8 @@ def generate_wrapper(gm: fx.GraphModule, kernels: dict[str, Kernel], graph: str,
         raise NotImplementedError(f"size symbols {sorted(clash)} share a name with graph values")
     body += [f"{sym.name} = {src}  # size symbol" for sym, src in bindings.items()]
     frees = _last_uses(gm)
-    known = known_layouts(gm, kernels) if mode == "triton" else set()
+    known = known_layouts(gm, kernels) if mode == "triton" else {}
+    elided = elided_splits(gm, known)  # made as reinterpret_tensor pieces where the split stands
     shape_env = shape_env_of(gm)
     for n in placeholders:
         val = n.meta.get("val")
@@ -219,8 +220,12 @@ def generate_wrapper(gm: fx.GraphModule, kernels: dict[str, Kernel], graph: str,
         if n.op == "call_module":
             launch = _launch(n, kernels[n.target], names, mode, slots, arena, replaced, guarded)
             body += _timed(launch, kernels[n.target].name, profile)
+        elif n in elided:
+            for piece in n.users:
+                base, offset = known[piece]
+                body.append(_reinterpret(piece, names[base], offset))
         elif n.op == "call_function" and n.target is operator.getitem:
-            if n.args[0].op != "call_module":
+            if n.args[0].op != "call_module" and n.args[0] not in elided:
                 body.append(f"{n.name} = {names[n.args[0]]}[{n.args[1]}]")
         elif n.op == "call_function":
             args = [format_value(a, names) for a in n.args]
@@ -229,9 +234,7 @@ def generate_wrapper(gm: fx.GraphModule, kernels: dict[str, Kernel], graph: str,
                 body.append(_arena_view(n.name, slots[n.name], arena, replaced))
                 body += _timed([f"{_callee(out_variant(n))}({', '.join(args + [f'out={n.name}'])})"], n.name, profile)
             elif n in known:  # a view of a value whose layout is proven: made in C from its meta value
-                val = n.meta["val"]
-                body += _timed([f"{n.name} = reinterpret_tensor({args[0]}, {ptuple(sizes(val))}, "
-                                f"{ptuple(strides(val))}, 0)"], n.name, profile)
+                body += _timed([_reinterpret(n, args[0], 0)], n.name, profile)
             elif n.target in VIEW_METHODS and not n.kwargs:
                 rest = ", ".join(args[1:])
                 body += _timed([f"{n.name} = {args[0]}.{VIEW_METHODS[n.target]}({rest})"], n.name, profile)
@@ -245,7 +248,7 @@ def generate_wrapper(gm: fx.GraphModule, kernels: dict[str, Kernel], graph: str,
             outs = n.args[0] if isinstance(n.args[0], (tuple, list)) else [n.args[0]]
             body.append(f"return ({''.join(format_value(o, names) + ', ' for o in outs)})")
             continue
-        dead = [names[v] for v in frees.get(n, []) if _holds_value(v)]
+        dead = [names[v] for v in frees.get(n, []) if _holds_value(v) and v not in elided]
         if dead:
             body.append(f"del {', '.join(dead)}")
         if poison:
@@ -290,6 +293,12 @@ def _timed(lines: list[str], name: str, profile: bool) -> list[str]:
     if not profile:
         return lines
     return [f"with region({name!r}):"] + [f"    {line}" for line in lines]
+
+
+def _reinterpret(n: fx.Node, base: str, offset) -> str:
+    """`n = reinterpret_tensor(base, ...)`: n's meta sizes and strides, `offset` elements past base's."""
+    val = n.meta["val"]
+    return f"{n.name} = reinterpret_tensor({base}, {ptuple(sizes(val))}, {ptuple(strides(val))}, {pexpr(offset)})"
 
 
 def _holds_value(node: fx.Node) -> bool:

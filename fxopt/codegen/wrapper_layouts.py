@@ -10,7 +10,9 @@ one (with size and stride expressions under symbolic sizes). A value's layout is
 wrapper made or checked it: inputs checked with check_layout, kernel outputs (allocated with their
 meta strides), matmul results (ATen allocates them row-major) and views of these; views of proven
 values are made with `reinterpret_tensor` (C, no dispatcher: ~1 us less each, and a training step
-makes dozens), under symbolic sizes too (layouts compared structurally, never with a guard).
+makes dozens), under symbolic sizes too (layouts compared structurally, never with a guard). A `split` of a proven value (GPT-2's q, k, v from one
+matmul) is not called at all: its pieces are reinterpret_tensor views at their storage offsets (the
+ATen split through its Python OpOverload cost 20-30 us per call on the H200 host).
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..analysis.symbolic import is_symbolic, plain_arithmetic, ptuple, row_major_strides, same, sizes, strides
+from ..analysis.symbolic import (is_symbolic, plain_arithmetic, ptuple, row_major_strides, same, sizes,
+                                 storage_offset, strides)
 from .kernel import Kernel
 
 _ATEN = torch.ops.aten
@@ -56,12 +59,16 @@ def _allocate(shape, stride, dtype, device: torch.device, guarded: int | None) -
     return f"empty_strided({size}, {stride}, dtype={dtype}, device={device_source(device)})"
 
 
-def known_layouts(gm: fx.GraphModule, kernels: dict[str, Kernel]) -> set[fx.Node]:
-    """The view nodes whose base's layout is proven (see the module docstring): the wrapper makes these
-    with reinterpret_tensor and their meta layout (size and stride expressions under symbolic sizes).
-    A view of anything else (another ATen result, an input the wrapper does not check) keeps the view
-    method, which checks as it goes."""
-    proven, views = set(), set()
+SPLITS = {_ATEN.split_with_sizes.default, _ATEN.split.Tensor}
+
+
+def known_layouts(gm: fx.GraphModule, kernels: dict[str, Kernel]) -> dict[fx.Node, tuple[fx.Node, object]]:
+    """The view nodes whose base's layout is proven (see the module docstring), each with (the value
+    to reinterpret, the storage-offset increment): the wrapper makes these with reinterpret_tensor and
+    their meta layout (size and stride expressions under symbolic sizes). The pieces of a split of a
+    proven value are among them (base: the split's input). A view of anything else (another ATen
+    result, an input the wrapper does not check) keeps the view method, which checks as it goes."""
+    proven, views = set(), {}
     for n in gm.graph.nodes:
         val = n.meta.get("val")
         if not _expressible_layout(val):
@@ -73,13 +80,31 @@ def known_layouts(gm: fx.GraphModule, kernels: dict[str, Kernel]) -> set[fx.Node
             ok = _allocated_like(val, _kernel_output(n, kernels))
         elif origin == "matmul":
             ok = _row_major(val)
+        elif origin == "view":
+            ok, views[n] = True, (n.args[0], 0)
+        elif _split_piece(n, proven):
+            base = n.args[0].args[0]
+            ok, views[n] = True, (base, storage_offset(val) - storage_offset(base.meta["val"]))
         else:
             ok = origin == "view"
         if ok:
             proven.add(n)
-            if origin == "view":
-                views.add(n)
     return views
+
+
+def elided_splits(gm: fx.GraphModule, known: dict) -> set[fx.Node]:
+    """Split nodes the wrapper need not call: every user is a piece it makes with reinterpret_tensor."""
+    return {n for n in gm.graph.nodes if n.op == "call_function" and n.target in SPLITS and n.users
+            and all(u in known for u in n.users)}
+
+
+def _split_piece(n: fx.Node, proven: set) -> bool:
+    """`getitem(split(x, ...), i)` of a proven x: a view of x at an offset along the split dim."""
+    if n.op != "call_function" or n.target is not operator.getitem or not isinstance(n.args[0], fx.Node):
+        return False
+    split = n.args[0]
+    return split.op == "call_function" and split.target in SPLITS and split.args[0] in proven \
+        and _expressible_layout(split.args[0].meta.get("val"))
 
 
 def aligned_values(gm: fx.GraphModule) -> set[fx.Node]:

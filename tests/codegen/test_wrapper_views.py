@@ -86,3 +86,32 @@ def test_launch_checks_name_only_graph_inputs(monkeypatch):
         want = tuple(i for i, a in enumerate(n.args) if a.op == "placeholder")
         assert checks[kernels[n.target].name] == want, (n.name, [a.name for a in n.args])
     assert any(a.op != "placeholder" for n in calls for a in n.args)  # a kernel reads a matmul result
+
+
+def test_a_split_of_a_matmul_result_is_not_called_its_pieces_are_views_at_their_offsets():
+    """GPT-2's `q, k, v = c_attn(x).split(d, dim=2)`: the split of a proven value is elided, each piece
+    a reinterpret_tensor view `k * d` elements in; outputs equal eager, strides and offsets too, and a
+    piece used after the split's input is gone is still right (the pieces are made at the split)."""
+    def f(x, w):
+        qkv = (x @ w).view(2, 5, 3 * 4)
+        q, k, v = qkv.split(4, dim=2)
+        return (q * k).view(2, 5, 2, 2).permute(0, 2, 1, 3) + 1.0, v, torch.sigmoid(v.transpose(1, 2))
+    x, w = torch.randn(10, 6, dtype=torch.float64), torch.randn(6, 12, dtype=torch.float64)
+    src = _wrapper_of(f, x, w)
+    assert "split" not in src.split("def call", 1)[1].replace("split_with_sizes =", "")  # no split call
+    assert ", 4)" in src and ", 8)" in src  # the pieces at element offsets 4 and 8
+    compiled = torch.compile(f, backend="fxopt")
+    for got, want in zip(compiled(x, w), f(x, w)):
+        assert got.shape == want.shape and got.stride() == want.stride()
+        assert got.storage_offset() == want.storage_offset()
+        torch.testing.assert_close(got, want)
+
+
+def test_a_split_of_an_unchecked_input_is_called():
+    def f(x):
+        a, b = x.split([2, 3], dim=1)
+        return a.sum() + b.sum()
+    x = torch.randn(4, 5)
+    src = _wrapper_of(f, x)
+    assert "split" in src.split("def call", 1)[1]
+    torch.testing.assert_close(torch.compile(f, backend="fxopt")(x), f(x))
