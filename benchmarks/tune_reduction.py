@@ -14,7 +14,7 @@ import torch
 import triton.testing
 
 from benchmarks.workloads import WORKLOADS, io_bytes
-from fxopt.codegen import column_sums, reduction_combines
+from fxopt.codegen import column_sums
 from fxopt.codegen import triton_reduction as tr
 
 # (XBLOCK, num_warps, programs wanted) of a row kernel with column sums
@@ -32,8 +32,6 @@ CANDIDATES = {
     + [("col", 1, 16, 132, s) for s in (4, 6)],
     "rms_bwd_stages": [("col", 1, 16, 264, s) for s in (1, 3, 4, 5, 6)] + [("col", 1, 8, 528, s) for s in (3, 4, 5)]
     + [("col", 1, 16, 132, s) for s in (4, 6)],
-    # the heuristic with each row's independent sums reduced one by one (codegen/reduction_combines.py)
-    "ln_bwd_batch": ["unbatched"], "rms_bwd_batch": ["unbatched"],
 }
 
 
@@ -51,12 +49,10 @@ def main(names):
     original_column = tr.ReductionEmitter._column_config
     stages = column_sums.COLUMN_STAGES
     for name in names:
-        fn, inputs = WORKLOADS[name.removesuffix("_stages").removesuffix("_batch")].make("cuda", torch.bfloat16, False)
+        fn, inputs = WORKLOADS[name.removesuffix("_stages")].make("cuda", torch.bfloat16, False)
         with torch.no_grad():
             nbytes = io_bytes(inputs, fn(*inputs))
             for cand in [None] + CANDIDATES.get(name, []):
-                reduction_combines.BATCH_SUMS = cand != "unbatched"
-                cand = None if cand == "unbatched" else cand
                 # row kernels take the candidate; column kernels (xblock > 1 in the list) take it
                 # only when the heuristic also chose a column schedule
                 def config(self, persistent, column, cand=cand):
@@ -76,14 +72,12 @@ def main(names):
                     f(*inputs)
                     ms = triton.testing.do_bench(lambda: f(*inputs), warmup=25, rep=200, return_mode="median")
                     gbs = nbytes / ms / 1e6
-                    label = cand or ("heuristic" if reduction_combines.BATCH_SUMS else "sums one by one")
-                    print(f"{name:13s} {str(label):18s} {ms:8.4f} ms {100 * gbs / ceiling:5.1f}%")
+                    print(f"{name:13s} {str(cand or 'heuristic'):18s} {ms:8.4f} ms {100 * gbs / ceiling:5.1f}%")
                 except Exception as exc:  # a candidate that does not compile (e.g. too many registers)
                     print(f"{name:13s} {str(cand):18s} failed: {type(exc).__name__}: {str(exc)[:80]}")
     tr.ReductionEmitter._config = original
     tr.ReductionEmitter._column_config = original_column
     column_sums.COLUMN_STAGES = stages
-    reduction_combines.BATCH_SUMS = True
 
 
 if __name__ == "__main__":

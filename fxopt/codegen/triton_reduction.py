@@ -34,7 +34,6 @@ from .indexing import (IterationSpace, Layout, broadcast_strides, index_symbols,
 from .column_sums import (accumulate_line, column_config, column_ops, column_strides, column_sums,
                           with_column_sums)
 from .erf_poly import with_erf_helper
-from .reduction_combines import SumBatch, with_combines
 from .kernel import Kernel
 from .reduction_schedules import (EVEN_PER_CALL, LoopedSchedule, even_source, inner_view, lane_reduce, mask_line,
                                   per_call_xblock, persistent_per_call, split_kernel)
@@ -46,6 +45,16 @@ LOOP_RBLOCK = 4096
 SPLIT_PROGRAMS = 1024  # below this many programs, long rows are cut into chunks (two kernels)
 SPLIT_MIN_BLOCKS = 4  # RBLOCK-sized steps a chunk keeps at least
 
+COMBINE = '''
+@triton.jit
+def _fx_max(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _fx_min(a, b):
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+'''
 
 
 def _pow2(n) -> int:
@@ -234,7 +243,9 @@ class ReductionEmitter(PointwiseEmitter):
         header = [f"# {kind} reduction over {describe_value(self.reductions[0].args[0].meta['val'])} dims "
                   f"{list(self.D)}: {', '.join(self.ops)}", "@triton.jit", f"def {name}({', '.join(args)}):"]
         source = with_erf_helper("\n".join(header + ["    " + line for line in body]) + "\n", self.target)
-        return with_combines(source, body)
+        if any("_fx_max" in line or "_fx_min" in line for line in body):
+            source = COMBINE.lstrip("\n") + "\n\n" + source
+        return source
 
     def _chunks(self, xblock: int, rblock: int) -> int:
         """How many chunks to cut each row into so that ~SPLIT_PROGRAMS programs run (1: no split)."""
@@ -346,21 +357,18 @@ class ReductionEmitter(PointwiseEmitter):
                 "# -- load inputs ----"]
         body += [self._load(i) for i in range(len(self.loads))]
         body.append("# -- compute ----")
-        sums = SumBatch(self, body)  # independent row sums reduced together (reduction_combines.py)
         for n in self.nodes:
             if n.op != "call_function" or (is_view(n) and not inner_view(n)):
                 continue
-            sums.before(n)
             if n in self.columns:
                 body.append(accumulate_line(self, n))
             elif n in self.column_ops:
                 continue  # in the combine kernel
-            elif reduction_info(n) is not None and not sums.defer(n):
+            elif reduction_info(n) is not None:
                 block, acc, kind = self._reduced_value(n)
                 body.append(self._finish(n, lane_reduce(kind, block, self.target), kind))
-            elif reduction_info(n) is None:
+            else:
                 body.append(self._node(n))
-        sums.flush()
         body.append("# -- store outputs ----")
         body += [self._store(j) for j, (o, _) in enumerate(self.outs) if o not in self.column_values]
         return body
