@@ -10,9 +10,10 @@ one (with size and stride expressions under symbolic sizes). A value's layout is
 wrapper made or checked it: inputs checked with check_layout, kernel outputs (allocated with their
 meta strides), matmul results (ATen allocates them row-major) and views of these; views of proven
 values are made with `reinterpret_tensor` (C, no dispatcher: ~1 us less each, and a training step
-makes dozens), under symbolic sizes too (layouts compared structurally, never with a guard). A `split` of a proven value (GPT-2's q, k, v from one
-matmul) is not called at all: its pieces are reinterpret_tensor views at their storage offsets (the
-ATen split through its Python OpOverload cost 20-30 us per call on the H200 host).
+makes dozens), under symbolic sizes too (layouts compared structurally, never with a guard). A
+`split` of a proven value (GPT-2's q, k, v from one matmul) is not called at all: its pieces are
+reinterpret_tensor views at their storage offsets (the ATen split through its Python OpOverload cost
+20-30 us per call on the H200 host).
 """
 from __future__ import annotations
 
@@ -86,7 +87,7 @@ def known_layouts(gm: fx.GraphModule, kernels: dict[str, Kernel]) -> dict[fx.Nod
             base = n.args[0].args[0]
             ok, views[n] = True, (base, storage_offset(val) - storage_offset(base.meta["val"]))
         else:
-            ok = origin == "view"
+            ok = False
         if ok:
             proven.add(n)
     return views
