@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from .analysis.symbolic import is_row_major
+
 _SHORT_DTYPE = {
     torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
     torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8",
@@ -16,7 +18,7 @@ def describe_value(val) -> str:
     if isinstance(val, torch.Tensor):
         dtype = _SHORT_DTYPE.get(val.dtype, str(val.dtype).replace("torch.", ""))
         shape = ", ".join(str(s) for s in val.shape)
-        layout = "" if val.is_contiguous() or val.dim() < 2 else f" stride={tuple(val.stride())}"
+        layout = "" if val.dim() < 2 or is_row_major(val) else f" stride={tuple(val.stride())}"  # (no guard)
         return f"{dtype}[{shape}]{layout} {val.device.type}"
     if isinstance(val, (tuple, list)):
         return "(" + ", ".join(describe_value(v) for v in val) + ")"

@@ -143,6 +143,26 @@ def test_gradients_through_a_dynamic_graph_equal_eager():
     _assert_no_narrowing(backend.report)
 
 
+def test_size_oblivious_graphs_serve_size_1_and_fxopt_adds_no_guard():
+    """Under backed_size_oblivious a symbol's range includes 1, so a question like `is_contiguous()` on
+    a symbolic value asks the ShapeEnv, which adds `Ne(s, 1)`: the kernel headers' value descriptions
+    did that (a recompilation at size 1). fxopt decides layouts structurally; one compilation serves
+    rows of 1, and the forward and backward equal eager."""
+    w = torch.randn(24, dtype=torch.float64, requires_grad=True)
+
+    def f(x):
+        return torch.softmax(F.layer_norm(x, (x.shape[-1],), w) * torch.tanh(x), -1).pow(2).sum()
+
+    g, backend = _compiled(f)
+    with torch.fx.experimental._config.patch(backed_size_oblivious=True):
+        for n in (3, 1, 7):
+            x = torch.randn(n, 24, dtype=torch.float64, requires_grad=True)
+            for got, want in zip(torch.autograd.grad(g(x), (x, w)), torch.autograd.grad(f(x), (x, w))):
+                torch.testing.assert_close(got, want)
+    assert backend.calls == 1
+    _assert_no_narrowing(backend.report)
+
+
 # -- a GPT block, memory plans, report --------------------------------------------------------------
 
 CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16)

@@ -22,8 +22,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..analysis.symbolic import (is_symbolic, plain_arithmetic, ptuple, row_major_strides, same, sizes,
-                                 storage_offset, strides)
+from ..analysis.symbolic import (is_row_major, is_symbolic, plain_arithmetic, ptuple, row_major_strides, same,
+                                 sizes, storage_offset, strides)
 from .kernel import Kernel
 
 _ATEN = torch.ops.aten
@@ -80,7 +80,7 @@ def known_layouts(gm: fx.GraphModule, kernels: dict[str, Kernel]) -> dict[fx.Nod
         elif origin == "kernel":
             ok = _allocated_like(val, _kernel_output(n, kernels))
         elif origin == "matmul":
-            ok = _row_major(val)
+            ok = is_row_major(val)
         elif origin == "view":
             ok, views[n] = True, (n.args[0], 0)
         elif _split_piece(n, proven):
@@ -162,10 +162,6 @@ def _allocated_like(val: torch.Tensor, out: torch.Tensor) -> bool:
     return val.dim() == out.dim() and all(same(a, b) for a, b in pairs)
 
 
-def _row_major(val: torch.Tensor) -> bool:
-    """Contiguous for every value of the size symbols (a dim of size 1 may have any stride)."""
-    dims = zip(sizes(val), strides(val), row_major_strides(sizes(val)))
-    return all(size == 1 or same(stride, expected) for size, stride, expected in dims)
 
 
 def launch_checks(gm: fx.GraphModule, kernels: dict[str, Kernel], launched) -> dict[str, tuple[int, ...]]:
