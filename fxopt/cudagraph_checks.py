@@ -84,7 +84,7 @@ def signature(args, cpu_ok: bool = False) -> tuple[tuple, int]:
         if isinstance(a, torch.Tensor):
             dev = a.get_device()
             if dev < 0 and not cpu_ok:
-                if a.dim() == 0:
+                if is_cpu_scalar(a):
                     key.append((a.dtype, repr(a.item())))  # repr: NaN keys equal, -0.0 and 0.0 do not
                     continue
                 raise Refused(f"input {i} is a CPU tensor at run time: its value would be frozen into the graph")

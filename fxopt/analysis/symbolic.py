@@ -84,7 +84,8 @@ def is_row_major(val: torch.Tensor) -> bool:
     """Contiguous for every value of the size symbols (a dim of size 1 may have any stride), decided
     structurally: `val.is_contiguous()` on symbolic sizes asks the ShapeEnv and may add a guard (under
     backed_size_oblivious, `Ne(s, 1)` for every size that could be 1)."""
-    dims = zip(sizes(val), strides(val), row_major_strides(sizes(val)))
+    shape = sizes(val)
+    dims = zip(shape, strides(val), row_major_strides(shape))
     return all(size == 1 or same(stride, expected) for size, stride, expected in dims)
 
 

