@@ -228,13 +228,13 @@ def _load(gm: fx.GraphModule, kernels: dict[str, Kernel], record: GraphReport, e
 
 
 def _launched(kernels: dict[str, Kernel]) -> list[Kernel]:
-    """Every Triton function the wrapper launches (split reductions launch a prologue kernel too; a
-    symbolic row's kernel has a persistent alternative)."""
+    """Every Triton function the wrapper launches (split reductions launch a prologue kernel too, column
+    partials kept in an output a fix-up after; a symbolic row's kernel has a persistent alternative)."""
     return [p for k in kernels.values() for p in _kernels_of(k)]
 
 
 def _kernels_of(k: Kernel) -> list[Kernel]:
-    return ([k.prologue] if k.prologue else []) + [k] + ([k.alternative] if k.alternative else [])
+    return [s for s in (k.prologue, k, k.epilogue, k.alternative) if s is not None]
 
 
 def _precompile(module, kernels: dict[str, Kernel]) -> None:

@@ -25,6 +25,7 @@ from ..analysis.symbolic import is_symbolic, pexpr, strides, sizes
 from .dtypes import TL_DTYPE, compute_dtype
 from .indexing import print_index
 from .kernel import Kernel
+from .partials_in_output import hosting_plan
 from .reduction_schedules import EVEN_PER_CALL, even_source, mask_line, per_call_xblock, persistent_per_call
 
 COLUMN_PROGRAMS = 264  # row-kernel programs to aim for: 2 per SM on an H100/H200-class GPU
@@ -91,6 +92,8 @@ def with_column_sums(em, prelude: list[str], xblock: int, rblock: int, warps: in
         programs_wanted = COLUMN_PROGRAMS
     else:
         xblock, warps, programs_wanted = em._column_config(xblock, warps)
+    acc_dtype = {n: compute_dtype(n.meta["val"].dtype) for n in cols}
+    hosting = None
     if is_symbolic(em.xnumel) or setup:  # a fixed number of programs, the steps per call
         programs, steps, ragged = programs_wanted, f"cdiv(cdiv({pexpr(em.xnumel)}, {xblock}), {programs_wanted})", True
         rows_per_program = f"XSTEPS x {xblock if isinstance(xblock, int) else 'XBLOCK (per call)'}"
@@ -100,41 +103,49 @@ def with_column_sums(em, prelude: list[str], xblock: int, rblock: int, warps: in
         programs = -(-blocks // steps)
         ragged = bool(blocks % steps or em.xnumel % xblock)
         rows_per_program = str(steps * xblock)
+        hosting = hosting_plan(em, cols, acc_dtype, xblock, steps, programs)
     if ragged:  # the last program runs past the rows: keep the bounds test
         prelude = [(mask_line("x", False) if line.startswith("xmask =") else line) for line in prelude]
-    acc_dtype = {n: compute_dtype(n.meta["val"].dtype) for n in cols}
     first = "(tl.program_id(0).to(tl.int64) * XSTEPS + xstep) * XBLOCK" if wide else \
         "(tl.program_id(0) * XSTEPS + xstep) * XBLOCK"
     body = [f"colacc_{n.name} = tl.zeros([XBLOCK, RBLOCK], {TL_DTYPE[acc_dtype[n]]})" for n in cols]
+    body += [hosting.keep_line(wide)] if hosting else []
     body.append("for xstep in range(0, XSTEPS):" if COLUMN_STAGES <= 1 else
                 f"for xstep in tl.range(0, XSTEPS, num_stages={COLUMN_STAGES}):")
     row_body = persistent_per_call(em) if setup else em._persistent()
-    body += ["    " + line for line in [f"xoffset = {first}"] + prelude[1:] + row_body]
+    body += ["    " + line for line in [f"xoffset = {first}"] + prelude[1:]
+             + (hosting.rows_body(em, row_body) if hosting else row_body)]
     body += ["# -- this program's column partials ----", "rindex = tl.arange(0, RBLOCK)[None, :]",
              "rmask = rindex < rnumel"]
-    for k, n in enumerate(cols):
+    if hosting:
+        body += hosting.partial_stores(cols, lambda n: f"tl.sum(colacc_{n.name}, 0)")
+    for k, n in enumerate([] if hosting else cols):
         body.append(f"tl.store(ws_ptr{k} + (tl.program_id(0) * rnumel + rindex), "
                     f"tl.sum(colacc_{n.name}, 0)[None, :], rmask)")
-    workspaces = [((programs, em.rnumel), acc_dtype[n]) for n in cols]
+    workspaces = [] if hosting else [((programs, em.rnumel), acc_dtype[n]) for n in cols]
     kind = f"persistent, {len(cols)} column sum(s) over {rows_per_program} rows per program"
+    if hosting:
+        kind += (f"; partials in out{hosting.out}'s last {hosting.reserve} row block(s) per program, "
+                 "those blocks stored by a fix-up kernel after the combine")
     # size symbols: a static row can still read a SymInt input as a value (compiled autograd passes
     # mean's element count as one), so both kernels take them like every other kernel
     syms, symbols = [s.name for s in em.syms], em._examples(em.syms)
     consts = {"XBLOCK": xblock, "RBLOCK": rblock, **({EVEN_PER_CALL: even_source(em, rblock)} if setup else {})}
     rows = Kernel(f"{em.name}_rows", "reduction",
                   em._function(f"{em.name}_rows", kind, body, ["in", "ws", "out"],
-                               ["xnumel", "rnumel", "XSTEPS", *syms], list(consts), len(cols)),
+                               ["xnumel", "rnumel", "XSTEPS", *syms], list(consts), len(workspaces)),
                   em.ops, programs, [em.xnumel, em.rnumel, steps, *em.syms], consts,
                   warps, workspaces=workspaces, symbols=symbols, maxnreg=register_cap(warps), **em.io_meta())
-    combine = em._size_input_lines() + _combine_body(em, cols, acc_dtype)
+    combine = em._size_input_lines() + _combine_body(em, cols, acc_dtype, hosting)
     combine_grid = f"cdiv({pexpr(em.rnumel)}, {COMBINE_RBLOCK})" if is_symbolic(em.rnumel) else \
         -(-em.rnumel // COMBINE_RBLOCK)
     return Kernel(em.name, "reduction",
                   em._function(em.name, "column partials (combine)", combine, ["in", "ws", "out"],
-                               ["rnumel", "NPROG", *syms], ["RBLOCK", "GBLOCK"], len(cols)),
+                               ["rnumel", "NPROG", *syms], ["RBLOCK", "GBLOCK"], len(workspaces)),
                   em.ops, combine_grid, [em.rnumel, programs, *em.syms],
                   {"RBLOCK": COMBINE_RBLOCK, "GBLOCK": COMBINE_GBLOCK}, 4, notes={"reduction": kind},
-                  workspaces=workspaces, prologue=rows, symbols=symbols, setup=setup, **em.io_meta())
+                  workspaces=workspaces, prologue=rows, symbols=symbols, setup=setup,
+                  epilogue=hosting.fixup(em, prelude, row_body, rows) if hosting else None, **em.io_meta())
 
 
 def register_cap(warps: int | str) -> int | str | None:
@@ -156,15 +167,16 @@ def _per_call_blocks(em) -> tuple[str, str, str, list[str]]:
                      f"{w} = max(2, min(16, {x} * {r} // 256))"]
 
 
-def _combine_body(em, cols: list[fx.Node], acc_dtype: dict) -> list[str]:
+def _combine_body(em, cols: list[fx.Node], acc_dtype: dict, hosting) -> list[str]:
     lines = ["rindex = tl.program_id(0) * RBLOCK + tl.arange(0, RBLOCK)[None, :]", "rmask = rindex < rnumel",
              *em.rcoords]
     for k, n in enumerate(cols):
         lines += [f"part_{n.name} = tl.zeros([GBLOCK, RBLOCK], {TL_DTYPE[acc_dtype[n]]})",
                   "for g0 in range(0, NPROG, GBLOCK):",
                   "    gindex = g0 + tl.arange(0, GBLOCK)[:, None]",
-                  f"    part_{n.name} += tl.load(ws_ptr{k} + (gindex * rnumel + rindex), (gindex < NPROG) & rmask, "
-                  "other=0)",
+                  f"    part_{n.name} += tl.load("
+                  f"{hosting.combine_address(k) if hosting else f'ws_ptr{k} + (gindex * rnumel + rindex)'}, "
+                  "(gindex < NPROG) & rmask, other=0)",
                   f"{n.name} = tl.sum(part_{n.name}, 0)[None, :]  # {n.name}: the programs' partials added"]
         em.vdtype[n] = acc_dtype[n]
     lines += [em._node(n) for n in em.column_ops]

@@ -58,7 +58,7 @@ def _specs(vals) -> str:
 
 def standalone_source(k: Kernel) -> str:
     launches = []
-    for stage in ([k.prologue] if k.prologue else []) + [k]:
+    for stage in [s for s in (k.prologue, k, k.epilogue) if s is not None]:
         launches.append(f"    {stage.name}[{stage.grid_source()}](*inputs, *scratch, *outputs"
                         f"{stage.launch_suffix()})")
     symbols = "".join(f"{name} = {value}  # size symbol: its example value\n" for name, value in k.symbols.items())

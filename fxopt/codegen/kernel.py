@@ -31,6 +31,7 @@ class Kernel:
     # take (inputs..., workspaces..., outputs...)
     workspaces: list[tuple[tuple[int, ...], torch.dtype]] = field(default_factory=list)
     prologue: "Kernel | None" = None
+    epilogue: "Kernel | None" = None  # launched after it (column partials kept in an output: its fix-up)
     symbols: dict[str, int] = field(default_factory=dict)  # size symbols it takes -> example values
     setup: list[str] = field(default_factory=list)  # wrapper lines run before the launch (per-call configs)
     # a symbolic row: the persistent kernel launched instead when `alternative_when` (Python source over
@@ -47,7 +48,8 @@ class Kernel:
     def full_source(self) -> str:
         """Every Triton function this kernel launches (a split reduction's partial kernel first)."""
         alternative = "\n\n" + self.alternative.source if self.alternative is not None else ""
-        return (self.prologue.source + "\n\n" if self.prologue is not None else "") + self.source + alternative
+        epilogue = "\n\n" + self.epilogue.source if self.epilogue is not None else ""
+        return (self.prologue.source + "\n\n" if self.prologue is not None else "") + self.source + epilogue + alternative
 
     def warmup_args(self) -> list:
         """Arguments for JITFunction.warmup: pointer dtypes, then the real integer arguments."""

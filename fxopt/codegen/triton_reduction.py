@@ -349,7 +349,7 @@ class ReductionEmitter(PointwiseEmitter):
             addr += " + 0 * rindex"
         val = o.meta["val"]
         self.current_mapping = self._mapping(val.shape)
-        mask = "xmask & rmask" if row else f"xmask{guard}"
+        mask = f"xmask & rmask{guard}" if row else f"xmask{guard}"
         return f"tl.store(out_ptr{j} + ({addr}), {self._var(o)}.to({TL_DTYPE[val.dtype]}), {mask})"
 
     def _persistent(self) -> list[str]:

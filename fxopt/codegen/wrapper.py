@@ -364,8 +364,9 @@ def _launch(n: fx.Node, k: Kernel, names, mode: str, slots=None, arena: str = "a
         p = k.prologue
         lines.append(f"{p.name}[{p.grid_source()}]({args}, {''.join(w + ', ' for w in scratch)}{', '.join(outs)}"
                      f"{p.launch_suffix()})")
-    lines.append(f"{k.name}[{k.grid_source()}]({args}, {''.join(w + ', ' for w in scratch)}{', '.join(outs)}"
-                 f"{k.launch_suffix()})")
+    for kk in [kk for kk in (k, k.epilogue) if kk is not None]:
+        lines.append(f"{kk.name}[{kk.grid_source()}]({args}, {''.join(w + ', ' for w in scratch)}{', '.join(outs)}"
+                     f"{kk.launch_suffix()})")
     if scratch:
         lines.append(f"del {', '.join(scratch)}")
     return lines
