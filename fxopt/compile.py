@@ -21,6 +21,7 @@ from .codegen.kernel import Kernel
 from .codegen.triton_pointwise import generate_pointwise_kernel
 from .codegen.triton_reduction import generate_reduction_kernel
 from .codegen.wrapper import generate_wrapper
+from .analysis.liveness import peak_headroom
 from .analysis.roofline import roofline
 from .analysis.symbolic import (graph_symbols, guard_texts, has_symbolic_shapes, hint, shape_env_of,
                                 symbolic_unsupported_reason)
@@ -124,12 +125,15 @@ def compile_aten_graph(gm: fx.GraphModule, example_inputs, *, options: Options, 
 
     kernel_target = "cuda" if target == "cuda" else "interpret"
     kernels: dict[str, Kernel] = {}
+    headroom = peak_headroom(gm)  # where a reduction's scratch would raise the graph's peak
     for node in gm.graph.nodes:
         if node.op == "call_module" and str(node.target).startswith(FUSED_PREFIX):
             sub = gm.get_submodule(node.target)
-            generate = (generate_reduction_kernel if str(node.target).startswith(REDUCTION_PREFIX)
-                        else generate_pointwise_kernel)
-            k = generate(sub, _kernel_name(sub, len(kernels)), kernel_target)
+            if str(node.target).startswith(REDUCTION_PREFIX):
+                k = generate_reduction_kernel(sub, _kernel_name(sub, len(kernels)), kernel_target,
+                                              headroom.get(node.name))
+            else:
+                k = generate_pointwise_kernel(sub, _kernel_name(sub, len(kernels)), kernel_target)
             kernels[node.target] = k
             record.kernels.append(KernelRecord(k.name, k.kind, k.ops, k.full_source(), graph_name,
                                                k.notes.get("reduction"), standalone_source(k) if inspect else ""))

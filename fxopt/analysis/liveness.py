@@ -173,3 +173,20 @@ def inplace_pairs(gm: fx.GraphModule, intervals: list[Interval]) -> list[tuple[s
             taken.add(a.name)
             break
     return pairs
+
+
+def peak_headroom(gm: fx.GraphModule) -> dict[str, int]:
+    """For each kernel launch (call_module node, by name): the bytes it may allocate for its own use
+    (a scratch buffer freed when it returns) without raising the graph's peak, i.e. the most bytes the
+    graph's buffers ever hold at once minus what they hold while it runs. Graph inputs are held by the
+    caller throughout and cancel out. Empty for symbolic sizes (no single peak to compare with)."""
+    intervals = buffer_intervals(gm)
+    if not all(isinstance(iv.nbytes, int) for iv in intervals):
+        return {}
+    nodes = list(gm.graph.nodes)
+    live = [0] * len(nodes)
+    for iv in intervals:
+        for i in range(iv.first_use, iv.last_use + 1):
+            live[i] += iv.nbytes
+    peak = max(live, default=0)
+    return {n.name: peak - live[i] for i, n in enumerate(nodes) if n.op == "call_module"}

@@ -103,7 +103,10 @@ def with_column_sums(em, prelude: list[str], xblock: int, rblock: int, warps: in
         programs = -(-blocks // steps)
         ragged = bool(blocks % steps or em.xnumel % xblock)
         rows_per_program = str(steps * xblock)
-        hosting = hosting_plan(em, cols, acc_dtype, xblock, steps, programs)
+        workspace = programs * em.rnumel * sum(acc_dtype[n].itemsize for n in cols)
+        headroom = getattr(em, "headroom", None)
+        if headroom is None or workspace > headroom:  # a workspace would raise the graph's peak
+            hosting = hosting_plan(em, cols, acc_dtype, xblock, steps, programs)
     if ragged:  # the last program runs past the rows: keep the bounds test
         prelude = [(mask_line("x", False) if line.startswith("xmask =") else line) for line in prelude]
     first = "(tl.program_id(0).to(tl.int64) * XSTEPS + xstep) * XBLOCK" if wide else \

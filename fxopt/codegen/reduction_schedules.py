@@ -76,6 +76,17 @@ def per_call_xblock(em, x: str, r: str) -> str:
 
 
 SPLIT_GUARD = " & first_chunk"  # only chunk 0 stores row scalars in split kernels
+# NaN-propagating max/min for tl.reduce (tl.max/tl.min drop NaN), put in front of kernels that use them
+COMBINE = '''
+@triton.jit
+def _fx_max(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _fx_min(a, b):
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+'''
 
 
 class LoopedSchedule:

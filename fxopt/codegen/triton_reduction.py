@@ -35,8 +35,8 @@ from .column_sums import (accumulate_line, column_config, column_ops, column_str
                           with_column_sums)
 from .erf_poly import with_erf_helper
 from .kernel import Kernel
-from .reduction_schedules import (EVEN_PER_CALL, LoopedSchedule, even_source, inner_view, lane_reduce, mask_line,
-                                  per_call_xblock, persistent_per_call, split_kernel)
+from .reduction_schedules import (COMBINE, EVEN_PER_CALL, LoopedSchedule, even_source, inner_view, lane_reduce,
+                                  mask_line, per_call_xblock, persistent_per_call, split_kernel)
 from .pointwise_ops import LOWERINGS, LowerCtx
 from .triton_pointwise import PointwiseEmitter, cdiv_source, operand_dtype, view_root
 
@@ -44,17 +44,6 @@ PERSISTENT_MAX = ROW_IN_REGISTERS  # widest row (elements) kept whole in registe
 LOOP_RBLOCK = 4096
 SPLIT_PROGRAMS = 1024  # below this many programs, long rows are cut into chunks (two kernels)
 SPLIT_MIN_BLOCKS = 4  # RBLOCK-sized steps a chunk keeps at least
-
-COMBINE = '''
-@triton.jit
-def _fx_max(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
-def _fx_min(a, b):
-    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
-'''
 
 
 def _pow2(n) -> int:
@@ -395,5 +384,8 @@ class ReductionEmitter(PointwiseEmitter):
         return out
 
 
-def generate_reduction_kernel(gm: fx.GraphModule, name: str, target: str) -> Kernel:
-    return ReductionEmitter(gm, name, target).generate()
+def generate_reduction_kernel(gm: fx.GraphModule, name: str, target: str, headroom: int | None = None) -> Kernel:
+    """headroom: the bytes this launch may allocate without raising the graph's peak (None: unknown)."""
+    em = ReductionEmitter(gm, name, target)
+    em.headroom = headroom
+    return em.generate()
