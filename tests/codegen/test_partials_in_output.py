@@ -60,7 +60,7 @@ def row_kernel(fn, *args):
 
 
 def hosted(kernel) -> bool:
-    return "partials in out0" in kernel.schedule
+    return "partials in out" in kernel.schedule  # out<j>: the row output holding them
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
