@@ -60,8 +60,10 @@ def decode_applies(seq_q: int, seq_k: int) -> bool:
 
 
 def flash_decode(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool, mask: Tensor | None = None,
-                 num_splits: int | None = None, config: dict | None = None) -> tuple[Tensor, Tensor]:
-    """Attention forward for q [B, H, Tq<=16, D] over k, v [B, Hkv, Tk, D]; returns (out, lse).
+                 num_splits: int | None = None, config: dict | None = None,
+                 lse: bool = True) -> tuple[Tensor, Tensor | None]:
+    """Attention forward for q [B, H, Tq<=16, D] over k, v [B, Hkv, Tk, D]; returns (out, lse), or
+    (out, None) with lse=False.
 
     out [B, H, Tq, D] contiguous in q's dtype; lse [B, H, Tq] float32, the natural-log log-sum-exp of
     the scaled, masked scores. `mask`: None or an additive float [B, H, Tq, Tk] (any strides).
@@ -81,25 +83,31 @@ def flash_decode(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool,
     splits = _resolve_splits(num_splits, batch * kv_heads * row_blocks, seq_k, cfg["BLOCK_N"], q.device)
     keys_per_split = _keys_per_split(seq_k, splits, cfg["BLOCK_N"])
 
-    part_acc = torch.empty(batch, heads, seq_q, splits, head_dim, device=q.device, dtype=torch.float32)
-    part_max = torch.empty(batch, heads, seq_q, splits, device=q.device, dtype=torch.float32)
-    part_sum = torch.empty_like(part_max)
     out = torch.empty(batch, heads, seq_q, head_dim, device=q.device, dtype=q.dtype)
-    lse = torch.empty(batch, heads, seq_q, device=q.device, dtype=torch.float32)
+    stats = torch.empty(batch, heads, seq_q, device=q.device, dtype=torch.float32) if lse else None
+    direct = splits == 1  # one chunk: its state is final, stored as out and lse (no workspace, no combine)
+    if direct:
+        part_acc = part_max = part_sum = out  # unread placeholders
+    else:
+        part_acc = torch.empty(batch, heads, seq_q, splits, head_dim, device=q.device, dtype=torch.float32)
+        part_max = torch.empty(batch, heads, seq_q, splits, device=q.device, dtype=torch.float32)
+        part_sum = torch.empty_like(part_max)
 
     block_d = next_power_of_2(head_dim)
     mask_arg, *mask_strides = mask_arguments(mask, q)
     launcher(_split_partials_kernel, (splits, batch * kv_heads, row_blocks), q.device)(
-        q, k, v, mask_arg, part_acc, part_max, part_sum,
+        q, k, v, mask_arg, part_acc, part_max, part_sum, out, out if stats is None else stats,
         *q.stride(), *k.stride(), *v.stride(), *mask_strides,
         heads, kv_heads, seq_q, seq_k, keys_per_split, splits, scale * math.log2(math.e),
         HAS_MASK=mask is not None, CAUSAL=causal, DOT_PRECISION=dot_precision(q.dtype),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], DIRECT=direct,
+        STORE_LSE=lse, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if direct:
+        return out, stats
     launcher(_combine_splits_kernel, (batch * heads * seq_q,), q.device)(
-        part_acc, part_max, part_sum, out, lse, splits,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=min(next_power_of_2(splits), 16), num_warps=4)
-    return out, lse
+        part_acc, part_max, part_sum, out, out if stats is None else stats, splits,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=min(next_power_of_2(splits), 16), STORE_LSE=lse, num_warps=4)
+    return out, stats
 
 
 def default_num_splits(programs_per_split: int, seq_k: int, sm_count: int = DEFAULT_SM_COUNT) -> int:
@@ -166,16 +174,18 @@ def _launch_config(q: Tensor, config: dict | None) -> dict:
 
 @triton.jit
 def _split_partials_kernel(
-        q, k, v, mask, part_acc, part_max, part_sum,
+        q, k, v, mask, part_acc, part_max, part_sum, out, lse,
         stride_qb, stride_qh, stride_qt, stride_qd,
         stride_kb, stride_kh, stride_kt, stride_kd,
         stride_vb, stride_vh, stride_vt, stride_vd,
         stride_mb, stride_mh, stride_mq, stride_mk,
         heads, kv_heads, seq_q, seq_k, keys_per_split, splits, qk_scale,
         HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        DIRECT: tl.constexpr, STORE_LSE: tl.constexpr):
     """One chunk of keys against every packed (query head, query) row of one kv head: partial
-    softmax state (unnormalised acc, max, sum; log2 domain) into the workspaces."""
+    softmax state (unnormalised acc, max, sum; log2 domain) into the workspaces; DIRECT (the only
+    chunk) normalised into out and lse as the combine kernel would."""
     split = tl.program_id(0)
     batch = tl.program_id(1) // kv_heads
     kv_head = tl.program_id(1) % kv_heads
@@ -230,15 +240,23 @@ def _split_partials_kernel(
         v_ptrs += BLOCK_N * stride_vt
         m_ptrs += BLOCK_N * stride_mk
 
-    part = (((batch * heads + head) * seq_q + query) * splits + split).to(tl.int64)
-    tl.store(part_max + part, row_max, mask=row_ok)
-    tl.store(part_sum + part, row_sum, mask=row_ok)
-    tl.store(part_acc + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None] & dim_ok[None, :])
+    if DIRECT:  # out and lse rows: (batch * heads + head) * seq_q + query, as in the combine kernel
+        row = ((batch * heads + head) * seq_q + query).to(tl.int64)
+        tl.store(out + row[:, None] * HEAD_DIM + dims[None, :], (acc / row_sum[:, None]).to(out.dtype.element_ty),
+                 mask=row_ok[:, None] & dim_ok[None, :])
+        if STORE_LSE:
+            tl.store(lse + row, (row_max + tl.log2(row_sum)) * LN2, mask=row_ok)
+    else:
+        part = (((batch * heads + head) * seq_q + query) * splits + split).to(tl.int64)
+        tl.store(part_max + part, row_max, mask=row_ok)
+        tl.store(part_sum + part, row_sum, mask=row_ok)
+        tl.store(part_acc + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None] & dim_ok[None, :])
 
 
 @triton.jit
 def _combine_splits_kernel(part_acc, part_max, part_sum, out, lse, splits,
-                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                           STORE_LSE: tl.constexpr):
     """One output row from its splits' partial states: rescale each to a common max, sum, normalise."""
     row = tl.program_id(0).to(tl.int64)  # (batch * heads + head) * seq_q + query: out's and lse's row
     dims = tl.arange(0, BLOCK_D)
@@ -265,4 +283,5 @@ def _combine_splits_kernel(part_acc, part_max, part_sum, out, lse, splits,
         run_max = new_max
 
     tl.store(out + row * HEAD_DIM + dims, (acc / run_sum).to(out.dtype.element_ty), mask=dim_ok)
-    tl.store(lse + row, (run_max + tl.log2(run_sum)) * LN2)
+    if STORE_LSE:
+        tl.store(lse + row, (run_max + tl.log2(run_sum)) * LN2)

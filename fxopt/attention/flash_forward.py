@@ -42,8 +42,9 @@ __all__ = ["flash_forward", "forward_config"]
 
 
 def flash_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool, mask: Tensor | None = None,
-                  config: dict | None = None) -> tuple[Tensor, Tensor]:
-    """Attention forward; returns (out, lse).
+                  config: dict | None = None, lse: bool = True) -> tuple[Tensor, Tensor | None]:
+    """Attention forward; returns (out, lse), or (out, None) with lse=False (inference: nothing reads
+    the statistics, so they are neither allocated nor stored).
 
     q [B, H, Tq, D]; k, v [B, Hkv, Tk, D] with H a multiple of Hkv (query head h reads kv head
     h // (H // Hkv)); any strides; float16, bfloat16 or float32. `mask`: None or an additive float
@@ -57,24 +58,24 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool
     """
     use_tma, cfg = _forward_plan((q, k, v, mask), scale, causal, frozen(config))
     if use_tma:
-        return flash_forward_tma(q, k, v, scale=scale, causal=causal, cfg=cfg)
+        return flash_forward_tma(q, k, v, scale=scale, causal=causal, cfg=cfg, store_lse=lse)
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     block_d = next_power_of_2(head_dim)
 
     out = torch.empty_like(q)  # q's memory order: [B, T, H, D] for model code's transposed views
-    lse = torch.empty(batch, heads, seq_q, device=q.device, dtype=torch.float32)
+    stats = torch.empty(batch, heads, seq_q, device=q.device, dtype=torch.float32) if lse else None
     grid = (cdiv(seq_q, block_m), batch * heads)
     launcher(_flash_forward_kernel, grid, q.device)(
-        q, k, v, *mask_arguments(mask, q), out, lse,
+        q, k, v, *mask_arguments(mask, q), out, out if stats is None else stats,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E.value,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         CAUSAL=causal, HAS_MASK=mask is not None, EVEN_M=seq_q % block_m == 0, EVEN_N=seq_k % block_n == 0,
-        EVEN_D=head_dim == block_d, DOT_PRECISION=dot_precision(q.dtype),
+        EVEN_D=head_dim == block_d, DOT_PRECISION=dot_precision(q.dtype), STORE_LSE=lse,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return out, lse
+    return out, stats
 
 
 @planned
@@ -101,7 +102,7 @@ def _flash_forward_kernel(
         num_heads, group_size, seq_q, seq_k, qk_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-        EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, STORE_LSE: tl.constexpr):
     """BLOCK_M query rows of one (batch, head) against every key they may see: out rows and lse."""
     block_m = tl.program_id(0)
     if CAUSAL:  # heaviest query blocks first
@@ -139,8 +140,9 @@ def _flash_forward_kernel(
     out = acc / row_sum[:, None]
     out_ptrs = tile_ptrs(Out + batch * stride_ob + head * stride_oh, m0, rows, stride_om, 0, dims, stride_od)
     store_tile(out_ptrs, out.to(Out.dtype.element_ty), m0 + rows, seq_q, dims, HEAD_DIM, EVEN_M, EVEN_D)
-    lse_ptrs = Lse + bh.to(tl.int64) * seq_q + m0 + rows
-    store_rows(lse_ptrs, (row_max + tl.log2(row_sum)) * LN2, m0 + rows, seq_q, EVEN_M)
+    if STORE_LSE:
+        lse_ptrs = Lse + bh.to(tl.int64) * seq_q + m0 + rows
+        store_rows(lse_ptrs, (row_max + tl.log2(row_sum)) * LN2, m0 + rows, seq_q, EVEN_M)
 
 
 @triton.jit

@@ -79,20 +79,22 @@ _DESCRIPTOR_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TensorDesc
                         if f.default is not dataclasses.MISSING} if TensorDescriptor is not None else {}
 
 
-def flash_forward_tma(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool, cfg: dict) -> tuple[Tensor, Tensor]:
+def flash_forward_tma(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool, cfg: dict,
+                      store_lse: bool = True) -> tuple[Tensor, Tensor | None]:
     """flash_forward's (out, lse) for inputs `tma_applies` accepted; cfg: BLOCK_M, BLOCK_N, num_warps,
-    num_stages (already resolved)."""
+    num_stages (already resolved); without store_lse, (out, None)."""
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     out = torch.empty_like(q)  # q's memory order, as flash_forward promises
-    lse = torch.empty(batch, heads, seq_q, device=q.device, dtype=torch.float32)
+    lse = torch.empty(batch, heads, seq_q, device=q.device, dtype=torch.float32) if store_lse else None
     grid = (cdiv(seq_q, block_m), batch * heads)
     launcher(_flash_forward_tma_kernel, grid, q.device)(
-        descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(out, block_m), lse,
+        descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(out, block_m),
+        out if lse is None else lse,
         heads, heads // kv_heads, seq_q, seq_k, scale * 1.4426950408889634,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
-        EVEN_M=seq_q % block_m == 0, EVEN_N=seq_k % block_n == 0,
+        EVEN_M=seq_q % block_m == 0, EVEN_N=seq_k % block_n == 0, STORE_LSE=store_lse,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out, lse
 
@@ -101,7 +103,7 @@ def flash_forward_tma(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: 
 def _flash_forward_tma_kernel(
         q_desc, k_desc, v_desc, o_desc, Lse, num_heads, group_size, seq_q, seq_k, qk_scale,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-        EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
+        EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, STORE_LSE: tl.constexpr):
     """BLOCK_M query rows of one (batch, head) against every key they may see: out rows and lse."""
     bh, batch, head, kv_head, m0 = query_block_program(num_heads, group_size, BLOCK_M, CAUSAL)
     causal_shift = seq_k - seq_q
@@ -121,8 +123,10 @@ def _flash_forward_tma_kernel(
 
     out = (acc / row_sum[:, None]).to(o_desc.dtype)
     o_desc.store([batch, head, m0, 0], out.reshape(1, 1, BLOCK_M, HEAD_DIM))
-    rows = tl.arange(0, BLOCK_M)
-    store_rows(Lse + bh.to(tl.int64) * seq_q + m0 + rows, (row_max + tl.log2(row_sum)) * LN2, m0 + rows, seq_q, EVEN_M)
+    if STORE_LSE:
+        rows = tl.arange(0, BLOCK_M)
+        store_rows(Lse + bh.to(tl.int64) * seq_q + m0 + rows, (row_max + tl.log2(row_sum)) * LN2, m0 + rows, seq_q,
+                   EVEN_M)
 
 
 @triton.jit

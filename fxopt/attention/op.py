@@ -109,16 +109,24 @@ def run_flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
                         causal: bool, scale_by: Optional[Tensor] = None,
                         scale_power: int = 1) -> tuple[Tensor, Tensor]:
     """The op's implementation; wrappers call it directly (codegen/direct_calls.py)."""
+    return flash_attention_impl(q, k, v, mask, scale, causal, scale_by, scale_power)
+
+
+def flash_attention_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: Optional[float],
+                         causal: bool, scale_by: Optional[Tensor] = None, scale_power: int = 1,
+                         need_lse: bool = True) -> tuple[Tensor, Optional[Tensor]]:
+    """run_flash_attention; need_lse=False (a wrapper whose graph never reads the statistics:
+    inference) returns (out, None) without allocating or storing them."""
     scale = _scale_of(q, scale, scale_by, scale_power)
     if not _kernels_take(q) or not 0 < scale < math.inf:  # (a runtime scale may be anything)
         out, lse = reference.attention(q, k, v, scale=scale, causal=causal, mask=mask)
-        return _laid_out_like(out, q), lse.contiguous()
+        return _laid_out_like(out, q), lse.contiguous() if need_lse else None
     from .flash_decode import decode_applies, flash_decode
     from .flash_forward import flash_forward
     mask = _full_mask(mask, q, k)
-    if not decode_applies(q.shape[2], k.shape[2]):
-        return _triton_call(q, flash_forward, q, k, v, scale=scale, causal=causal, mask=mask)  # already like q
-    out, lse = _triton_call(q, flash_decode, q, k, v, scale=scale, causal=causal, mask=mask)
+    if not decode_applies(q.shape[2], k.shape[2]):  # out already laid out like q
+        return _triton_call(q, flash_forward, q, k, v, scale=scale, causal=causal, mask=mask, lse=need_lse)
+    out, lse = _triton_call(q, flash_decode, q, k, v, scale=scale, causal=causal, mask=mask, lse=need_lse)
     return _laid_out_like(out, q), lse
 
 

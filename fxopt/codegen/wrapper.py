@@ -116,6 +116,10 @@ def _callee(target) -> str:
     raise NotImplementedError(f"cannot call {target!r} from the wrapper")
 
 
+def _is_flash_attention(target) -> bool:
+    return isinstance(target, torch._ops.OpOverload) and target._schema.name == "fxopt::flash_attention"
+
+
 def _last_uses(gm: fx.GraphModule) -> dict[fx.Node, list[fx.Node]]:
     """For each node, the values whose last use it is (never graph outputs)."""
     nodes = list(gm.graph.nodes)
@@ -241,7 +245,11 @@ def generate_wrapper(gm: fx.GraphModule, kernels: dict[str, Kernel], graph: str,
             elif n.target in TORCH_FUNCTIONS and (not n.kwargs or n.target in _SAME_KWARGS):
                 body += _timed([f"{n.name} = {TORCH_FUNCTIONS[n.target]}({', '.join(args)})"], n.name, profile)
             else:
-                body += _timed([f"{n.name} = {_callee(n.target)}({', '.join(args)})"], n.name, profile)
+                callee = _callee(n.target)
+                if _is_flash_attention(n.target) and all(u.target is operator.getitem and u.args[1] == 0
+                                                         for u in n.users):
+                    callee += "_out_only"  # nothing reads the log-sum-exp (inference): not made at all
+                body += _timed([f"{n.name} = {callee}({', '.join(args)})"], n.name, profile)
         elif n.op == "get_attr":
             continue  # constants are module globals, set when the wrapper is loaded
         elif n.op == "output":

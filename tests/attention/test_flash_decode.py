@@ -108,11 +108,28 @@ def test_leading_splits_fully_masked():
     check(q, k, v, causal=False, mask=pad.expand(1, 4, 1, 320), num_splits=20, config={"BLOCK_N": 16})
 
 
-def test_fully_masked_row_gives_nan_and_minus_inf_lse_like_eager():
+def test_one_split_stores_out_and_lse_itself(monkeypatch):
+    """With one chunk of keys the partial state is the final one: no workspaces and no combine launch."""
+    from fxopt.attention import flash_decode as module
+    launched = []
+    real = module.launcher
+    monkeypatch.setattr(module, "launcher",
+                        lambda kernel, grid, device: launched.append(kernel) or real(kernel, grid, device))
+    q, k, v = make_qkv(2, 4, 2, 3, 90, 32, torch.float32, seed=4)
+    check(q, k, v, causal=True, num_splits=1, config={"BLOCK_N": 16})
+    assert launched == [module._split_partials_kernel]
+    launched.clear()
+    check(q, k, v, causal=True, num_splits=3, config={"BLOCK_N": 16})
+    assert launched == [module._split_partials_kernel, module._combine_splits_kernel]
+
+
+@pytest.mark.parametrize("num_splits", [2, 1], ids=["combined", "one-split-stored-directly"])
+def test_fully_masked_row_gives_nan_and_minus_inf_lse_like_eager(num_splits):
     q, k, v = make_qkv(1, 2, 2, 2, 40, 16, torch.float32, seed=9)
     mask = torch.zeros(1, 2, 2, 40)
     mask[0, 1, 0] = float("-inf")
-    out, lse = flash_decode(q, k, v, scale=0.25, causal=False, mask=mask, num_splits=2, config={"BLOCK_N": 16})
+    out, lse = flash_decode(q, k, v, scale=0.25, causal=False, mask=mask, num_splits=num_splits,
+                            config={"BLOCK_N": 16})
     assert out[0, 1, 0].isnan().all() and lse[0, 1, 0] == float("-inf")
     assert not out[0, 0].isnan().any() and not out[0, 1, 1].isnan().any()
 
