@@ -4,6 +4,10 @@ norm backwards run without a workspace (rows kernel, combine, fix-up) and still 
 Runs in the Triton interpreter on CPU (and on CUDA where a GPU is present). COLUMN_PROGRAMS is lowered so
 that every program walks several row blocks; the shapes pick XBLOCK 1-4 in the CPU configs.
 """
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch._dynamo
@@ -136,3 +140,18 @@ def test_the_workspace_stays_where_it_does_not_raise_the_peak(device, column_con
     out = compile_fxopt(after_a_bigger_buffer)(dy, x, w, a)
     ref = rms_reference(dy, x, w)
     assert_as_accurate_as_eager(out[:2], rms_backward(dy, x, w), ref, torch.float16)
+
+
+def test_the_kernel_file_runs_all_three_launches(device, column_config, tmp_path):
+    """The runnable file explain/dumps write for a kernel launches rows, combine and fix-up in order."""
+    column_config(2, 4, 8)
+    g = torch.Generator().manual_seed(3)
+    dy, x = (torch.randn(64, 1024, generator=g).to(device) for _ in range(2))
+    w = torch.randn(1024, generator=g).to(device)
+    k = row_kernel(rms_backward, dy, x, w)
+    assert hosted(k) and k.standalone.count("[(") >= 3 and "_fixup[" in k.standalone
+    path = tmp_path / f"{k.name}.py"
+    path.write_text(k.standalone)
+    run = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, TRITON_INTERPRET="1" if device == "cpu" else "0"))
+    assert run.returncode == 0, run.stderr[-2000:]
