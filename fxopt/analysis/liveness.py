@@ -13,6 +13,7 @@ memory/size_plans.py evaluates them per distinct size.
 """
 from __future__ import annotations
 
+import itertools
 import operator
 from dataclasses import dataclass
 
@@ -184,9 +185,10 @@ def peak_headroom(gm: fx.GraphModule) -> dict[str, int]:
     if not all(isinstance(iv.nbytes, int) for iv in intervals):
         return {}
     nodes = list(gm.graph.nodes)
-    live = [0] * len(nodes)
+    change = [0] * (len(nodes) + 1)  # bytes born minus bytes freed at each position (a running sum)
     for iv in intervals:
-        for i in range(iv.first_use, iv.last_use + 1):
-            live[i] += iv.nbytes
+        change[iv.first_use] += iv.nbytes
+        change[iv.last_use + 1] -= iv.nbytes
+    live = list(itertools.accumulate(change[:-1]))
     peak = max(live, default=0)
     return {n.name: peak - live[i] for i, n in enumerate(nodes) if n.op == "call_module"}
