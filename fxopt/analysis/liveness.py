@@ -14,6 +14,7 @@ memory/size_plans.py evaluates them per distinct size.
 from __future__ import annotations
 
 import itertools
+import math
 import operator
 from dataclasses import dataclass
 
@@ -21,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from .op_classes import is_collective, is_view, is_wait, out_variant
-from .symbolic import sizes, strides
+from .symbolic import row_major_strides, sizes, strides
 
 
 @dataclass
@@ -112,8 +113,18 @@ def _read_until(node: fx.Node, position: dict) -> int:
 
 
 def _same_layout(a, b) -> bool:
-    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and sizes(a) == sizes(b)
-            and strides(a) == strides(b) and a.element_size() == b.element_size())
+    """Element i of `a` and element i of `b` at the same byte: equal sizes and strides, or both
+    row-major over the same element count (a [16, 4096] matmul result and the [1, 16, 4096] kernel
+    output it was reshaped to)."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.element_size() == b.element_size()):
+        return False
+    return (sizes(a) == sizes(b) and strides(a) == strides(b)) or (
+        _row_major(a) and _row_major(b) and math.prod(sizes(a)) == math.prod(sizes(b)))  # (size expressions:
+    # compared as sympy terms, never through SymInts, which would add a guard)
+
+
+def _row_major(t) -> bool:
+    return isinstance(t, torch.Tensor) and strides(t) == row_major_strides(sizes(t))
 
 
 def _elementwise_from(sub: fx.GraphModule, index: int) -> bool:
@@ -130,11 +141,17 @@ def _elementwise_from(sub: fx.GraphModule, index: int) -> bool:
         for u in node.users:
             if u in seen or u.op == "output":
                 continue
-            if u.op != "call_function" or classify(u) != "pointwise":
+            if u.op != "call_function" or not (classify(u) == "pointwise" or _flat_view(u)):
                 return False
             seen.add(u)
             todo.append(u)
     return True
+
+
+def _flat_view(node: fx.Node) -> bool:
+    """A view from row-major to row-major (a reshape): element i stays element i."""
+    return (is_view(node) and isinstance(node.args[0], fx.Node) and _row_major(node.args[0].meta.get("val"))
+            and _row_major(node.meta.get("val")))
 
 
 def _base(node):
@@ -149,8 +166,10 @@ def inplace_pairs(gm: fx.GraphModule, intervals: list[Interval]) -> list[tuple[s
     """(dying, born) buffers a pointwise kernel may write in place: the born buffer is the only output of
     a fused pointwise kernel; the dying one is an input of that kernel, read by nothing after it (its
     last use is this kernel), passed directly (not through a view), with the output's shape, strides and
-    element size, and it reaches the output only through pointwise ops. Both must be in `intervals`
-    (the buffers being planned); each dying buffer is taken by at most one born buffer."""
+    element size, and it reaches the output only through pointwise ops. The dying buffer is one the
+    wrapper holds alone: a kernel output, or the result of an ATen op with an out= overload (a matmul:
+    a fresh tensor, never a view of an input). Both must be in `intervals` (the buffers being
+    planned); each dying buffer is taken by at most one born buffer."""
     from ..passes.fuse import FUSED_PREFIX
     from ..passes.fuse_reductions import REDUCTION_PREFIX
 
@@ -165,7 +184,7 @@ def inplace_pairs(gm: fx.GraphModule, intervals: list[Interval]) -> list[tuple[s
         sub = gm.get_submodule(n.target)
         for i, a in enumerate(n.args):
             iv = by_name.get(a.name) if isinstance(a, fx.Node) else None
-            if (iv is None or a.name in taken or iv.last_use != position[n] or not iv.kernel
+            if (iv is None or a.name in taken or iv.last_use != position[n] or not iv.placeable
                     or iv.nbytes != by_name[n.name].nbytes or not _same_layout(a.meta.get("val"), n.meta["val"])
                     or not _elementwise_from(sub, i)
                     or any(_base(b) is a for j, b in enumerate(n.args) if j != i and b is not a)):

@@ -21,7 +21,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..analysis.liveness import tensor_bytes
+from ..analysis.liveness import buffer_intervals, inplace_pairs, tensor_bytes
 from ..analysis.op_classes import out_variant, tensor_devices
 from ..analysis.symbolic import expr, hint, pexpr, ptuple, shape_env_of, sizes, strides, symbol_bindings
 from ..report import BufferRecord, MemoryPlan
@@ -182,6 +182,9 @@ def generate_wrapper(gm: fx.GraphModule, kernels: dict[str, Kernel], graph: str,
     slots, arena_device = _arena_slots(gm, kernels, plan, mode)
     arena = "arena" if "arena" not in names.values() else "arena_"
     replaced = {dying: born for dying, born in getattr(plan, "inplace", ()) if born in slots}
+    # without an applied plan the same pairs still hold: the kernel writes into the dying buffer itself
+    reused = {} if plan is not None or mode != "triton" else \
+        {born: dying for dying, born in inplace_pairs(gm, buffer_intervals(gm))}
     dies: dict[int, list[BufferRecord]] = {}
     for rec, _ in slots.values():
         if rec.name not in replaced:  # a region written in place lives on in its successor: no poison
@@ -222,7 +225,7 @@ def generate_wrapper(gm: fx.GraphModule, kernels: dict[str, Kernel], graph: str,
                     f"  # the memory plan's arena ({plan.strategy}): {len(slots)} intermediates are views of it")
     for position, n in enumerate(gm.graph.nodes):
         if n.op == "call_module":
-            launch = _launch(n, kernels[n.target], names, mode, slots, arena, replaced, guarded)
+            launch = _launch(n, kernels[n.target], names, mode, slots, arena, replaced, guarded, reused)
             body += _timed(launch, kernels[n.target].name, profile)
         elif n in elided:
             for piece in n.users:
@@ -336,7 +339,7 @@ def _arena_view(name: str, slot, arena: str, replaced) -> str:
 
 
 def _launch(n: fx.Node, k: Kernel, names, mode: str, slots=None, arena: str = "arena",
-            replaced=None, guarded: int | None = None) -> list[str]:
+            replaced=None, guarded: int | None = None, reused=None) -> list[str]:
     """Allocate the group's outputs (planned ones as arena views) and launch its kernel (or call its
     subgraph in eager mode)."""
     val = n.meta["val"]
@@ -355,6 +358,11 @@ def _launch(n: fx.Node, k: Kernel, names, mode: str, slots=None, arena: str = "a
     for name, o in zip(outs, k.outputs):
         if slots and name in slots:
             lines.append(_arena_view(name, slots[name], arena, replaced))
+            continue
+        if reused and name in reused:  # (a reshaped matmul result: the same bytes under the output's shape)
+            dying = reused[name]
+            lines.append(f"{name} = reinterpret_tensor({dying}, {ptuple(sizes(o))}, {ptuple(strides(o))}, 0)"
+                         f"  # in place: {dying} dies at this kernel")
             continue
         lines.append(f"{name} = {allocation(o, guarded)}")
     scratch = [f"ws_{n.name}_{i}" for i in range(len(k.workspaces))]
