@@ -196,7 +196,7 @@ def _reuse(x, w):
 
 def _transposed(x, w):
     a = torch.relu(x) * 2
-    c = torch.tanh(a) + (a @ w) + a.t()  # a is read re-indexed: never in place
+    c = torch.tanh(a) + (a @ w) + a.t()  # a is read re-indexed: never in place (a @ w may be)
     return (c @ w).sum()
 
 
@@ -208,7 +208,10 @@ def test_in_place_reuse_only_where_elementwise_and_numerics_unchanged(fn, expect
     (g,) = fxopt.explain(fn, *args, memory_plan="apply").graphs
     mp = g.memory_plan
     assert validate_plan(mp) == []
-    assert bool(mp.inplace) == expect_inplace, mp
+    if expect_inplace:
+        assert mp.inplace, mp
+    else:  # `a`, read through its transpose too, is never written in place; the matmul result may be
+        assert all(dying.startswith("mm") for dying, _ in mp.inplace), mp
     for dying, born in mp.inplace:
         assert f"in place of {dying}" in g.wrapper_source
         d, b = (next(x for x in mp.buffers if x.name == n) for n in (dying, born))
