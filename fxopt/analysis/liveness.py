@@ -118,9 +118,9 @@ def _same_layout(a, b) -> bool:
     output it was reshaped to)."""
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.element_size() == b.element_size()):
         return False
+    # sizes as sympy terms, never SymInts: comparing those would add a guard
     return (sizes(a) == sizes(b) and strides(a) == strides(b)) or (
-        _row_major(a) and _row_major(b) and math.prod(sizes(a)) == math.prod(sizes(b)))  # (size expressions:
-    # compared as sympy terms, never through SymInts, which would add a guard)
+        _row_major(a) and _row_major(b) and math.prod(sizes(a)) == math.prod(sizes(b)))
 
 
 def _row_major(t) -> bool:

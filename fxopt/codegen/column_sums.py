@@ -104,8 +104,7 @@ def with_column_sums(em, prelude: list[str], xblock: int, rblock: int, warps: in
         ragged = bool(blocks % steps or em.xnumel % xblock)
         rows_per_program = str(steps * xblock)
         workspace = programs * em.rnumel * sum(acc_dtype[n].itemsize for n in cols)
-        headroom = getattr(em, "headroom", None)
-        if headroom is None or workspace > headroom:  # a workspace would raise the graph's peak
+        if em.headroom is None or workspace > em.headroom:  # a workspace would raise the graph's peak
             hosting = hosting_plan(em, cols, acc_dtype, xblock, steps, programs)
     if ragged:  # the last program runs past the rows: keep the bounds test
         prelude = [(mask_line("x", False) if line.startswith("xmask =") else line) for line in prelude]

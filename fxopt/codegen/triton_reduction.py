@@ -53,6 +53,7 @@ def _pow2(n) -> int:
 
 
 class ReductionEmitter(PointwiseEmitter):
+    headroom: int | None = None  # bytes a scratch buffer may take under the graph's peak (None: unknown)
     def __init__(self, gm: fx.GraphModule, name: str, target: str):
         super().__init__(gm, name, target)
         self.columns = column_sums(self.nodes)  # column epilogue (codegen/column_sums.py)
@@ -385,7 +386,6 @@ class ReductionEmitter(PointwiseEmitter):
 
 
 def generate_reduction_kernel(gm: fx.GraphModule, name: str, target: str, headroom: int | None = None) -> Kernel:
-    """headroom: the bytes this launch may allocate without raising the graph's peak (None: unknown)."""
     em = ReductionEmitter(gm, name, target)
     em.headroom = headroom
     return em.generate()

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch._dynamo
 
+from benchmarks.workloads_reduction import _rms_backward as rms_backward  # the hand-written RMSNorm's gradient
 import fxopt
 from fxopt.codegen import column_sums, triton_reduction
 from tests.codegen.test_column_sums import ln_backward, ln_inputs
@@ -26,16 +27,6 @@ def column_config(monkeypatch):
         monkeypatch.setattr(triton_reduction.ReductionEmitter, "_column_config",
                             lambda self, x, w: (xblock, warps, programs))
     return fix
-
-
-def rms_backward(dy, x, w):
-    """The gradient of a hand-written RMSNorm (fp32 inside, casts around) w.r.t. x and w."""
-    h = x.float()
-    rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
-    g = dy.float() * w.float()
-    dx = rstd * g - h * rstd.pow(3) * (g * h).mean(-1, keepdim=True)
-    dw = (dy.float() * (h * rstd).to(x.dtype).float()).sum(0)
-    return dx.to(x.dtype), dw.to(w.dtype)
 
 
 def rms_reference(dy, x, w):
