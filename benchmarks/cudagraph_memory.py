@@ -1,7 +1,8 @@
 """Memory held by CUDA graphs: fxopt's graphs sharing one pool vs a private pool each, with the tensors
-saved for the backward lent (default) or copied out, vs Inductor.
+saved for the backward lent (default) or copied out, the outputs a caller sees lent (default) or
+copied out, vs Inductor.
 
-    PYTHONPATH=. python -m benchmarks.cudagraph_memory [--workloads gpt_block_train_cg,gpt_block_b1_cg]
+    PYTHONPATH=. python -m benchmarks.cudagraph_memory [--workloads gpt_block_train_cg,gpt_block_b1_cg] [--configs ...]
 
 Each configuration runs in its own process (the caching allocator keeps what a process reserved): the
 workload's function compiled with CUDA graphs (fxopt `cudagraphs=True`, shared or private pools;
@@ -18,7 +19,7 @@ import sys
 
 import torch
 
-CONFIGS = ("fxopt shared pool", "fxopt saved copied", "fxopt private pools", "inductor")
+CONFIGS = ("fxopt shared pool", "fxopt outputs copied", "fxopt saved copied", "fxopt private pools", "inductor")
 
 
 def child(workload: str, config: str) -> dict:
@@ -30,6 +31,7 @@ def child(workload: str, config: str) -> dict:
     fn, inputs = w.make("cuda", torch.bfloat16, False)
     cudagraphs.SHARE_POOL = config != "fxopt private pools"
     cudagraphs.LEND_SAVED = config != "fxopt saved copied"
+    cudagraphs.LEND_OUTPUTS = config not in ("fxopt saved copied", "fxopt outputs copied")
     torch.cuda.synchronize()
     before = torch.cuda.memory_reserved()
     compiled = measure.compile_for("inductor" if config == "inductor" else "fxopt", fn, w)
@@ -48,6 +50,7 @@ def child(workload: str, config: str) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workloads", default="gpt_block_train_cg,gpt_block_b1_cg")
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"some of: {', '.join(CONFIGS)}")
     p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -55,7 +58,7 @@ def main(argv=None) -> int:
         return 0
     print(f"{'workload':20s} {'configuration':22s} {'held MiB':>9s} {'max reserved MiB':>17s} {'ms':>8s}")
     for workload in args.workloads.split(","):
-        for config in CONFIGS:
+        for config in args.configs.split(","):
             run = subprocess.run([sys.executable, "-m", "benchmarks.cudagraph_memory", "--child", workload, config],
                                  capture_output=True, text=True)
             if run.returncode != 0:

@@ -14,6 +14,11 @@ instead), so a replay never overwrites what a pending backward will read. The ba
 lent tensors where they are (Lending.pointers) instead of copying them into static buffers: saved
 activations then exist once, in the forward graph's memory, instead of three times (graph memory,
 the caller's copy, the backward's static input).
+
+The same rule lends the outputs a caller sees (`lend_users`, cudagraphs.LEND_OUTPUTS) while the
+caller lets them go before its next call (a training step's gradients, a benchmark loop): no copy, no
+allocation, no memory beyond the graph's. kept_by_caller() says when one outlived that; the graph
+then copies them instead (cudagraphs.GraphedCallable).
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ class Outputs:
     """How each output leaves the graph: copied out of graph memory (one copy per storage, so
     outputs that alias each other still do), rebuilt over the caller's input, or a plain value."""
 
-    def __init__(self, outs, inputs: list, lend: frozenset = frozenset()):
+    def __init__(self, outs, inputs: list, lend: frozenset = frozenset(), lend_users: bool = False):
         owner = {}
         for i, t in enumerate(inputs):
             if isinstance(t, torch.Tensor) and t.numel() > 0:
@@ -43,14 +48,15 @@ class Outputs:
             start -= (start - base) % 16  # so every dtype's offset into the copy stays whole
             group[base] = (len(self.srcs), start)
             self.srcs.append(_view(o.untyped_storage(), start - base, torch.uint8, (end - start,), (1,)))
-        # a storage is lent only if every output over it may be (none a user sees)
+        # a storage the user sees is lent only with lend_users; the others (saved only) when in `lend`
         users = {o.untyped_storage().data_ptr() for i, o in enumerate(outs) if i not in lend
                  and isinstance(o, torch.Tensor) and o.numel() > 0}
-        self.lendable = [base not in users for base in group]
-        lent_bases = {base for base, ok in zip(group, self.lendable) if ok}
+        self.visible = [base in users for base in group]
+        self.lendable = [lend_users or base not in users for base in group]
+        saved_bases = {base for base in group if base not in users}
         self.pointers = {o.data_ptr() for o in outs if isinstance(o, torch.Tensor) and o.numel() > 0
-                         and o.untyped_storage().data_ptr() in lent_bases}  # where a backward may read them
-        self._lent: list[StorageWeakRef] = []
+                         and o.untyped_storage().data_ptr() in saved_bases}  # where a backward may read them
+        self._lent: list[tuple[StorageWeakRef, bool]] = []  # (the lent storage, whether a user sees it)
         self.specs = []  # (kind, where, offset, dtype, shape, stride)
         for o in outs:
             if not isinstance(o, torch.Tensor):
@@ -69,18 +75,22 @@ class Outputs:
 
     def lent_alive(self) -> bool:
         """Whether a tensor lent by the last replay is still alive (the next replay would overwrite it)."""
-        if self._lent and all(ref.expired() for ref in self._lent):
+        if self._lent and all(ref.expired() for ref, _ in self._lent):
             self._lent = []
         return bool(self._lent)
+
+    def kept_by_caller(self) -> bool:
+        """Whether an output the caller sees, lent by the last replay, is still alive."""
+        return any(visible and not ref.expired() for ref, visible in self._lent)
 
     def materialize(self, args) -> tuple:
         """Outputs for this replay: copies, or lent storages for the lendable ones, then views over
         them or over the caller's inputs."""
         copies, todo, self._lent = [], [], []
-        for src, lendable in zip(self.srcs, self.lendable):
+        for src, lendable, visible in zip(self.srcs, self.lendable, self.visible):
             if lendable:
                 storage = torch._C._construct_storage_from_data_pointer(src.data_ptr(), src.device, src.numel())
-                self._lent.append(StorageWeakRef(storage))
+                self._lent.append((StorageWeakRef(storage), visible))
                 copies.append(_view(storage, 0, torch.uint8, (src.numel(),), (1,)))
             else:
                 todo.append(len(copies))

@@ -9,11 +9,14 @@ Per compiled graph (forward, backward or inference) and per input signature (sha
                          the others are copied into static buffers before each replay;
   later calls            replay. A static input at a new address is re-captured as a copied one:
                          a graph never reads memory its caller no longer means.
-Outputs are copied out of the graph's memory after every replay (the next replay overwrites it), so
-a caller's earlier results never change; an output that aliases an input is rebuilt as a view of the
-caller's tensor. The exception (cudagraph_io, LEND_SAVED): a forward graph's tensors saved for the
-backward are lent in graph memory, the forward is not replayed while any of them is alive (it runs
-uncaptured instead), and the backward graph reads them in place. The graphs of one compiled callable
+Outputs are handed out in the graph's memory, lent (cudagraph_io): the graph is not replayed over
+a lent tensor that is still alive (that call runs uncaptured instead), so a caller's earlier results
+never change; an output that aliases an input is rebuilt as a view of the caller's tensor. A forward
+graph's tensors saved for the backward are lent (LEND_SAVED), and the backward graph reads them in
+place; the outputs the caller sees are lent (LEND_OUTPUTS) until a caller keeps one alive into its
+next call (`y = f(x)` in a loop holds the last y during the call): from then on this callable's
+graphs are captured again and copy those outputs out after every replay, so keeping results costs a
+copy, not a replay. The graphs of one compiled callable
 (forward, backward, every captured shape) share one memory pool per device: the pool is as large as
 the largest graph's scratch, not their sum, plus every graph's outputs (kept alive by the graph, so
 no capture allocates over them). Safe because those graphs run one after another on one stream
@@ -46,6 +49,7 @@ _warned: set[str] = set()
 
 SHARE_POOL = True  # False: a private pool per captured graph (benchmarks/cudagraph_memory.py compares)
 LEND_SAVED = True  # False: tensors saved for the backward are copied out like every output
+LEND_OUTPUTS = True  # False: the outputs a caller sees are always copied out of graph memory
 
 
 class CudaGraphs:
@@ -195,6 +199,11 @@ class GraphedCallable:
         self.cache = SignatureCache(MAX_GRAPHS if max_graphs is None else max_graphs, self._evicted)
         # outputs saved for the backward, lent instead of copied (cudagraph_io); shared with the backward
         self.lending, self.lend = (lending if lending is not None else Lending()), (lend if LEND_SAVED else frozenset())
+        # until a caller keeps an output into its next call; a forward copying its saved tensors
+        # (LEND_SAVED off) copies every output, as before lending
+        self.lend_users = LEND_OUTPUTS and (LEND_SAVED or not lend)
+        self.kept_at: int | None = None  # the call at which one was kept
+        self.calls = 0
         self.refused: str | None = None
         self.captures = self.recaptures = self.held_back = self.workspace_retirements = 0
         self.workspaces_cleared = False  # set when someone frees cuBLAS's workspaces (cudagraph_workspaces)
@@ -204,6 +213,7 @@ class GraphedCallable:
                             f"input signature)")
 
     def __call__(self, args):
+        self.calls += 1
         if self.refused is not None:
             return self.fn(args)
         try:
@@ -222,6 +232,9 @@ class GraphedCallable:
         if cap is not None:
             moved = [i for i, ptr in cap.direct if args[i].data_ptr() != ptr]
             if not moved:
+                if cap.outputs.kept_by_caller():  # the caller keeps results: copy them from now on
+                    self._stop_lending_outputs()
+                    return self.fn(args)
                 if cap.outputs.lent_alive():  # a pending backward still reads what the last replay lent
                     self.held_back += 1
                     self._update_note()
@@ -263,7 +276,7 @@ class GraphedCallable:
             copies.append((i, buf, flat))
         graph, outs = self.backend.capture(self.fn, list(static), device)
         direct = [(i, args[i].data_ptr()) for i in tensors if i not in copied]
-        outputs = Outputs(outs, static, self.lend)
+        outputs = Outputs(outs, static, self.lend, self.lend_users)
         if self.lend:
             self.lending.outputs.add(outputs)
         return _Captured(graph, direct, copies, outputs)
@@ -278,6 +291,14 @@ class GraphedCallable:
         outs = cap.outputs.materialize(args)
         args.clear()
         return outs
+
+    def _stop_lending_outputs(self) -> None:
+        """A caller kept an output the last replay lent into this call: the graphs lent in place,
+        so each is dropped (its memory kept while what it lent lives) and captured again, after the
+        warm-up, copying the outputs a caller sees."""
+        self.lend_users, self.kept_at = False, self.calls
+        self._drop_graphs()
+        self._update_note()
 
     def _retire_all(self) -> None:
         """cuBLAS's workspaces were freed since the last call: every graph's matmuls point at freed
@@ -314,7 +335,14 @@ class GraphedCallable:
             f"input moved, all retired {self.workspace_retirements} time(s) after cuBLAS's workspaces were "
             f"freed); " + (f"tensors saved for the backward lent, not copied (held back from a replay "
                                  f"{self.held_back} time(s) while a backward was pending); other " if self.lend else "")
-            + "outputs are copied out after each replay")
+            + self._outputs_note())
+
+    def _outputs_note(self) -> str:
+        if self.lend_users:
+            return "outputs lent in graph memory (a caller keeping one into its next call switches to copies)"
+        if self.kept_at is not None:
+            return f"outputs copied out after each replay (a caller kept one into call {self.kept_at})"
+        return "outputs copied out after each replay"
 
 
 def refuse(record: GraphReport, name: str, reason: str, note: int | None = None) -> None:

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from fxopt import cudagraphs
-from test_cudagraphs import FakeGraphs
+from test_cudagraphs import FakeGraphs, boxed, graphed
 from tests.helpers import CountingBackend
 
 
@@ -117,3 +117,65 @@ def test_plain_training_loop_lends_without_holding_back(monkeypatch):
     note = _forward_note(backend)
     assert "lent, not copied (held back from a replay 0 time(s)" in note, note
     assert made[-1].captures == 2 and made[-1].replays == 8
+
+
+# ---------------------------------------------------------------- the outputs a caller sees (LEND_OUTPUTS)
+
+def test_outputs_the_caller_drops_are_lent_in_graph_memory():
+    """A loop that lets each result go before its next call gets every replay's output where the
+    graph wrote it: the same address each time, no copy, right values."""
+    w = torch.randn(8, 8)
+    g, record = graphed(boxed(lambda x, w: torch.tanh(x @ w)), FakeGraphs(), warmup=1)
+    addresses = set()
+    for step in range(6):
+        x = torch.randn(4, 8)
+        out = g([x, w])[0]
+        torch.testing.assert_close(out, torch.tanh(x @ w))
+        if step >= 1:
+            addresses.add(out.data_ptr())
+        del out
+    assert len(addresses) == 1 and g.lend_users, addresses
+    assert "outputs lent in graph memory" in record.notes[0], record.notes[0]
+
+
+def test_output_kept_into_the_next_call_never_changes_then_outputs_are_copied():
+    """`outs.append(f(x))`: the output lent by the first replay is alive at the next call, which runs
+    uncaptured instead of replaying over it; the callable then captures anew, copying its outputs, so
+    every result kept equals its own reference at the end."""
+    w = torch.randn(8, 8)
+    fake = FakeGraphs()
+    g, record = graphed(boxed(lambda x, w: torch.tanh(x @ w)), fake)
+    xs = [torch.randn(4, 8) for _ in range(9)]
+    outs = [g([x, w])[0] for x in xs]
+    for x, out in zip(xs, outs):
+        torch.testing.assert_close(out, torch.tanh(x @ w))
+    # warm-up 2, capture + replay (lent); call 4 sees it kept: uncaptured; warm-up 2, capture, 3 replays
+    assert (fake.warmups, fake.captures, fake.replays) == (4, 2, 4)
+    assert len({o.data_ptr() for o in outs[6:]}) == 3  # copies: one buffer each
+    assert not g.lend_users and "a caller kept one into call 4" in record.notes[0], record.notes[0]
+
+
+@pytest.mark.parametrize("keep_grads", [False, True], ids=["grads-dropped", "grads-kept"])
+def test_training_with_lent_gradients_equals_eager(monkeypatch, keep_grads):
+    """The backward's outputs are the gradients autograd puts in .grad. A loop that zeroes them
+    (set_to_none) lets them go: they stay lent. A loop that keeps each step's gradients (a log)
+    makes the backward copy them. Parameters, losses and every kept gradient equal eager's."""
+    compiled, model, ref, backend = _fake_training(monkeypatch)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref)]
+    logs = ([], [])
+    for step in range(6):
+        x = torch.randn(6, 8)
+        for net, m, opt, log in ((compiled, model, opts[0], logs[0]), (ref, ref, opts[1], logs[1])):
+            loss = net(x).square().mean()
+            loss.backward()
+            if keep_grads:
+                log.append([p.grad for p in m.parameters()])
+            opt.step()
+            opt.zero_grad()
+        for p, r in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, r, rtol=1e-4, atol=1e-5)
+    for mine, theirs in zip(*logs):
+        for g, r in zip(mine, theirs):
+            torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+    note = next(n for g in backend.report.graphs if g.name == "backward" for n in g.notes if "cudagraphs" in n)
+    assert ("a caller kept one" in note) == keep_grads, note
