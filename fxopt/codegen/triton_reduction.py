@@ -103,8 +103,9 @@ class ReductionEmitter(PointwiseEmitter):
                 self.is_row[n] = sizes(n.meta["val"]) == self.S and sizes(n.meta["val"]) != self.keep
             elif reduction_info(n) is not None:
                 self.is_row[n] = False
-            else:
-                self.is_row[n] = sizes(n.meta["val"]) == self.S and any(
+            else:  # row values, and column operands (`w.float()`: [M] of [N, M]) varying along the row
+                shape = sizes(n.meta["val"])
+                self.is_row[n] = (shape == self.S or shape not in (self.keep, self.drop)) and any(
                     self.is_row.get(a, a in self.row_leaves) for a in n.all_input_nodes)
 
     def _var(self, node: fx.Node) -> str:

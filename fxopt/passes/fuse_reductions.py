@@ -74,10 +74,25 @@ class _ReductionGroupSupport(OperatorSupportBase):
             return (sizes(src) in scalars and sizes(val) in scalars
                     and not self._ambiguous_row_scalar(node, sizes(val)))
         val = node.meta.get("val")
-        if not (isinstance(val, torch.Tensor) and sizes(val) in self.shapes and str(val.device) == self.device
+        if not (isinstance(val, torch.Tensor) and str(val.device) == self.device
                 and pointwise_unsupported_reason(node, self.target) is None):
             return False
+        if sizes(val) not in self.shapes:
+            return self._column_operand(node)
         return not self._ambiguous_row_scalar(node, sizes(val))
+
+    def _column_operand(self, node: fx.Node) -> bool:
+        """A pointwise op of graph inputs only whose shape the row broadcasts from the right ([M] of
+        [N, M]: `w.float()` in LayerNorm's backward). Computed in the kernel where it is read, so its
+        inputs are read once per program instead of a kernel writing the result and the row kernel
+        reading it back. Kept out of the group if anything outside it reads the value (see
+        _drop_escaping_column_operands)."""
+        shape, val = self.key[0], node.meta.get("val")
+        if not (node.op == "call_function" and not is_view(node) and reduction_info(node) is None
+                and isinstance(val, torch.Tensor) and 0 < val.dim() < len(shape)
+                and sizes(val) == shape[len(shape) - val.dim():] and node.all_input_nodes):
+            return False
+        return all(a.op in ("placeholder", "get_attr") or self._column_operand(a) for a in node.all_input_nodes)
 
     def _column_value(self, node: fx.Node) -> bool:
         """A column sum of the group's shape, or a pointwise op computed from such sums only."""
@@ -124,6 +139,7 @@ class FuseReductions:
                 continue
             _merge_column_partitions(gm, groups, [p for p in proposed if p not in groups
                                                   and any(is_column_sum_of(n, key) for n in p.nodes)])
+            _drop_escaping_column_operands(groups, key)
             for p in groups:
                 for n in p.nodes:
                     if reduction_info(n) is not None and reduction_info(n).key != key:
@@ -138,6 +154,22 @@ class FuseReductions:
         gm.graph.eliminate_dead_code()
         gm.recompile()
         return PassResult(gm, stats["groups"] > 0, stats)
+
+
+def _drop_escaping_column_operands(groups: list, key) -> None:
+    """A column operand (_ReductionGroupSupport._column_operand) read outside its group would be a
+    kernel output of a shape the row kernel does not store: it stays out (a kernel of its own)."""
+    support = _ReductionGroupSupport(key, "")
+    for p in groups:
+        changed = True
+        while changed:
+            changed = False
+            for n in list(p.nodes):
+                val = n.meta.get("val")
+                if (isinstance(val, torch.Tensor) and sizes(val) not in support.shapes
+                        and support._column_operand(n) and any(u not in p.nodes for u in n.users)):
+                    p.remove_node(n)
+                    changed = True
 
 
 def _columns_last(key) -> bool:
