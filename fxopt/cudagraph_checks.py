@@ -134,3 +134,15 @@ class SignatureCache:
 
     def __contains__(self, key):
         return key in self._items
+
+
+def saved_for_backward(gm: fx.GraphModule) -> frozenset:
+    """Positions of a forward graph's outputs that aot_autograd saves for the backward (after the
+    user's outputs, mutated inputs and intermediate bases: fw_metadata.num_forward); none if this
+    torch does not say."""
+    ctx = torch._guards.TracingContext.try_get()
+    first = getattr(getattr(ctx, "fw_metadata", None), "num_forward", None)
+    if not isinstance(first, int):
+        return frozenset()
+    outputs = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
+    return frozenset(range(first, len(outputs)))

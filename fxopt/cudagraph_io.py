@@ -57,6 +57,8 @@ class Outputs:
         self.pointers = {o.data_ptr() for o in outs if isinstance(o, torch.Tensor) and o.numel() > 0
                          and o.untyped_storage().data_ptr() in saved_bases}  # where a backward may read them
         self._lent: list[tuple[StorageWeakRef, bool]] = []  # (the lent storage, whether a user sees it)
+        self.index = 0  # capture order among the graphs sharing a pool (Lending.next_index)
+        self.owner = None  # a weak reference to the callable that replays the graph
         self.specs = []  # (kind, where, offset, dtype, shape, stride)
         for o in outs:
             if not isinstance(o, torch.Tensor):
@@ -140,6 +142,17 @@ class Lending:
     def __init__(self):
         self.outputs: "weakref.WeakSet[Outputs]" = weakref.WeakSet()
         self.retired: list = []
+        self.captured = 0
+
+    def next_index(self) -> int:
+        self.captured += 1
+        return self.captured
+
+    def alive_after(self, index: int) -> list["Outputs"]:
+        """The outputs of graphs captured after graph `index` (in a shared pool) with a lent tensor
+        alive. A later capture takes its memory from what the pool had free, which includes the
+        scratch of every earlier graph: replaying the earlier graph may overwrite what it lent."""
+        return [o for o in list(self.outputs) if o.index > index and o.lent_alive()]
 
     def pointers(self) -> set[int]:
         return {p for o in list(self.outputs) for p in o.pointers}

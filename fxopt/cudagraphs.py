@@ -10,18 +10,18 @@ Per compiled graph (forward, backward or inference) and per input signature (sha
   later calls            replay. A static input at a new address is re-captured as a copied one:
                          a graph never reads memory its caller no longer means.
 Outputs are handed out in the graph's memory, lent (cudagraph_io): the graph is not replayed over
-a lent tensor that is still alive (that call runs uncaptured instead), so a caller's earlier results
-never change; an output that aliases an input is rebuilt as a view of the caller's tensor. A forward
-graph's tensors saved for the backward are lent (LEND_SAVED), and the backward graph reads them in
-place; the outputs the caller sees are lent (LEND_OUTPUTS) until a caller keeps one alive into its
-next call (`y = f(x)` in a loop holds the last y during the call): from then on this callable's
-graphs are captured again and copy those outputs out after every replay, so keeping results costs a
-copy, not a replay. The graphs of one compiled callable
-(forward, backward, every captured shape) share one memory pool per device: the pool is as large as
-the largest graph's scratch, not their sum, plus every graph's outputs (kept alive by the graph, so
-no capture allocates over them). Safe because those graphs run one after another on one stream
-(autograd runs a backward on its forward's stream) and the only pool memory one reads that another
-wrote is lent memory, which no replay touches while it is lent. The callable holds the pool for its
+a lent tensor that is still alive (that call runs uncaptured), so a caller's earlier results never
+change; an output aliasing an input is rebuilt as a view of the caller's tensor. A forward's tensors
+saved for the backward are lent (LEND_SAVED) and the backward reads them in place; the outputs a
+caller sees are lent (LEND_OUTPUTS) until a caller keeps one alive into a later call (`y = f(x)` in a
+loop holds the last y during the call): that callable's graphs are then captured again, copying them.
+The graphs of one compiled callable (forward, backward, every shape) share one memory pool per
+device: as large as the largest graph's scratch plus every graph's outputs (kept alive by the graph,
+so no later capture allocates over them). A later capture may take its outputs from an earlier
+graph's scratch, so a graph is not replayed while a tensor lent by a graph captured after it is
+alive (Lending.alive_after): it is captured again around that memory. Replays run one after another
+on one stream (autograd runs a backward on its forward's stream), so scratch is otherwise free.
+The callable holds the pool for its
 lifetime as a `torch.cuda.MemPool` plus an anchor graph captured into it: the device allocator counts
 the MemPool as a user, but torch 2.11's pinned-host allocator counts only captured graphs and refuses
 (`use_count > 0` assertion) a capture into a pool whose graphs were all destroyed, which is what a
@@ -30,6 +30,7 @@ re-capture (the old graph is dropped first) or an eviction would otherwise do.
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import torch
 import torch.fx as fx
@@ -38,7 +39,7 @@ from . import cudagraph_workspaces
 from .compile import choose_target
 from .analysis.op_classes import is_cpu_scalar
 from .cudagraph_checks import (MAX_GRAPHS, Refused, SignatureCache, mutated_inputs,
-                               refusal_reason, signature)
+                               refusal_reason, saved_for_backward, signature)
 from .cudagraph_io import Lending, Outputs, static_buffer
 from .options import Environment
 from .report import GraphReport
@@ -57,14 +58,8 @@ class CudaGraphs:
     memory pool per device (see the module docstring)."""
 
     cpu_ok = False
-    # the side streams per device: (device, "warmup") and (device, "capture"). Captures get a stream of
-    # their own because cuBLAS keeps a workspace per (handle, stream), allocated at the stream's first
-    # matmul: on a stream only captures use, that is inside a capture, so in the graphs' pool, which
-    # holds it as long as the graphs live. On the warm-up stream it came from the general allocator,
-    # and a graph captured there read memory that anyone clearing the workspaces (Inductor's CUDA-graph
-    # trees do, at every warm-up and recording) gave back: on the H200 a process that ran Inductor's
-    # reduce-overhead training step next to fxopt's then failed in fxopt's backward replay
-    # ("unspecified launch failure").
+    # the side streams per device, (device, "warmup") and (device, "capture"): cuBLAS keeps a workspace
+    # per (handle, stream), so captures on a stream of their own keep theirs in the pool (ARCHITECTURE.md)
     _streams: dict[tuple, torch.cuda.Stream] = {}
 
     def __init__(self, share_pool: bool | None = None):
@@ -205,7 +200,7 @@ class GraphedCallable:
         self.kept_at: int | None = None  # the call at which one was kept
         self.calls = 0
         self.refused: str | None = None
-        self.captures = self.recaptures = self.held_back = self.workspace_retirements = 0
+        self.captures = self.recaptures = self.held_back = self.workspace_retirements = self.overlaps = 0
         self.workspaces_cleared = False  # set when someone frees cuBLAS's workspaces (cudagraph_workspaces)
         cudagraph_workspaces.watch(self)
         self._note = len(record.notes)
@@ -239,7 +234,12 @@ class GraphedCallable:
                     self.held_back += 1
                     self._update_note()
                     return self.fn(args)
-                return self._replay(cap, args, device)
+                later = self.lending.alive_after(cap.outputs.index) if getattr(self.backend, "share_pool", True) else []
+                if not later:
+                    return self._replay(cap, args, device)
+                self.overlaps += 1  # captured again below, around what the later graphs lent
+                if self._give_way(later):
+                    return self.fn(args)
             entry.moved.update(moved)
             self.lending.retire(cap)
             entry.captured, cap = None, None
@@ -277,7 +277,8 @@ class GraphedCallable:
         graph, outs = self.backend.capture(self.fn, list(static), device)
         direct = [(i, args[i].data_ptr()) for i in tensors if i not in copied]
         outputs = Outputs(outs, static, self.lend, self.lend_users)
-        if self.lend:
+        outputs.index, outputs.owner = self.lending.next_index(), weakref.ref(self)
+        if any(outputs.lendable):
             self.lending.outputs.add(outputs)
         return _Captured(graph, direct, copies, outputs)
 
@@ -292,11 +293,24 @@ class GraphedCallable:
         args.clear()
         return outs
 
-    def _stop_lending_outputs(self) -> None:
+    def _give_way(self, later: list) -> bool:
+        """This graph may not replay over what graphs captured after it lent (Lending.alive_after):
+        it is captured again, around that memory. A callable whose caller keeps such an output stops
+        lending them (else the two would take turns re-capturing); True if that dropped this
+        callable's own graphs (the call then runs uncaptured)."""
+        switched = set()
+        for o in later:
+            owner = o.owner() if o.owner is not None else None
+            if owner is not None and owner.lend_users and o.kept_by_caller():
+                owner._stop_lending_outputs(owner.calls if owner is self else owner.calls + 1)
+                switched.add(id(owner))
+        return id(self) in switched
+
+    def _stop_lending_outputs(self, since: int | None = None) -> None:
         """A caller kept an output the last replay lent into this call: the graphs lent in place,
         so each is dropped (its memory kept while what it lent lives) and captured again, after the
         warm-up, copying the outputs a caller sees."""
-        self.lend_users, self.kept_at = False, self.calls
+        self.lend_users, self.kept_at = False, self.calls if since is None else since
         self._drop_graphs()
         self._update_note()
 
@@ -331,8 +345,8 @@ class GraphedCallable:
     def _update_note(self) -> None:
         self.record.notes[self._note] = (
             f"cudagraphs: captured {self.captures} graph(s) ({len(self.cache)} kept of at most "
-            f"{self.cache.maxsize}, {self.cache.evicted} evicted, {self.recaptures} re-captured after a static "
-            f"input moved, all retired {self.workspace_retirements} time(s) after cuBLAS's workspaces were "
+            f"{self.cache.maxsize}, {self.cache.evicted} evicted, {self.recaptures - self.overlaps} re-captured after a "
+            f"static input moved, {self.overlaps} around memory a later graph lent, all retired {self.workspace_retirements} time(s) after cuBLAS's workspaces were "
             f"freed); " + (f"tensors saved for the backward lent, not copied (held back from a replay "
                                  f"{self.held_back} time(s) while a backward was pending); other " if self.lend else "")
             + self._outputs_note())
@@ -341,7 +355,7 @@ class GraphedCallable:
         if self.lend_users:
             return "outputs lent in graph memory (a caller keeping one into its next call switches to copies)"
         if self.kept_at is not None:
-            return f"outputs copied out after each replay (a caller kept one into call {self.kept_at})"
+            return f"outputs copied out after each replay (since call {self.kept_at}: a caller kept one)"
         return "outputs copied out after each replay"
 
 
@@ -379,14 +393,3 @@ def graphed_compiler(compiler, report, options):
 
     return compile_graph
 
-
-def saved_for_backward(gm: fx.GraphModule) -> frozenset:
-    """Positions of a forward graph's outputs that aot_autograd saves for the backward (after the
-    user's outputs, mutated inputs and intermediate bases: fw_metadata.num_forward); none if this
-    torch does not say."""
-    ctx = torch._guards.TracingContext.try_get()
-    first = getattr(getattr(ctx, "fw_metadata", None), "num_forward", None)
-    if not isinstance(first, int):
-        return frozenset()
-    outputs = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
-    return frozenset(range(first, len(outputs)))

@@ -97,8 +97,9 @@ def test_forward_evicted_while_its_backward_is_pending(monkeypatch):
 
 
 def test_plain_training_loop_lends_without_holding_back(monkeypatch):
-    """forward, backward, step: the lent tensors die in the backward, so every forward replays (two
-    captures in all, no re-capture) and the backward reads them where the forward left them."""
+    """zero_grad, forward, backward, step: the lent tensors die in the backward and the lent
+    gradients at the next zero_grad, so every forward replays (two captures in all, no re-capture)
+    and the backward reads them where the forward left them."""
     made = []
 
     class Recording(FakeGraphs):
@@ -110,13 +111,36 @@ def test_plain_training_loop_lends_without_holding_back(monkeypatch):
     compiled = torch.compile(model, backend=backend)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(6):
-        loss = compiled(torch.randn(6, 8)).square().mean()
         opt.zero_grad()
+        loss = compiled(torch.randn(6, 8)).square().mean()
         loss.backward()
         opt.step()
     note = _forward_note(backend)
     assert "lent, not copied (held back from a replay 0 time(s)" in note, note
+    assert "0 around memory a later graph lent" in note, note
     assert made[-1].captures == 2 and made[-1].replays == 8
+
+
+def test_gradients_alive_at_the_next_forward_make_the_backward_copy_them(monkeypatch):
+    """forward, zero_grad, backward, step: the gradients the backward lent (now .grad) are alive
+    when the next forward replays, and the backward graph was captured after the forward, so its
+    outputs may lie in the forward's scratch (a shared pool): the forward is captured again around
+    them, and the backward, whose caller keeps its outputs, copies them from then on. Parameters
+    equal eager's at every step."""
+    compiled, model, ref, backend = _fake_training(monkeypatch)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
+    for step in range(7):
+        x = torch.randn(6, 8)
+        for net, opt in ((compiled, opts[0]), (ref, opts[1])):
+            loss = net(x).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        for p, r in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, r, rtol=1e-4, atol=1e-5)
+    backward = next(n for g in backend.report.graphs if g.name == "backward" for n in g.notes if "cudagraphs" in n)
+    assert "1 around memory a later graph lent" in _forward_note(backend), _forward_note(backend)
+    assert "outputs copied out after each replay (since call 4: a caller kept one)" in backward, backward
 
 
 # ---------------------------------------------------------------- the outputs a caller sees (LEND_OUTPUTS)
@@ -152,7 +176,7 @@ def test_output_kept_into_the_next_call_never_changes_then_outputs_are_copied():
     # warm-up 2, capture + replay (lent); call 4 sees it kept: uncaptured; warm-up 2, capture, 3 replays
     assert (fake.warmups, fake.captures, fake.replays) == (4, 2, 4)
     assert len({o.data_ptr() for o in outs[6:]}) == 3  # copies: one buffer each
-    assert not g.lend_users and "a caller kept one into call 4" in record.notes[0], record.notes[0]
+    assert not g.lend_users and "since call 4: a caller kept one" in record.notes[0], record.notes[0]
 
 
 @pytest.mark.parametrize("keep_grads", [False, True], ids=["grads-dropped", "grads-kept"])
