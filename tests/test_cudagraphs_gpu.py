@@ -157,8 +157,8 @@ def test_cuda_graphs_training_reports_forward_and_backward_captured():
     opts = Options(cudagraphs=True)
     compiled = torch.compile(model, backend=lambda gm, ex: compile_dynamo_graph(gm, ex, opts, rep))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    for _ in range(5):
-        loss = compiled(torch.randn(4, 32, device="cuda")).square().mean()
+    for _ in range(8):  # zero_grad after the forward: the backward switches to copies at call 4, then
+        loss = compiled(torch.randn(4, 32, device="cuda")).square().mean()  # warms up and captures again
         opt.zero_grad()
         loss.backward()
         opt.step()
