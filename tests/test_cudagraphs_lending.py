@@ -203,3 +203,62 @@ def test_training_with_lent_gradients_equals_eager(monkeypatch, keep_grads):
             torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
     note = next(n for g in backend.report.graphs if g.name == "backward" for n in g.notes if "cudagraphs" in n)
     assert ("a caller kept one" in note) == keep_grads, note
+
+
+# ---------------------------------------------------------------- one pool: the capture-order rule
+
+class PoolGraphs(FakeGraphs):
+    """FakeGraphs whose graphs share one pool the way CUDA graphs do: a graph captured later may have
+    taken its outputs from an earlier graph's scratch, so replaying a graph fills the outputs of every
+    graph captured after it with NaN (what its scratch writes would do there)."""
+
+    def __init__(self):
+        super().__init__()
+        self.order = []
+
+    def capture(self, fn, args, device):
+        graph, outs = super().capture(fn, args, device)
+        self.order.append(graph)
+        return graph, outs
+
+    def replay(self, graph, device):
+        later = self.order[next(i for i, g in enumerate(self.order) if g is graph) + 1:]
+        for _, _, outs in later:
+            for o in outs:
+                if isinstance(o, torch.Tensor):
+                    o.fill_(float("nan") if o.dtype.is_floating_point else -7)
+        super().replay(graph, device)
+
+
+@pytest.mark.parametrize("loop", ["two-forwards-then-backwards", "retained-graph", "zero-grad-after-forward"])
+def test_no_replay_overwrites_what_a_later_graph_lent(monkeypatch, loop):
+    """The H200 found wrong gradients here once outputs were lent: a forward captured again after its
+    backward put the tensors it lends the backward in the backward's scratch. With the rule (no
+    replay while a graph captured later has a lent tensor alive; captured again instead), losses and
+    gradients equal eager's in every loop, and no NaN from PoolGraphs reaches them."""
+    compiled, model, ref, backend = _fake_training(monkeypatch)
+    monkeypatch.setattr(cudagraphs, "CudaGraphs", PoolGraphs)
+    compiled = torch.compile(model, backend=backend)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
+    for step in range(8):
+        xs = [torch.randn(6, 8) for _ in range(2)]
+        for net, m, opt in ((compiled, model, opts[0]), (ref, ref, opts[1])):
+            if loop == "two-forwards-then-backwards":
+                m.zero_grad()
+                losses = [net(x).square().mean() for x in xs]
+                for loss in reversed(losses):
+                    loss.backward()
+            elif loop == "retained-graph":
+                m.zero_grad()
+                first = net(xs[0]).square().mean()
+                first.backward(retain_graph=True)
+                second = net(xs[1]).square().mean()
+                first.backward()
+                second.backward()
+            else:
+                loss = net(xs[0]).square().mean()
+                opt.zero_grad()
+                loss.backward()
+            opt.step()
+        for p, r in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, r, rtol=1e-4, atol=1e-5)
