@@ -5,6 +5,8 @@ This is the capability side of fusion: the pass asks here, codegen implements ex
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.fx as fx
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
@@ -84,13 +86,49 @@ def is_view(node: fx.Node) -> bool:
 
 
 # ATen calls whose result the wrapper can place itself (memory_plan="apply"): op -> its out= overload.
-# The matmuls: the largest activations of a transformer that are not fused kernels' outputs.
+# The matmuls (the largest activations of a transformer that are not fused kernels' outputs) by name;
+# any other op through its schema (_schema_out_overload).
 OUT_VARIANTS = {aten.mm.default: aten.mm.out, aten.addmm.default: aten.addmm.out, aten.bmm.default: aten.bmm.out}
+_OUT_CLASSES = ("pointwise", "reduction", "matmul", "other")  # not views, random, creation, collectives, fxopt
 
 
 def out_variant(node: fx.Node):
-    """The out= overload the wrapper calls for this node when the plan places its result, or None."""
-    return OUT_VARIANTS.get(node.target) if node.op == "call_function" else None
+    """The out= overload the wrapper calls for this node when the plan places its result, or None: an
+    ATen op returning one fresh tensor on its inputs' device, with an out= overload taking the same
+    arguments plus `out`."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return None
+    if node.target in OUT_VARIANTS:
+        return OUT_VARIANTS[node.target]
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or classify(node) not in _OUT_CLASSES:
+        return None
+    if any(isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].device != val.device
+           for a in node.all_input_nodes):
+        return None
+    return _schema_out_overload(node.target)
+
+
+@functools.lru_cache(maxsize=None)
+def _schema_out_overload(op):
+    """`aten.cumsum.out` for `aten.cumsum.default`, `aten.add.out` for `aten.add.Tensor`: the overload
+    of the same packet whose arguments are op's (names and types) plus one `out`, returning one tensor.
+    None for an op that writes an input or returns an alias (its result is not a fresh tensor)."""
+    schema = op._schema
+    if len(schema.returns) != 1 or schema.returns[0].alias_info is not None or any(
+            a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+        return None
+    for name in ("out", f"{op._overloadname}_out"):
+        try:
+            cand = getattr(op.overloadpacket, name)
+        except AttributeError:
+            continue
+        args = cand._schema.arguments
+        outs = [a for a in args if a.is_out]
+        if len(outs) == 1 and len(cand._schema.returns) == 1 and [
+                (a.name, str(a.type)) for a in args if not a.is_out] == [(a.name, str(a.type)) for a in schema.arguments]:
+            return cand
+    return None
 
 
 COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "c10d", "_dtensor")
