@@ -158,6 +158,10 @@ class Lending:
         return {p for o in list(self.outputs) for p in o.pointers}
 
     def retire(self, captured) -> None:
-        self.retired = [c for c in self.retired if c.outputs.lent_alive()]
+        self.prune()
         if captured is not None and captured.outputs.lent_alive():
             self.retired.append(captured)
+
+    def prune(self) -> None:
+        """Let go of retired graphs whose lent tensors all died (their memory returns to the pool)."""
+        self.retired = [c for c in self.retired if c.outputs.lent_alive()]

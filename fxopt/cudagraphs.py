@@ -209,6 +209,8 @@ class GraphedCallable:
 
     def __call__(self, args):
         self.calls += 1
+        if self.lending.retired:  # a graph dropped while it lent: kept only as long as that lives
+            self.lending.prune()
         if self.refused is not None:
             return self.fn(args)
         try:

@@ -262,3 +262,18 @@ def test_no_replay_overwrites_what_a_later_graph_lent(monkeypatch, loop):
             opt.step()
         for p, r in zip(model.parameters(), ref.parameters()):
             torch.testing.assert_close(p, r, rtol=1e-4, atol=1e-5)
+
+
+def test_a_graph_dropped_while_its_output_lives_is_let_go_when_the_output_dies():
+    """A callable switched to copies keeps the graph that lent a still-alive output (its memory
+    must not be reused under it), and lets it go at the first call after that output died."""
+    g, _ = graphed(boxed(lambda x: x * 2), FakeGraphs(), warmup=1)
+    x = torch.randn(4)
+    g([x])
+    kept = g([x])[0]  # captured and replayed: lent
+    g([x])  # kept into this call: the callable switches to copies, the lending graph is retired
+    assert len(g.lending.retired) == 1 and not g.lend_users
+    torch.testing.assert_close(kept, x * 2)
+    del kept
+    g([x])
+    assert g.lending.retired == []

@@ -138,12 +138,14 @@ def _last_uses(gm: fx.GraphModule) -> dict[fx.Node, list[fx.Node]]:
 def _arena_slots(gm: fx.GraphModule, kernels: dict[str, Kernel], plan: MemoryPlan | None,
                  mode: str) -> tuple[dict[str, tuple[BufferRecord, object]], torch.device | None]:
     """The planned buffers the wrapper places in the arena: kernel outputs and out=-capable ATen results
-    named in the plan whose compiled layout spans exactly the planned bytes, on one device (the first
-    such output's)."""
+    named in the plan whose compiled layout spans exactly the planned bytes, on one device (the kernels'
+    if any: an ATen result on the CPU, a scalar in a CUDA graph, does not pick it)."""
     if plan is None or mode != "triton" or not plan.buffers:
         return {}, None
     records = {b.name: b for b in plan.buffers}
-    slots, device = {}, None
+    device = next((kernels[n.target].outputs[0].device for n in gm.graph.nodes
+                   if n.op == "call_module" and kernels[n.target].outputs), None)
+    slots = {}
     for n in gm.graph.nodes:
         if out_variant(n) is not None and isinstance(n.meta.get("val"), torch.Tensor):
             named = [(n.name, n.meta["val"])]  # an ATen call the wrapper makes through its out= overload
