@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import fxopt
+from tests.codegen.test_reductions import schedule  # noqa: F401 (the fixture forcing each schedule)
 from tests.helpers import assert_close_to_reference, compile_fxopt, to64
 
 
@@ -71,3 +72,18 @@ def test_square_rows_keep_the_operand_out():
     assert len(_kernels(_ln_by_hand, x, w, b)) > 1
     assert_close_to_reference(compile_fxopt(_ln_by_hand)(x, w, b), _ln_by_hand(*map(to64, (x, w, b))),
                               torch.bfloat16)
+
+
+def _weighted_row_sum(x, w):
+    return (x.float() * w.float()).sum(-1)
+
+
+def test_every_schedule_computes_the_operand_where_it_reads_it(schedule):
+    """Persistent, looped and split (rows cut into chunks, partial sums combined) kernels: the cast
+    of w is one of the group's ops in each, and the sums equal float64 eager's."""
+    torch.manual_seed(0)
+    x, w = torch.randn(7, 37, dtype=torch.bfloat16), torch.randn(37, dtype=torch.bfloat16)
+    kernels = _kernels(_weighted_row_sum, x, w)
+    assert len(kernels) == 1 and kernels[0].schedule.startswith(schedule), [(k.name, k.schedule) for k in kernels]
+    assert_close_to_reference(compile_fxopt(_weighted_row_sum)(x, w), _weighted_row_sum(x.double(), w.double()),
+                              torch.float32)
