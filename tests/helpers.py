@@ -50,3 +50,13 @@ def compile_fxopt(fn, **options):
 def kernel_count(fn, *inputs, graph="forward", **options) -> int:
     rep = fxopt.explain(fn, *inputs, **options)
     return sum(1 for k in rep.kernels if k.graph in (graph, "inference"))
+
+
+def retained_graph_step(net, x1, x2) -> None:
+    """backward(retain_graph=True) of one loss, another forward, then the first loss's backward again
+    and the second's: what CUDA-graph lending must survive (tests/test_cudagraphs*.py)."""
+    first = net(x1).square().mean()
+    first.backward(retain_graph=True)
+    second = net(x2).square().mean()
+    first.backward()
+    second.backward()

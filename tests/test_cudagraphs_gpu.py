@@ -18,6 +18,7 @@ import fxopt
 from fxopt import cudagraphs
 from fxopt.options import Options
 from test_cudagraphs import boxed, graphed
+from tests.helpers import retained_graph_step
 
 gpu = pytest.mark.gpu
 
@@ -325,11 +326,7 @@ def _accumulating_steps(compiled, model, ref, steps=4, retain=False):
         for m, net in ((model, compiled), (ref, ref)):
             m.zero_grad()
             if retain:
-                first = net(xs[0]).square().mean()
-                first.backward(retain_graph=True)
-                second = net(xs[1]).square().mean()
-                first.backward()
-                second.backward()
+                retained_graph_step(net, *xs)
             else:
                 losses = [net(x).square().mean() for x in xs]
                 for loss in losses:

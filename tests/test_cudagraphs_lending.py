@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from fxopt import cudagraphs
 from test_cudagraphs import FakeGraphs, boxed, graphed
-from tests.helpers import CountingBackend
+from tests.helpers import CountingBackend, retained_graph_step
 
 
 @pytest.fixture(autouse=True)
@@ -74,11 +74,7 @@ def test_retained_graph_read_again_after_another_forward(monkeypatch):
         x1, x2 = torch.randn(6, 8), torch.randn(6, 8)
         for m, net in ((model, compiled), (ref, ref)):
             m.zero_grad()
-            first = net(x1).square().mean()
-            first.backward(retain_graph=True)
-            second = net(x2).square().mean()
-            first.backward()
-            second.backward()
+            retained_graph_step(net, x1, x2)
         for g, r in zip(_grads(model), _grads(ref)):
             torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
 
@@ -250,11 +246,7 @@ def test_no_replay_overwrites_what_a_later_graph_lent(monkeypatch, loop):
                     loss.backward()
             elif loop == "retained-graph":
                 m.zero_grad()
-                first = net(xs[0]).square().mean()
-                first.backward(retain_graph=True)
-                second = net(xs[1]).square().mean()
-                first.backward()
-                second.backward()
+                retained_graph_step(net, *xs)
             else:
                 loss = net(xs[0]).square().mean()
                 opt.zero_grad()
