@@ -1,19 +1,27 @@
-"""Cross-entropy over large vocabularies as two Triton kernels, with no [N, V] intermediate.
+"""Cross-entropy over large vocabularies as Triton kernels, with no [N, V] intermediate.
 
 Forward: one program per row walks the vocabulary BLOCK_V logits at a time and keeps an online
 log-sum-exp in float32: the row's running max m (a scalar, one block max per step) and, per lane, the
 running sum of exp(x - m), rescaled by exp(m_old - m_new) when a block raises the max. That is one
-exp per logit and one read of the logits. The target's logit is one scalar load. It writes the row's
-loss lse - x[target] and lse itself (float32), which is all the backward needs.
+exp per logit and one read of the logits. It writes the row's lse (and, for reduction="none", the
+row's loss lse - x[target], the op's output). Then one small program finishes the call: it counts the
+rows that are not ignored and, for "mean" and "sum", adds up lse - x[target] over them (one scalar
+load of a logit per row) into the 0-d loss.
 
 Backward: grad[i, j] = (softmax(x_i)_j - [j == t_i]) * scale_i, with softmax recomputed from the
 saved lse in the same single pass that writes the gradient: one read of the logits, one write of the
-gradient, in the logits' dtype. Eager PyTorch instead keeps log_softmax [N, V] for the backward and
-materialises its gradient [N, V] as well.
+gradient, in the logits' dtype. scale_i is the upstream gradient (divided by the kept-row count for
+"mean"), read and divided inside the kernel. Eager PyTorch instead keeps log_softmax [N, V] for the
+backward and materialises its gradient [N, V] as well.
+
+Allocations: the forward makes two tensors (the loss, and `stats` = [lse of each row, kept-row count],
+float32 [N + 1], saved for the backward), the backward one (the gradient): the count, the division
+and the scale cast are not tensors of their own (issue 5: fewer allocator requests than eager).
 
 Ignored rows (target == ignore_index) are not read at all: their loss is 0, their lse is stored as
 -inf, and their gradient row is written as zeros. A target outside [0, V) that is not ignore_index
-gives a NaN loss (eager raises; a kernel cannot, without a host sync).
+gives a NaN loss (eager raises; a kernel cannot, without a host sync). The count is a float32: exact
+up to 2**24 kept rows.
 
 Next step (not done): when the op owns its logits (a matmul output no one else reads), the backward
 could write the gradient into the logits' own buffer, so the whole loss holds one [N, V] buffer.
@@ -43,40 +51,50 @@ def row_config(n_cols: int, device_type: str, block_v: int | None = None) -> dic
     return dict(BLOCK_V=block, num_warps=8 if block >= 2048 else 4)
 
 
-def cross_entropy_rows(logits: Tensor, target: Tensor, ignore_index: int,
-                       block_v: int | None = None) -> tuple[Tensor, Tensor]:
-    """Per-row (loss, lse), both float32 [N]. logits [N, V] fp32/bf16/fp16 with a contiguous last dim
-    (any row stride); target int64 [N]."""
+REDUCTION_MODES = {"mean": 0, "sum": 1, "none": 2}  # the kernels' REDUCTION constexpr
+FINAL_BLOCK_R = 1024  # rows per step of the program that finishes the forward
+
+
+def cross_entropy_forward(logits: Tensor, target: Tensor, ignore_index: int, reduction: str,
+                          block_v: int | None = None) -> tuple[Tensor, Tensor]:
+    """(loss, stats): loss float32, 0-d for "mean"/"sum" or [N] for "none"; stats float32 [N + 1],
+    each row's lse (-inf when ignored) then the number of rows not ignored. logits [N, V]
+    fp32/bf16/fp16 with a contiguous last dim (any row stride); target int64 [N]."""
     _check(logits, target)
     logits = _rows_contiguous(logits)
     n_rows, n_cols = logits.shape
-    loss = torch.empty(n_rows, device=logits.device, dtype=torch.float32)
-    lse = torch.empty(n_rows, device=logits.device, dtype=torch.float32)
-    if n_rows == 0:
-        return loss, lse
-    cfg = row_config(n_cols, logits.device.type, block_v)
-    launcher(_forward_kernel, (n_rows,), logits.device, "fxopt cross_entropy")(
-        logits, target, loss, lse, logits.stride(0), n_cols, ignore_index,
-        BLOCK_V=cfg["BLOCK_V"], num_warps=cfg["num_warps"])
-    return loss, lse
+    mode = REDUCTION_MODES[reduction]
+    loss = torch.empty((n_rows,) if reduction == "none" else (), device=logits.device, dtype=torch.float32)
+    stats = torch.empty(n_rows + 1, device=logits.device, dtype=torch.float32)
+    if n_rows:
+        cfg = row_config(n_cols, logits.device.type, block_v)
+        launcher(_forward_kernel, (n_rows,), logits.device, "fxopt cross_entropy")(
+            logits, target, loss, stats, logits.stride(0), n_cols, ignore_index,
+            WRITE_ROWS=reduction == "none", BLOCK_V=cfg["BLOCK_V"], num_warps=cfg["num_warps"])
+    block_r = min(FINAL_BLOCK_R, next_power_of_2(max(n_rows, 1)))
+    launcher(_finish_kernel, (1,), logits.device, "fxopt cross_entropy")(
+        logits, target, stats, loss, logits.stride(0), n_rows, n_cols, ignore_index,
+        REDUCTION=mode, BLOCK_R=block_r, num_warps=4)
+    return loss, stats
 
 
-def cross_entropy_grad(logits: Tensor, target: Tensor, lse: Tensor, scale: Tensor, ignore_index: int,
-                       block_v: int | None = None) -> Tensor:
-    """grad_logits [N, V] (contiguous, logits' dtype) = (softmax - onehot(target)) * scale per row.
-    `scale`: float32, 0-d (one factor for every row: "mean" and "sum") or [N] ("none")."""
+def cross_entropy_grad(logits: Tensor, target: Tensor, stats: Tensor, grad_loss: Tensor, ignore_index: int,
+                       reduction: str, block_v: int | None = None) -> Tensor:
+    """grad_logits [N, V] (contiguous, logits' dtype) = (softmax - onehot(target)) * scale per row, from
+    the forward's `stats` and the loss's gradient `grad_loss` (0-d for "mean"/"sum", [N] with any
+    stride for "none"; any float dtype: read as float32)."""
     _check(logits, target)
     logits = _rows_contiguous(logits)
     n_rows, n_cols = logits.shape
     grad = torch.empty(n_rows, n_cols, device=logits.device, dtype=logits.dtype)
     if n_rows == 0:
         return grad
-    scale = scale.to(torch.float32)
-    scale_stride = 0 if scale.dim() == 0 else scale.stride(0)
+    grad_stride = grad_loss.stride(0) if reduction == "none" else 0
     cfg = row_config(n_cols, logits.device.type, block_v)
     launcher(_backward_kernel, (n_rows,), logits.device, "fxopt cross_entropy")(
-        logits, target, lse, scale, grad, logits.stride(0), grad.stride(0), scale_stride, n_cols, ignore_index,
-        BLOCK_V=cfg["BLOCK_V"], EVEN_V=n_cols % cfg["BLOCK_V"] == 0, num_warps=cfg["num_warps"])
+        logits, target, stats, grad_loss, grad, logits.stride(0), grad.stride(0), grad_stride, n_rows, n_cols,
+        ignore_index, REDUCTION=REDUCTION_MODES[reduction], BLOCK_V=cfg["BLOCK_V"],
+        EVEN_V=n_cols % cfg["BLOCK_V"] == 0, num_warps=cfg["num_warps"])
     return grad
 
 
@@ -102,7 +120,8 @@ def _check(logits: Tensor, target: Tensor) -> None:
 
 
 @triton.jit
-def _forward_kernel(Logits, Target, Loss, Lse, stride_row, n_cols, ignore_index, BLOCK_V: tl.constexpr):
+def _forward_kernel(Logits, Target, Loss, Lse, stride_row, n_cols, ignore_index, WRITE_ROWS: tl.constexpr,
+                    BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 at 16K x 128K
     logits = Logits + row * stride_row
     target = tl.load(Target + row)
@@ -120,23 +139,56 @@ def _forward_kernel(Logits, Target, Loss, Lse, stride_row, n_cols, ignore_index,
     shift = tl.where(row_max == float("-inf"), 0.0, row_max)
     total = tl.sum(sums, axis=0)
     lse = tl.where(keep, shift + tl.log(tl.where(keep, total, 1.0)), float("-inf"))  # no log(0) for ignored rows
-    in_range = (target >= 0) & (target < n_cols)
-    picked = tl.load(logits + target, mask=keep & in_range, other=0.0).to(tl.float32)
-    loss = tl.where(in_range, lse - picked, float("nan"))
-    tl.store(Loss + row, tl.where(keep, loss, 0.0))
     tl.store(Lse + row, lse)
+    if WRITE_ROWS:
+        tl.store(Loss + row, _row_loss(logits, target, keep, lse, n_cols))
 
 
 @triton.jit
-def _backward_kernel(Logits, Target, Lse, Scale, Grad, stride_row, stride_grad, scale_stride, n_cols,
-                     ignore_index, BLOCK_V: tl.constexpr, EVEN_V: tl.constexpr):
+def _row_loss(logits, target, keep, lse, n_cols):
+    """lse - x[target] where the row counts, 0 where ignored, NaN for a target outside [0, V)."""
+    in_range = (target >= 0) & (target < n_cols)
+    picked = tl.load(logits + target, mask=keep & in_range, other=0.0).to(tl.float32)
+    return tl.where(keep, tl.where(in_range, lse - picked, float("nan")), 0.0)
+
+
+@triton.jit
+def _finish_kernel(Logits, Target, Stats, Loss, stride_row, n_rows, n_cols, ignore_index,
+                   REDUCTION: tl.constexpr, BLOCK_R: tl.constexpr):
+    """One program: Stats[n_rows] = the kept-row count; for "mean" (0) and "sum" (1) the 0-d loss."""
+    offs = tl.arange(0, BLOCK_R)
+    count = tl.zeros([BLOCK_R], tl.float32)
+    total = tl.zeros([BLOCK_R], tl.float32)
+    for start in range(0, n_rows, BLOCK_R):
+        rows = start + offs
+        inside = rows < n_rows
+        target = tl.load(Target + rows, mask=inside, other=ignore_index)
+        keep = inside & (target != ignore_index)
+        count += keep.to(tl.float32)
+        if REDUCTION != 2:
+            lse = tl.load(Stats + rows, mask=keep, other=0.0)
+            total += _row_loss(Logits + rows.to(tl.int64) * stride_row, target, keep, lse, n_cols)
+    kept = tl.sum(count, axis=0)
+    tl.store(Stats + n_rows, kept)
+    if REDUCTION == 0:
+        tl.store(Loss, tl.sum(total, axis=0) / kept)  # no rows kept: 0 / 0 = NaN, as torch gives
+    elif REDUCTION == 1:
+        tl.store(Loss, tl.sum(total, axis=0))
+
+
+@triton.jit
+def _backward_kernel(Logits, Target, Stats, GradLoss, Grad, stride_row, stride_grad, grad_loss_stride, n_rows,
+                     n_cols, ignore_index, REDUCTION: tl.constexpr, BLOCK_V: tl.constexpr, EVEN_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     logits = Logits + row * stride_row
     grad = Grad + row * stride_grad
     target = tl.load(Target + row)
     keep = target != ignore_index
-    lse = tl.where(keep, tl.load(Lse + row), 0.0)  # an ignored row's lse is -inf; its logits read as -inf
-    scale = tl.where(keep, tl.load(Scale + row * scale_stride), 0.0)
+    lse = tl.where(keep, tl.load(Stats + row), 0.0)  # an ignored row's lse is -inf; its logits read as -inf
+    scale = tl.load(GradLoss + row * grad_loss_stride).to(tl.float32)  # stride 0 unless "none"
+    if REDUCTION == 0:
+        scale = scale / tl.load(Stats + n_rows)
+    scale = tl.where(keep, scale, 0.0)
     end = tl.where(keep, n_cols, 0)
     cols = tl.arange(0, BLOCK_V)
     for start in range(0, n_cols, BLOCK_V):

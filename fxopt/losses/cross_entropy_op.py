@@ -6,12 +6,13 @@ backward graph one `cross_entropy_backward` node; no log_softmax [N, V] exists i
 its implementation when it runs:
   - CUDA tensors, or CPU tensors under TRITON_INTERPRET=1: fxopt's Triton kernels
     (losses/cross_entropy_kernels.py);
-  - other CPU tensors: the same contract in torch ops (`reference_rows`, `reference_grad`).
+  - other CPU tensors: the same contract in torch ops (`reference_forward`, `reference_grad`).
 
 Contract (the pass builds calls that meet it): logits [N, V] fp32/bf16/fp16 with a contiguous last
 dim, target int64 [N], reduction "mean" (over rows whose target is not ignore_index, as torch does:
-all rows ignored gives NaN), "sum" or "none". Returns (loss float32: 0-d, or [N] for "none"; lse
-float32 [N], the row log-sum-exp, -inf for ignored rows). The loss is float32 whatever the logits'
+all rows ignored gives NaN), "sum" or "none". Returns (loss float32: 0-d, or [N] for "none"; stats
+float32 [N + 1]: each row's log-sum-exp, -inf for ignored rows, then the number of rows not ignored,
+all the backward needs besides the logits and targets). The loss is float32 whatever the logits'
 dtype; `cross_entropy()` below casts it back as F.cross_entropy would return it.
 """
 from __future__ import annotations
@@ -34,26 +35,6 @@ def _check_reduction(reduction: str) -> None:
         raise ValueError(f"fxopt cross_entropy: reduction must be one of {REDUCTIONS}, got {reduction!r}")
 
 
-def _valid_count(target: Tensor, ignore_index: int) -> Tensor:
-    """Rows that count towards "mean" (a device tensor: no host sync)."""
-    return (target != ignore_index).sum()
-
-
-def _reduce(rows: Tensor, target: Tensor, ignore_index: int, reduction: str) -> Tensor:
-    if reduction == "none":
-        return rows
-    total = rows.sum()
-    return total / _valid_count(target, ignore_index) if reduction == "mean" else total
-
-
-def _row_scale(grad_loss: Tensor, target: Tensor, ignore_index: int, reduction: str) -> Tensor:
-    """d loss / d row loss, float32: 0-d for "mean"/"sum" (one factor for all rows), [N] for "none"."""
-    grad = grad_loss.to(torch.float32)
-    if reduction == "none":
-        return grad.contiguous()  # grad of loss.sum() arrives as a stride-0 expand
-    return grad / _valid_count(target, ignore_index) if reduction == "mean" else grad
-
-
 def reference_rows(logits: Tensor, target: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
     """Per-row (loss, lse) in float32 torch ops: the kernels' contract, for CPU without the interpreter."""
     x = logits.float()
@@ -64,27 +45,38 @@ def reference_rows(logits: Tensor, target: Tensor, ignore_index: int) -> tuple[T
     return rows, torch.where(keep, lse, float("-inf"))
 
 
-def reference_grad(logits: Tensor, target: Tensor, lse: Tensor, scale: Tensor, ignore_index: int) -> Tensor:
-    """(softmax - onehot(target)) * scale per row, in float32 torch ops, cast to the logits' dtype."""
+def reference_forward(logits: Tensor, target: Tensor, ignore_index: int, reduction: str) -> tuple[Tensor, Tensor]:
+    """The op's (loss, stats) in torch ops: the kernels' contract, for CPU without the interpreter."""
+    rows, lse = reference_rows(logits, target, ignore_index)
+    kept = (target != ignore_index).sum().to(torch.float32)
+    stats = torch.cat([lse, kept[None]])
+    if reduction == "none":
+        return rows, stats
+    return (rows.sum() / kept if reduction == "mean" else rows.sum()), stats
+
+
+def reference_grad(logits: Tensor, target: Tensor, stats: Tensor, grad_loss: Tensor, ignore_index: int,
+                   reduction: str) -> Tensor:
+    """(softmax - onehot(target)) * scale per row, in float32 torch ops, cast to the logits' dtype;
+    scale is grad_loss (per row for "none"), divided by the kept-row count for "mean"."""
+    n = target.shape[0]
+    lse, kept = stats[:n], stats[n]
+    scale = grad_loss.to(torch.float32)
+    scale = scale / kept if reduction == "mean" else scale
     keep = target != ignore_index
     probs = torch.exp(logits.float() - torch.where(keep, lse, 0.0)[:, None])
     onehot = torch.zeros_like(probs).scatter_(1, torch.where(keep, target, 0)[:, None], 1.0)
-    row_scale = torch.where(keep, scale.float().expand(target.shape), 0.0)
+    row_scale = torch.where(keep, scale.expand(target.shape), 0.0)
     return ((probs - onehot) * row_scale[:, None]).to(logits.dtype).contiguous()
-
-
-def _rows(logits: Tensor, target: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
-    if not _on_triton(logits):
-        return reference_rows(logits, target, ignore_index)
-    from .cross_entropy_kernels import cross_entropy_rows
-    return cross_entropy_rows(logits, target, ignore_index)
 
 
 def run_cross_entropy(logits: Tensor, target: Tensor, ignore_index: int, reduction: str) -> tuple[Tensor, Tensor]:
     """The op's implementation; wrappers call it directly (codegen/direct_calls.py)."""
     _check_reduction(reduction)
-    rows, lse = _rows(logits, target, ignore_index)
-    return _reduce(rows, target, ignore_index, reduction), lse
+    if not _on_triton(logits):
+        return reference_forward(logits, target, ignore_index, reduction)
+    from .cross_entropy_kernels import cross_entropy_forward
+    return cross_entropy_forward(logits, target, ignore_index, reduction)
 
 
 cross_entropy_op = torch.library.custom_op("fxopt::cross_entropy", mutates_args=())(run_cross_entropy)
@@ -95,16 +87,16 @@ def _(logits, target, ignore_index, reduction):
     _check_reduction(reduction)
     n = logits.shape[0]
     loss = logits.new_empty((n,) if reduction == "none" else (), dtype=torch.float32)
-    return loss, logits.new_empty((n,), dtype=torch.float32)
+    return loss, logits.new_empty((n + 1,), dtype=torch.float32)
 
 
-def run_cross_entropy_backward(grad_loss: Tensor, logits: Tensor, target: Tensor, lse: Tensor,
+def run_cross_entropy_backward(grad_loss: Tensor, logits: Tensor, target: Tensor, stats: Tensor,
                                ignore_index: int, reduction: str) -> Tensor:
-    scale = _row_scale(grad_loss, target, ignore_index, reduction)
+    _check_reduction(reduction)
     if not _on_triton(logits):
-        return reference_grad(logits, target, lse, scale, ignore_index)
+        return reference_grad(logits, target, stats, grad_loss, ignore_index, reduction)
     from .cross_entropy_kernels import cross_entropy_grad
-    return cross_entropy_grad(logits, target, lse, scale, ignore_index)
+    return cross_entropy_grad(logits, target, stats, grad_loss, ignore_index, reduction)
 
 
 cross_entropy_backward_op = torch.library.custom_op("fxopt::cross_entropy_backward",
@@ -112,21 +104,21 @@ cross_entropy_backward_op = torch.library.custom_op("fxopt::cross_entropy_backwa
 
 
 @cross_entropy_backward_op.register_fake
-def _(grad_loss, logits, target, lse, ignore_index, reduction):
+def _(grad_loss, logits, target, stats, ignore_index, reduction):
     return logits.new_empty(logits.shape)  # contiguous, as the kernel writes it
 
 
 def _setup_context(ctx, inputs, output):
     logits, target, ignore_index, reduction = inputs
-    _, lse = output
-    ctx.save_for_backward(logits, target, lse)
+    _, stats = output
+    ctx.save_for_backward(logits, target, stats)
     ctx.ignore_index, ctx.reduction = ignore_index, reduction
-    ctx.mark_non_differentiable(lse)
+    ctx.mark_non_differentiable(stats)
 
 
-def _backward(ctx, grad_loss, _grad_lse):
-    logits, target, lse = ctx.saved_tensors
-    grad = cross_entropy_backward_op(grad_loss, logits, target, lse, ctx.ignore_index, ctx.reduction)
+def _backward(ctx, grad_loss, _grad_stats):
+    logits, target, stats = ctx.saved_tensors
+    grad = cross_entropy_backward_op(grad_loss, logits, target, stats, ctx.ignore_index, ctx.reduction)
     return grad, None, None, None
 
 

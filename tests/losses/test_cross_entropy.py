@@ -12,8 +12,9 @@ import torch.nn.functional as F
 
 import fxopt
 import fxopt.pipeline
-from fxopt.losses.cross_entropy_kernels import cross_entropy_grad, cross_entropy_rows
-from fxopt.losses.cross_entropy_op import cross_entropy, cross_entropy_op, reference_grad, reference_rows
+import fxopt.losses.cross_entropy_kernels as ce_kernels
+from fxopt.losses.cross_entropy_kernels import cross_entropy_forward, cross_entropy_grad
+from fxopt.losses.cross_entropy_op import cross_entropy, cross_entropy_op, reference_forward, reference_grad
 from fxopt.options import Environment, Options
 from fxopt.pass_manager import PassContext
 from fxopt.passes.attention import FuseAttention
@@ -73,13 +74,29 @@ def test_forward_and_backward_match_float64(dtype, vocab, reduction):
     assert torch.all(grad[[1, 4]] == 0)  # ignored rows: no gradient
 
 
-def test_lse_is_the_row_logsumexp_and_minus_inf_when_ignored():
+def test_stats_are_the_row_logsumexp_then_the_kept_row_count():
+    """What the forward saves for the backward: each row's lse (-inf when ignored), then how many rows
+    count towards "mean"."""
     logits, target = make_logits(5, 2000, torch.float32), make_target(5, 2000, ignored=(2,))
-    _, lse = cross_entropy_rows(logits, target, IGNORE)
-    ref = torch.logsumexp(logits.double(), dim=-1)
-    keep = target != IGNORE
-    torch.testing.assert_close(lse[keep].double(), ref[keep], **LOSS_TOL)
-    assert lse[2] == float("-inf")
+    for reduction in ("mean", "sum", "none"):
+        _, stats = cross_entropy_forward(logits, target, IGNORE, reduction)
+        ref = torch.logsumexp(logits.double(), dim=-1)
+        keep = target != IGNORE
+        assert stats.shape == (6,) and stats.dtype == torch.float32
+        torch.testing.assert_close(stats[:5][keep].double(), ref[keep], **LOSS_TOL)
+        assert stats[2] == float("-inf") and stats[5] == 4
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_loss_sums_over_more_rows_than_one_block(monkeypatch, reduction):
+    """The program that finishes the forward walks the rows in blocks (4 here, 11 rows: a ragged last
+    block) and counts the kept ones across blocks."""
+    monkeypatch.setattr(ce_kernels, "FINAL_BLOCK_R", 4)
+    logits, target = make_logits(11, 90, torch.float16), make_target(11, 90, ignored=(0, 5, 10))
+    loss, grad = fused_loss_and_grad(logits, target, reduction)
+    ref_loss, ref_grad = float64_loss_and_grad(logits, target, reduction)
+    torch.testing.assert_close(loss.double(), ref_loss, **LOSS_TOL)
+    torch.testing.assert_close(grad.double(), ref_grad, **GRAD_TOL[torch.float16])
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -134,21 +151,26 @@ def test_extreme_logits_are_stable():
 def test_target_out_of_range_gives_nan_loss():
     """Eager raises; a kernel cannot without a host sync, so the row's loss is NaN instead."""
     logits, target = make_logits(3, 50, torch.float32), torch.tensor([1, 50, IGNORE])
-    rows, _ = cross_entropy_rows(logits, target, IGNORE)
+    rows, _ = cross_entropy_forward(logits, target, IGNORE, "none")
     assert torch.isnan(rows[1]) and torch.isfinite(rows[0]) and rows[2] == 0
+    assert torch.isnan(cross_entropy_forward(logits, target, IGNORE, "mean")[0])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_torch_reference_matches_kernels(dtype):
-    """CPU tensors without TRITON_INTERPRET run reference_rows / reference_grad: the same contract."""
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_torch_reference_matches_kernels(dtype, reduction):
+    """CPU tensors without TRITON_INTERPRET run reference_forward / reference_grad: the same contract.
+    The upstream gradient comes in the logits' dtype (as autograd makes it) and, for "none", as the
+    stride-0 expand that loss.sum() gives."""
     logits, target = make_logits(5, 1300, dtype), make_target(5, 1300, ignored=(0,))
-    rows, lse = cross_entropy_rows(logits, target, IGNORE)
-    ref_rows, ref_lse = reference_rows(logits, target, IGNORE)
-    torch.testing.assert_close(rows, ref_rows, **LOSS_TOL)
-    torch.testing.assert_close(lse, ref_lse, **LOSS_TOL)
-    scale = torch.randn(5)
-    grad = cross_entropy_grad(logits, target, lse, scale, IGNORE)
-    ref = reference_grad(logits, target, lse, scale, IGNORE)
+    loss, stats = cross_entropy_forward(logits, target, IGNORE, reduction)
+    ref_loss, ref_stats = reference_forward(logits, target, IGNORE, reduction)
+    torch.testing.assert_close(loss, ref_loss, **LOSS_TOL)
+    torch.testing.assert_close(stats, ref_stats, **LOSS_TOL)
+    grad_loss = torch.tensor(0.7, dtype=dtype)
+    grad_loss = grad_loss.expand(5) if reduction == "none" else grad_loss
+    grad = cross_entropy_grad(logits, target, stats, grad_loss, IGNORE, reduction)
+    ref = reference_grad(logits, target, stats, grad_loss, IGNORE, reduction)
     torch.testing.assert_close(grad.float(), ref.float(), **GRAD_TOL[dtype])
 
 
@@ -376,4 +398,46 @@ def test_gpu_bf16_4096_rows_32000_vocab():
     loss, grad = fused_loss_and_grad(logits, target, "mean")
     ref_loss, ref_grad = float64_loss_and_grad(logits, target, "mean")
     torch.testing.assert_close(loss.double(), ref_loss, **LOSS_TOL)
+    torch.testing.assert_close(grad.double(), ref_grad, **GRAD_TOL[torch.bfloat16])
+
+
+def _allocator_requests(fn, *args) -> int:
+    """Caching-allocator requests of one call of fn (after a warm call: compiled, caches filled)."""
+    fn(*args)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    out = fn(*args)
+    torch.cuda.synchronize()
+    del out
+    return torch.cuda.memory_stats()["allocation.all.allocated"] - before
+
+
+def _loss_and_grad(spelling):
+    def step(logits, target):
+        x = logits.float() if spelling == "fp32" else logits
+        loss = F.cross_entropy(x, target)
+        return (loss, *_grad_outside_dynamo(loss, logits))
+    return step
+
+
+@torch.compiler.disable
+def _grad_outside_dynamo(loss, logits):
+    return torch.autograd.grad(loss, (logits,))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spelling", ["bf16", "fp32"])
+def test_gpu_fewer_allocator_requests_than_eager(spelling):
+    """Issue 5: a loss step (forward, then the gradient through autograd) asks the caching allocator
+    for fewer blocks than eager: the loss, the saved stats and the gradient (and the loss's cast back
+    to bf16), no count, division or scale tensors of their own."""
+    logits = make_logits(512, 4000, torch.bfloat16, device="cuda").requires_grad_()
+    target = make_target(512, 4000, ignored=(3, 7), device="cuda")
+    step = _loss_and_grad(spelling)
+    eager = _allocator_requests(step, logits, target)
+    fused = _allocator_requests(torch.compile(step, backend="fxopt"), logits, target)
+    assert fused < eager, (fused, eager)
+    loss, grad = torch.compile(step, backend="fxopt")(logits, target)
+    ref_loss, ref_grad = float64_loss_and_grad(logits, target, "mean")
+    torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(grad.double(), ref_grad, **GRAD_TOL[torch.bfloat16])
