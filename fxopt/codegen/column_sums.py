@@ -23,7 +23,7 @@ import torch.fx as fx
 from ..analysis.reductions import COLUMN_SUM
 from ..analysis.symbolic import is_symbolic, pexpr, strides, sizes
 from .dtypes import TL_DTYPE, compute_dtype
-from .indexing import print_index
+from .indexing import index_symbols, print_index
 from .kernel import Kernel
 from .partials_in_output import hosting_plan
 from .reduction_schedules import EVEN_PER_CALL, even_source, mask_line, per_call_xblock, persistent_per_call
@@ -74,6 +74,13 @@ def column_strides(em, out: fx.Node) -> tuple:
     return tuple(0 if d in em.xdims else next(it) for d in range(len(em.S)))
 
 
+def invariant_loads(em) -> list[int]:
+    """Loads whose address has no row index (the weight a column operand casts, `w` of `w.float()`):
+    the same values at every step of the row loop, so they are loaded once before it, not per row
+    (one vector load per element fewer per row, and nothing for the loop's pipeline to stage)."""
+    return [i for i in range(len(em.loads)) if not index_symbols(em.xaddr[i])]
+
+
 def accumulate_line(em, n: fx.Node) -> str:
     block, acc, _ = em._reduced_value(n)  # masked [XBLOCK, RBLOCK] block of the summed value
     if n not in em.counted:
@@ -112,9 +119,14 @@ def with_column_sums(em, prelude: list[str], xblock: int, rblock: int, warps: in
         "(tl.program_id(0) * XSTEPS + xstep) * XBLOCK"
     body = [f"colacc_{n.name} = tl.zeros([XBLOCK, RBLOCK], {TL_DTYPE[acc_dtype[n]]})" for n in cols]
     body += [hosting.keep_line(wide)] if hosting else []
+    hoisted = [] if setup else invariant_loads(em)
+    if hoisted:
+        body += ["# -- loads the same for every row (column operands), once per program ----",
+                 "rindex = tl.arange(0, RBLOCK)[None, :]", mask_line("r", em.exact_r), *em.rcoords]
+        body += [em._load(i) for i in hoisted]
     body.append("for xstep in range(0, XSTEPS):" if COLUMN_STAGES <= 1 else
                 f"for xstep in tl.range(0, XSTEPS, num_stages={COLUMN_STAGES}):")
-    row_body = persistent_per_call(em) if setup else em._persistent()
+    row_body = persistent_per_call(em) if setup else em._persistent(hoisted)
     body += ["    " + line for line in [f"xoffset = {first}"] + prelude[1:]
              + (hosting.rows_body(em, row_body) if hosting else row_body)]
     body += ["# -- this program's column partials ----", "rindex = tl.arange(0, RBLOCK)[None, :]",
@@ -147,7 +159,7 @@ def with_column_sums(em, prelude: list[str], xblock: int, rblock: int, warps: in
                   em.ops, combine_grid, [em.rnumel, programs, *em.syms],
                   {"RBLOCK": COMBINE_RBLOCK, "GBLOCK": COMBINE_GBLOCK}, 4, notes={"reduction": kind},
                   workspaces=workspaces, prologue=rows, symbols=symbols, setup=setup,
-                  epilogue=hosting.fixup(em, prelude, row_body, rows) if hosting else None, **em.io_meta())
+                  epilogue=hosting.fixup(em, prelude, em._persistent(), rows) if hosting else None, **em.io_meta())
 
 
 def register_cap(warps: int | str) -> int | str | None:

@@ -343,10 +343,11 @@ class ReductionEmitter(PointwiseEmitter):
         mask = f"xmask & rmask{guard}" if row else f"xmask{guard}"
         return f"tl.store(out_ptr{j} + ({addr}), {self._var(o)}.to({TL_DTYPE[val.dtype]}), {mask})"
 
-    def _persistent(self) -> list[str]:
+    def _persistent(self, hoisted=()) -> list[str]:
+        """One block of rows, whole; loads numbered in `hoisted` were issued before a row loop."""
         body = ["rindex = tl.arange(0, RBLOCK)[None, :]", mask_line("r", self.exact_r), *self.rcoords,
                 "# -- load inputs ----"]
-        body += [self._load(i) for i in range(len(self.loads))]
+        body += [self._load(i) for i in range(len(self.loads)) if i not in hoisted]
         body.append("# -- compute ----")
         for n in self.nodes:
             if n.op != "call_function" or (is_view(n) and not inner_view(n)):
