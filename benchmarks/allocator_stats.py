@@ -4,8 +4,10 @@ arena applied (memory_plan="apply").
 
     PYTHONPATH=. python -m benchmarks.allocator_stats --workloads gpt_block,gpt_block_train,softmax
 
-CUDA only: the counts come from torch.cuda.memory_stats() ("allocation.all.allocated": requests
-served by the caching allocator; "segment.all.allocated": cudaMalloc calls).
+The measured call follows WARM_CALLS calls, so a CUDA-graph workload's call is a replay (both compilers
+capture at their third call or earlier). CUDA only: the counts come from torch.cuda.memory_stats()
+("allocation.all.allocated": requests served by the caching allocator; "segment.all.allocated":
+cudaMalloc calls).
 """
 from __future__ import annotations
 
@@ -19,9 +21,13 @@ from . import measure, workloads
 VARIANTS = (("eager", {}), ("inductor", {}), ("fxopt", {}), ("fxopt", {"memory_plan": "apply"}))
 
 
+WARM_CALLS = 4  # before the measured call: compiled, caches filled, CUDA graphs (both compilers) captured
+
+
 def one_call_stats(call, grad) -> dict:
     with grad:
-        call()  # warm: compiled, caches filled
+        for _ in range(WARM_CALLS):
+            call()
         torch.cuda.synchronize()
         gc.collect()
         torch.cuda.reset_peak_memory_stats()

@@ -56,15 +56,15 @@ FINAL_BLOCK_R = 1024  # rows per step of the program that finishes the forward
 
 
 def cross_entropy_forward(logits: Tensor, target: Tensor, ignore_index: int, reduction: str,
-                          block_v: int | None = None) -> tuple[Tensor, Tensor]:
-    """(loss, stats): loss float32, 0-d for "mean"/"sum" or [N] for "none"; stats float32 [N + 1],
-    each row's lse (-inf when ignored) then the number of rows not ignored. logits [N, V]
+                          block_v: int | None = None, loss_dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+    """(loss, stats): loss in loss_dtype (computed in float32), 0-d for "mean"/"sum" or [N] for "none";
+    stats float32 [N + 1], each row's lse (-inf when ignored) then the number of rows not ignored. logits [N, V]
     fp32/bf16/fp16 with a contiguous last dim (any row stride); target int64 [N]."""
     _check(logits, target)
     logits = _rows_contiguous(logits)
     n_rows, n_cols = logits.shape
     mode = REDUCTION_MODES[reduction]
-    loss = torch.empty((n_rows,) if reduction == "none" else (), device=logits.device, dtype=torch.float32)
+    loss = torch.empty((n_rows,) if reduction == "none" else (), device=logits.device, dtype=loss_dtype)
     stats = torch.empty(n_rows + 1, device=logits.device, dtype=torch.float32)
     if n_rows:
         cfg = row_config(n_cols, logits.device.type, block_v)
@@ -141,7 +141,7 @@ def _forward_kernel(Logits, Target, Loss, Lse, stride_row, n_cols, ignore_index,
     lse = tl.where(keep, shift + tl.log(tl.where(keep, total, 1.0)), float("-inf"))  # no log(0) for ignored rows
     tl.store(Lse + row, lse)
     if WRITE_ROWS:
-        tl.store(Loss + row, _row_loss(logits, target, keep, lse, n_cols))
+        tl.store(Loss + row, _row_loss(logits, target, keep, lse, n_cols).to(Loss.dtype.element_ty))
 
 
 @triton.jit
@@ -171,9 +171,9 @@ def _finish_kernel(Logits, Target, Stats, Loss, stride_row, n_rows, n_cols, igno
     kept = tl.sum(count, axis=0)
     tl.store(Stats + n_rows, kept)
     if REDUCTION == 0:
-        tl.store(Loss, tl.sum(total, axis=0) / kept)  # no rows kept: 0 / 0 = NaN, as torch gives
+        tl.store(Loss, (tl.sum(total, axis=0) / kept).to(Loss.dtype.element_ty))  # no rows kept: 0 / 0 = NaN
     elif REDUCTION == 1:
-        tl.store(Loss, tl.sum(total, axis=0))
+        tl.store(Loss, tl.sum(total, axis=0).to(Loss.dtype.element_ty))
 
 
 @triton.jit

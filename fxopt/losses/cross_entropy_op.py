@@ -10,14 +10,16 @@ its implementation when it runs:
 
 Contract (the pass builds calls that meet it): logits [N, V] fp32/bf16/fp16 with a contiguous last
 dim, target int64 [N], reduction "mean" (over rows whose target is not ignore_index, as torch does:
-all rows ignored gives NaN), "sum" or "none". Returns (loss float32: 0-d, or [N] for "none"; stats
+all rows ignored gives NaN), "sum" or "none", and the loss's dtype (None: float32; F.cross_entropy's
+is the logits' dtype, computed in float32 and rounded once, so no cast follows the op in either
+graph). Returns (loss: 0-d, or [N] for "none"; stats
 float32 [N + 1]: each row's log-sum-exp, -inf for ignored rows, then the number of rows not ignored,
-all the backward needs besides the logits and targets). The loss is float32 whatever the logits'
-dtype; `cross_entropy()` below casts it back as F.cross_entropy would return it.
+all the backward needs besides the logits and targets).
 """
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -70,23 +72,25 @@ def reference_grad(logits: Tensor, target: Tensor, stats: Tensor, grad_loss: Ten
     return ((probs - onehot) * row_scale[:, None]).to(logits.dtype).contiguous()
 
 
-def run_cross_entropy(logits: Tensor, target: Tensor, ignore_index: int, reduction: str) -> tuple[Tensor, Tensor]:
+def run_cross_entropy(logits: Tensor, target: Tensor, ignore_index: int, reduction: str,
+                      loss_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:
     """The op's implementation; wrappers call it directly (codegen/direct_calls.py)."""
     _check_reduction(reduction)
     if not _on_triton(logits):
-        return reference_forward(logits, target, ignore_index, reduction)
+        loss, stats = reference_forward(logits, target, ignore_index, reduction)
+        return loss.to(loss_dtype or torch.float32), stats
     from .cross_entropy_kernels import cross_entropy_forward
-    return cross_entropy_forward(logits, target, ignore_index, reduction)
+    return cross_entropy_forward(logits, target, ignore_index, reduction, loss_dtype=loss_dtype or torch.float32)
 
 
 cross_entropy_op = torch.library.custom_op("fxopt::cross_entropy", mutates_args=())(run_cross_entropy)
 
 
 @cross_entropy_op.register_fake
-def _(logits, target, ignore_index, reduction):
+def _(logits, target, ignore_index, reduction, loss_dtype=None):
     _check_reduction(reduction)
     n = logits.shape[0]
-    loss = logits.new_empty((n,) if reduction == "none" else (), dtype=torch.float32)
+    loss = logits.new_empty((n,) if reduction == "none" else (), dtype=loss_dtype or torch.float32)
     return loss, logits.new_empty((n + 1,), dtype=torch.float32)
 
 
@@ -109,7 +113,7 @@ def _(grad_loss, logits, target, stats, ignore_index, reduction):
 
 
 def _setup_context(ctx, inputs, output):
-    logits, target, ignore_index, reduction = inputs
+    logits, target, ignore_index, reduction, _loss_dtype = inputs
     _, stats = output
     ctx.save_for_backward(logits, target, stats)
     ctx.ignore_index, ctx.reduction = ignore_index, reduction
@@ -119,7 +123,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_loss, _grad_stats):
     logits, target, stats = ctx.saved_tensors
     grad = cross_entropy_backward_op(grad_loss, logits, target, stats, ctx.ignore_index, ctx.reduction)
-    return grad, None, None, None
+    return grad, None, None, None, None
 
 
 cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
@@ -127,5 +131,5 @@ cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
 
 def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100, reduction: str = "mean") -> Tensor:
     """F.cross_entropy(logits [N, V], target [N]) through the fused op, in the logits' dtype as torch
-    returns it (the loss is computed in float32)."""
-    return cross_entropy_op(logits, target, ignore_index, reduction)[0].to(logits.dtype)
+    returns it (the loss is computed in float32 and rounded once)."""
+    return cross_entropy_op(logits, target, ignore_index, reduction, logits.dtype)[0]

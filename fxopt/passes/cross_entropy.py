@@ -219,12 +219,12 @@ def rewrite(gm: fx.GraphModule, site: LossSite) -> fx.Node:
         if len(x_shape) != 2:
             logits = graph.call_method("reshape", (logits, -1, x_shape[site.class_dim]))
         target = site.target if len(t_shape) == 1 else graph.call_method("reshape", (site.target, -1))
-        fused = graph.call_function(FUSED_OP, (logits, target, site.ignore_index, site.reduction))
+        # the loss in the dtype F.cross_entropy returns (computed in float32): no cast node after the
+        # op, and none for its gradient in the backward
+        fused = graph.call_function(FUSED_OP, (logits, target, site.ignore_index, site.reduction, dtype(site.out)))
         loss = graph.call_function(operator.getitem, (fused, 0))
         if site.reduction == "none" and len(t_shape) != 1:
             loss = graph.call_method("reshape", (loss, *t_shape))
-        if dtype(site.out) != torch.float32:
-            loss = graph.call_method("to", (loss, dtype(site.out)))  # F.cross_entropy returns the logits' dtype
     site.out.replace_all_uses_with(loss)
     erase_unused(graph, site.chain)
     return fused

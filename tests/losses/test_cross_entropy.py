@@ -181,12 +181,34 @@ def test_public_function_returns_the_logits_dtype():
     torch.testing.assert_close(out.double(), F.cross_entropy(logits.double(), target), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_loss_in_the_logits_dtype_is_the_float32_loss_rounded_once(reduction):
+    """loss_dtype: the kernels store the float32 loss rounded to bf16 (what F.cross_entropy returns),
+    and the backward takes a bf16 upstream gradient: the same gradient as with a float32 loss."""
+    logits, target = make_logits(6, 700, torch.bfloat16), make_target(6, 700, ignored=(2,))
+    loss32, _ = cross_entropy_op(logits, target, IGNORE, reduction)
+    loss16, _ = cross_entropy_op(logits, target, IGNORE, reduction, torch.bfloat16)
+    assert loss16.dtype == torch.bfloat16  # within one bf16 ulp (the interpreter truncates, a GPU rounds)
+    torch.testing.assert_close(loss16.float(), loss32, rtol=2 ** -7, atol=0)
+    grad_out = torch.randn(6).to(torch.bfloat16) if reduction == "none" else torch.tensor(1.5, dtype=torch.bfloat16)
+    grads = []
+    for loss_dtype in (None, torch.bfloat16):
+        x = logits.clone().requires_grad_()
+        loss, _ = cross_entropy_op(x, target, IGNORE, reduction, loss_dtype)
+        grads.append(torch.autograd.grad(loss, x, grad_out.to(loss.dtype))[0])
+    assert torch.equal(grads[0], grads[1])
+    _, ref_grad = float64_loss_and_grad(logits, target, reduction, grad_out.float())
+    torch.testing.assert_close(grads[1].double(), ref_grad, **GRAD_TOL[torch.bfloat16])
+
+
 def test_custom_op_registration_passes_opcheck():
     """Schema, fake implementation, autograd registration and aot_dispatch agree with the real op."""
     logits = make_logits(4, 40, torch.float32).requires_grad_()
     target = make_target(4, 40, ignored=(2,))
     for reduction in ("mean", "none"):
         torch.library.opcheck(cross_entropy_op, (logits, target, IGNORE, reduction))
+    torch.library.opcheck(cross_entropy_op, (logits.detach().half().requires_grad_(), target, IGNORE, "sum",
+                                             torch.float16))
 
 
 def test_invalid_reduction_raises():
@@ -273,6 +295,20 @@ def test_bf16_logits_get_no_float32_copy_of_vocabulary_size(with_loss_pass):
             val = node.meta.get("val")
             if isinstance(val, torch.Tensor) and tuple(val.shape) == (6, 130):
                 assert val.dtype == torch.bfloat16, (graph, node.format_node())
+
+
+def test_bf16_loss_comes_out_of_the_op_with_no_cast_in_either_graph(with_loss_pass):
+    """F.cross_entropy of bf16 logits returns bf16: the op stores it so, and neither graph holds a cast
+    of the loss or of its gradient (each would be a kernel and a tensor of its own)."""
+    logits = make_logits(6, 130, torch.bfloat16).requires_grad_()
+    target = make_target(6, 130, ignored=(0,))
+    rep = fxopt.explain(nll_of_log_softmax, logits, target)
+    targets = graph_targets(rep, "forward") | graph_targets(rep, "backward")
+    assert "fxopt.cross_entropy.default" in targets
+    assert not any("_to_copy" in t or "convert_element_type" in t for t in targets), targets
+    out = compile_fxopt(nll_of_log_softmax)(logits, target)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), F.cross_entropy(logits.double(), target), rtol=1e-2, atol=1e-2)
 
 
 # spellings that must fuse: (function, logits dtype)
