@@ -2,8 +2,8 @@
 stops paying one CPU launch per kernel.
 
 Per compiled graph (forward, backward or inference) and per input signature (shapes, strides, dtypes):
-  calls 1..WARMUP_CALLS  run the compiled graph on a side stream (lazy initialisation, Triton and
-                         cuBLAS, happens outside capture) and note every input's address;
+  calls 1..WARMUP_CALLS  run the compiled graph on the caller's stream (lazy initialisation, Triton
+                         and cuBLAS, happens outside capture) and note every input's address;
   the next call          capture, then replay. Inputs whose address never changed (parameters,
                          buffers, tensors an optimizer updates in place) are read where they are;
                          the others are copied into static buffers before each replay;
@@ -58,7 +58,7 @@ class CudaGraphs:
     memory pool per device (see the module docstring)."""
 
     cpu_ok = False
-    # the side streams per device, (device, "warmup") and (device, "capture"): cuBLAS keeps a workspace
+    # the capture stream per device, (device, "capture"): cuBLAS keeps a workspace
     # per (handle, stream), so captures on a stream of their own keep theirs in the pool (ARCHITECTURE.md)
     _streams: dict[tuple, torch.cuda.Stream] = {}
 
@@ -84,22 +84,16 @@ class CudaGraphs:
         """Called inside someone else's capture: run plainly, the outer graph records it."""
         return torch.cuda.is_current_stream_capturing()
 
-    def _stream(self, device: int, use: str = "warmup") -> torch.cuda.Stream:
+    def _stream(self, device: int, use: str = "capture") -> torch.cuda.Stream:
         if (device, use) not in self._streams:
             self._streams[device, use] = torch.cuda.Stream(device)
         return self._streams[device, use]
 
     def warmup(self, fn, args, device: int):
+        """On the caller's stream: what a warm-up frees goes back to that stream's cache, which the
+        caller's own work reuses; a side stream's cache would stay reserved, unused, for good."""
         with torch.cuda.device(device):
-            current, side = torch.cuda.current_stream(), self._stream(device)
-            side.wait_stream(current)
-            with torch.cuda.stream(side):
-                outs = fn(args)
-            current.wait_stream(side)
-            for o in outs:  # made on the side stream, used on the caller's: free only after its work
-                if isinstance(o, torch.Tensor) and o.is_cuda:
-                    o.record_stream(current)
-        return outs
+            return fn(args)
 
     def capture(self, fn, args, device: int):
         return self._record(fn, args, device, self.pool(device))
