@@ -58,9 +58,9 @@ class CudaGraphs:
     memory pool per device (see the module docstring)."""
 
     cpu_ok = False
-    # the capture stream per device, (device, "capture"): cuBLAS keeps a workspace
-    # per (handle, stream), so captures on a stream of their own keep theirs in the pool (ARCHITECTURE.md)
-    _streams: dict[tuple, torch.cuda.Stream] = {}
+    # the capture stream per device: cuBLAS keeps a workspace per (handle, stream), so captures on a
+    # stream of their own keep theirs in the pool (ARCHITECTURE.md)
+    _streams: dict[int, torch.cuda.Stream] = {}
 
     def __init__(self, share_pool: bool | None = None):
         self.share_pool = SHARE_POOL if share_pool is None else share_pool
@@ -84,10 +84,10 @@ class CudaGraphs:
         """Called inside someone else's capture: run plainly, the outer graph records it."""
         return torch.cuda.is_current_stream_capturing()
 
-    def _stream(self, device: int, use: str = "capture") -> torch.cuda.Stream:
-        if (device, use) not in self._streams:
-            self._streams[device, use] = torch.cuda.Stream(device)
-        return self._streams[device, use]
+    def _stream(self, device: int) -> torch.cuda.Stream:
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
 
     def warmup(self, fn, args, device: int):
         """On the caller's stream: what a warm-up frees goes back to that stream's cache, which the
@@ -102,7 +102,7 @@ class CudaGraphs:
         """Capture fn(args) on the side stream into `pool`. On failure the side stream is retired and
         the device's generator released (a capture that never ended leaves it "capturing")."""
         with torch.cuda.device(device):
-            graph, side = torch.cuda.CUDAGraph(), self._stream(device, "capture")
+            graph, side = torch.cuda.CUDAGraph(), self._stream(device)
             torch.cuda.synchronize()
             with torch.cuda.stream(side):
                 try:
@@ -117,7 +117,7 @@ class CudaGraphs:
                         graph.capture_end()
                     except Exception:  # noqa: BLE001 (the capture is already invalid; keep the first error)
                         _release_generator(device)
-                    self._streams.pop((device, "capture"), None)  # a failed capture retires its stream
+                    self._streams.pop(device, None)  # a failed capture retires its stream
                     raise
                 try:
                     graph.capture_end()
@@ -130,7 +130,7 @@ class CudaGraphs:
         """After a capture that failed to begin or end: the generator is left capturing and the
         stream in capture mode, so release the one and retire the other."""
         _release_generator(device)
-        self._streams.pop((device, "capture"), None)
+        self._streams.pop(device, None)
 
     def replay(self, graph, device: int) -> None:
         graph.replay()
@@ -341,9 +341,9 @@ class GraphedCallable:
     def _update_note(self) -> None:
         self.record.notes[self._note] = (
             f"cudagraphs: captured {self.captures} graph(s) ({len(self.cache)} kept of at most "
-            f"{self.cache.maxsize}, {self.cache.evicted} evicted, {self.recaptures - self.overlaps} re-captured after a "
-            f"static input moved, {self.overlaps} around memory a later graph lent, all retired {self.workspace_retirements} time(s) after cuBLAS's workspaces were "
-            f"freed); " + (f"tensors saved for the backward lent, not copied (held back from a replay "
+            f"{self.cache.maxsize}, {self.cache.evicted} evicted, {self.recaptures - self.overlaps} re-captured "
+            f"after a static input moved, {self.overlaps} around memory a later graph lent, all retired "
+            f"{self.workspace_retirements} time(s) after cuBLAS's workspaces were freed); " + (f"tensors saved for the backward lent, not copied (held back from a replay "
                                  f"{self.held_back} time(s) while a backward was pending); other " if self.lend else "")
             + self._outputs_note())
 

@@ -121,8 +121,7 @@ def with_column_sums(em, prelude: list[str], xblock: int, rblock: int, warps: in
     body += [hosting.keep_line(wide)] if hosting else []
     hoisted = [] if setup else invariant_loads(em)
     if hoisted:
-        body += ["# -- loads the same for every row (column operands), once per program ----",
-                 "rindex = tl.arange(0, RBLOCK)[None, :]", mask_line("r", em.exact_r), *em.rcoords]
+        body += ["# -- loads the same for every row (column operands), once per program ----", *em._row_index()]
         body += [em._load(i) for i in hoisted]
     body.append("for xstep in range(0, XSTEPS):" if COLUMN_STAGES <= 1 else
                 f"for xstep in tl.range(0, XSTEPS, num_stages={COLUMN_STAGES}):")

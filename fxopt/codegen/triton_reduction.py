@@ -343,10 +343,13 @@ class ReductionEmitter(PointwiseEmitter):
         mask = f"xmask & rmask{guard}" if row else f"xmask{guard}"
         return f"tl.store(out_ptr{j} + ({addr}), {self._var(o)}.to({TL_DTYPE[val.dtype]}), {mask})"
 
+    def _row_index(self) -> list[str]:
+        """rindex, its mask and the row's coordinates: what a whole-row block's loads address by."""
+        return ["rindex = tl.arange(0, RBLOCK)[None, :]", mask_line("r", self.exact_r), *self.rcoords]
+
     def _persistent(self, hoisted=()) -> list[str]:
         """One block of rows, whole; loads numbered in `hoisted` were issued before a row loop."""
-        body = ["rindex = tl.arange(0, RBLOCK)[None, :]", mask_line("r", self.exact_r), *self.rcoords,
-                "# -- load inputs ----"]
+        body = [*self._row_index(), "# -- load inputs ----"]
         body += [self._load(i) for i in range(len(self.loads)) if i not in hoisted]
         body.append("# -- compute ----")
         for n in self.nodes:

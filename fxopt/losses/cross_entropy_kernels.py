@@ -56,14 +56,14 @@ FINAL_BLOCK_R = 1024  # rows per step of the program that finishes the forward
 
 
 def cross_entropy_forward(logits: Tensor, target: Tensor, ignore_index: int, reduction: str,
-                          block_v: int | None = None, loss_dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+                          block_v: int | None = None,
+                          loss_dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
     """(loss, stats): loss in loss_dtype (computed in float32), 0-d for "mean"/"sum" or [N] for "none";
-    stats float32 [N + 1], each row's lse (-inf when ignored) then the number of rows not ignored. logits [N, V]
-    fp32/bf16/fp16 with a contiguous last dim (any row stride); target int64 [N]."""
+    stats float32 [N + 1], each row's lse (-inf when ignored) then the number of rows not ignored.
+    logits [N, V] fp32/bf16/fp16 with a contiguous last dim (any row stride); target int64 [N]."""
     _check(logits, target)
     logits = _rows_contiguous(logits)
     n_rows, n_cols = logits.shape
-    mode = REDUCTION_MODES[reduction]
     loss = torch.empty((n_rows,) if reduction == "none" else (), device=logits.device, dtype=loss_dtype)
     stats = torch.empty(n_rows + 1, device=logits.device, dtype=torch.float32)
     if n_rows:
@@ -74,7 +74,7 @@ def cross_entropy_forward(logits: Tensor, target: Tensor, ignore_index: int, red
     block_r = min(FINAL_BLOCK_R, next_power_of_2(max(n_rows, 1)))
     launcher(_finish_kernel, (1,), logits.device, "fxopt cross_entropy")(
         logits, target, stats, loss, logits.stride(0), n_rows, n_cols, ignore_index,
-        REDUCTION=mode, BLOCK_R=block_r, num_warps=4)
+        REDUCTION=REDUCTION_MODES[reduction], BLOCK_R=block_r, num_warps=4)
     return loss, stats
 
 
@@ -120,7 +120,7 @@ def _check(logits: Tensor, target: Tensor) -> None:
 
 
 @triton.jit
-def _forward_kernel(Logits, Target, Loss, Lse, stride_row, n_cols, ignore_index, WRITE_ROWS: tl.constexpr,
+def _forward_kernel(Logits, Target, Loss, Stats, stride_row, n_cols, ignore_index, WRITE_ROWS: tl.constexpr,
                     BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 at 16K x 128K
     logits = Logits + row * stride_row
@@ -139,7 +139,7 @@ def _forward_kernel(Logits, Target, Loss, Lse, stride_row, n_cols, ignore_index,
     shift = tl.where(row_max == float("-inf"), 0.0, row_max)
     total = tl.sum(sums, axis=0)
     lse = tl.where(keep, shift + tl.log(tl.where(keep, total, 1.0)), float("-inf"))  # no log(0) for ignored rows
-    tl.store(Lse + row, lse)
+    tl.store(Stats + row, lse)
     if WRITE_ROWS:
         tl.store(Loss + row, _row_loss(logits, target, keep, lse, n_cols).to(Loss.dtype.element_ty))
 

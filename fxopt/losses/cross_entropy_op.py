@@ -12,9 +12,9 @@ Contract (the pass builds calls that meet it): logits [N, V] fp32/bf16/fp16 with
 dim, target int64 [N], reduction "mean" (over rows whose target is not ignore_index, as torch does:
 all rows ignored gives NaN), "sum" or "none", and the loss's dtype (None: float32; F.cross_entropy's
 is the logits' dtype, computed in float32 and rounded once, so no cast follows the op in either
-graph). Returns (loss: 0-d, or [N] for "none"; stats
-float32 [N + 1]: each row's log-sum-exp, -inf for ignored rows, then the number of rows not ignored,
-all the backward needs besides the logits and targets).
+graph). Returns (loss: 0-d, or [N] for "none"; stats float32 [N + 1]: each row's log-sum-exp, -inf
+for ignored rows, then the number of rows not ignored, all the backward needs besides the logits and
+targets).
 """
 from __future__ import annotations
 
