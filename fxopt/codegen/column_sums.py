@@ -59,10 +59,12 @@ def column_ops(nodes, sums: list[fx.Node]) -> list[fx.Node]:
 
 def column_config(xblock: int, warps: int, rblock: int) -> tuple[int, int, int]:
     """(XBLOCK, num_warps, programs wanted), from the row kernel's own XBLOCK and warps: each program
-    walks many rows one after another, so more warps per row hide the loads' latency. On an H200
-    (bf16, 16384 x 4096) 16 warps on 264 programs ran LayerNorm backward at 62.7% of copy bandwidth
-    and RMSNorm backward at 65.8%, against 46.6 / 55.4% with the row kernel's 4 warps on 512 programs."""
-    return xblock, max(warps, min(16, xblock * rblock // 256)), COLUMN_PROGRAMS
+    walks many rows one after another, so more warps per row hide the loads' latency: one warp per
+    512 elements of the block, up to 16. On an H200 (bf16, 16384 x 4096, benchmarks/results/
+    2026-12-02-h200-d.md) 8 warps on 264 programs ran LayerNorm backward at 73.4-73.8% of copy bandwidth
+    against 70.9-72.1% with 16 warps and 66% with 4 warps on 512 programs; RMSNorm backward 78.2-78.4%
+    with 8 or 16."""
+    return xblock, max(warps, min(16, xblock * rblock // 512)), COLUMN_PROGRAMS
 
 
 def column_strides(em, out: fx.Node) -> tuple:

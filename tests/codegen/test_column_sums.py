@@ -264,10 +264,10 @@ def test_cuda_row_kernel_keeps_to_its_register_cap(dynamic):
     from fxopt.codegen import fast_launch
 
     compiled = torch.compile(ln_backward, backend="fxopt", dynamic=dynamic)
-    args = ln_inputs(1024, 4096, torch.bfloat16, "cuda")  # 16 warps: a cap of 64
+    args = ln_inputs(1024, 4096, torch.bfloat16, "cuda")  # 8 warps: a cap of 128
     got, want = compiled(*args), ln_backward(*(t.double() for t in args))
     for g, r in zip(got, want):
         assert_close_to_reference(g, r, torch.bfloat16)
-    regs = [k.n_regs for fk in list(fast_launch.ALL) if fk.fn.__name__.endswith("_rows")
-            for k, _, _ in fk._compiled.values() if k.metadata.num_warps == 16]
-    assert regs and max(regs) <= 64, regs
+    regs = [(k.n_regs, k.metadata.num_warps) for fk in list(fast_launch.ALL) if fk.fn.__name__.endswith("_rows")
+            for k, _, _ in fk._compiled.values()]
+    assert regs and all(n <= column_sums.register_cap(w) for n, w in regs), regs
