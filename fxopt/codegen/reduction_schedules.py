@@ -172,7 +172,7 @@ class LoopedSchedule:
         start = "rstart + roffset" if chunked else "roffset"
         loop = [f"rindex = {start} + tl.arange(0, RBLOCK)[None, :]", mask_line("r", em.exact_r and not chunked),
                 *em.rcoords]
-        wanted = em._row_ancestors([r.args[0] for r in reds if r not in self.pairs] +
+        wanted = row_ancestors(em, [r.args[0] for r in reds if r not in self.pairs] +
                                    [em.outs[j][0] for j in stores])
         loop += [em._load(i) for i, ld in enumerate(em.loads) if ld[0] in wanted and ld[0] in em.row_leaves]
         loop += [em._node(n) for n in em.nodes
@@ -282,3 +282,20 @@ def split_kernel(em, schedule: LoopedSchedule, prelude: list[str], xblock: int, 
                   {**consts, "CBLOCK": 1 << max(0, (nchunk - 1).bit_length())}, warps,
                   notes={"reduction": f"split into {nchunk} chunks"}, workspaces=workspaces, prologue=pre,
                   **em.io_meta())
+
+
+def row_ancestors(em, roots: list) -> set:
+    """Row values (and the leaves they read) needed to compute `roots` inside a pass."""
+    out, stack = set(), [r for r in roots if isinstance(r, fx.Node)]
+    while stack:
+        n = stack.pop()
+        if n in out:
+            continue
+        if n in em.load_names:
+            out.add(n)
+            continue
+        if em.is_row.get(n):
+            out.add(n)
+            stack += n.all_input_nodes
+    return out
+

@@ -34,6 +34,7 @@ from .indexing import (IterationSpace, Layout, broadcast_strides, index_symbols,
 from .column_sums import (accumulate_line, column_config, column_ops, column_strides, column_sums,
                           with_column_sums)
 from .erf_poly import with_erf_helper
+from .joint_sums import joint_order, joint_reduce_lines, sum_kind, with_combine_helpers
 from .kernel import Kernel
 from .reduction_schedules import (COMBINE, EVEN_PER_CALL, LoopedSchedule, even_source, inner_view, lane_reduce,
                                   mask_line, per_call_xblock, persistent_per_call, split_kernel)
@@ -236,7 +237,7 @@ class ReductionEmitter(PointwiseEmitter):
         source = with_erf_helper("\n".join(header + ["    " + line for line in body]) + "\n", self.target)
         if any("_fx_max" in line or "_fx_min" in line for line in body):
             source = COMBINE.lstrip("\n") + "\n\n" + source
-        return source
+        return with_combine_helpers(source, body)
 
     def _chunks(self, xblock: int, rblock: int) -> int:
         """How many chunks to cut each row into so that ~SPLIT_PROGRAMS programs run (1: no split)."""
@@ -352,7 +353,12 @@ class ReductionEmitter(PointwiseEmitter):
         body = [*self._row_index(), "# -- load inputs ----"]
         body += [self._load(i) for i in range(len(self.loads)) if i not in hoisted]
         body.append("# -- compute ----")
-        for n in self.nodes:
+        for n in joint_order(self.nodes, self._joinable):
+            if isinstance(n, tuple):  # row sums reading none of each other: one reduce
+                blocks = [self._reduced_value(s)[0] for s in n]
+                body += joint_reduce_lines([f"{s.name}_sum" for s in n], blocks, self.target)
+                body += [self._finish(s, f"{s.name}_sum", sum_kind(s)) for s in n]
+                continue
             if n.op != "call_function" or (is_view(n) and not inner_view(n)):
                 continue
             if n in self.columns:
@@ -368,26 +374,17 @@ class ReductionEmitter(PointwiseEmitter):
         body += [self._store(j) for j, (o, _) in enumerate(self.outs) if o not in self.column_values]
         return body
 
+    def _joinable(self, n: fx.Node):
+        """The accumulator dtype of a row sum that may be reduced with others (joint_sums), else None."""
+        if n.op != "call_function" or n in self.columns or n in self.column_ops or not sum_kind(n):
+            return None
+        return compute_dtype(n.meta["val"].dtype)
+
     def _exp_of(self, s: fx.Node):
         """The exp the graph's exp node (feeding the paired sum) is lowered to, as a function."""
         e = s.args[0]
         ctx = LowerCtx(self.target, e.meta["val"].dtype, compute_dtype(e.meta["val"].dtype), self.rounds_to)
         return lambda x: LOWERINGS[e.target](ctx, e, [f"({x})"])
-
-    def _row_ancestors(self, roots: list) -> set:
-        """Row values (and the leaves they read) needed to compute `roots` inside a pass."""
-        out, stack = set(), [r for r in roots if isinstance(r, fx.Node)]
-        while stack:
-            n = stack.pop()
-            if n in out:
-                continue
-            if n in self.load_names:
-                out.add(n)
-                continue
-            if self.is_row.get(n):
-                out.add(n)
-                stack += n.all_input_nodes
-        return out
 
 
 def generate_reduction_kernel(gm: fx.GraphModule, name: str, target: str, headroom: int | None = None) -> Kernel:
