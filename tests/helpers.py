@@ -60,3 +60,9 @@ def retained_graph_step(net, x1, x2) -> None:
     second = net(x2).square().mean()
     first.backward()
     second.backward()
+
+
+def jit_kernels(source: str) -> int:
+    """Kernels in generated source: @triton.jit functions other than the combine helpers (_fx_*) they call."""
+    import re
+    return len(re.findall(r"@triton\.jit\ndef (?!_fx_)", source))

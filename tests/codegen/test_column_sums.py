@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import fxopt
 from fxopt.analysis import reductions
 from fxopt.codegen import column_sums
-from tests.helpers import assert_close_to_reference, compile_fxopt
+from tests.helpers import assert_close_to_reference, compile_fxopt, jit_kernels
 
 
 @pytest.fixture(params=[3, 512], ids=["3-programs", "default-programs"])
@@ -56,7 +56,7 @@ def test_layernorm_backward_is_one_row_kernel_with_column_sums(device, programs,
     rows = [k for k in ks if k.kind == "reduction"]
     assert len(rows) == 1, [k.name for k in ks]  # dx, dw and db: one row kernel (+ its combine step)
     assert "2 column sum(s)" in rows[0].schedule  # dw and db
-    assert rows[0].source.count("@triton.jit") == 2 and "ws_ptr1" in rows[0].source  # rows, then combine
+    assert jit_kernels(rows[0].source) == 2 and "ws_ptr1" in rows[0].source  # rows, then combine
     # besides it at most the cast of w to fp32 (16-bit inputs), a pointwise kernel over [m]
     assert all(k.kind == "pointwise" and k.ops == ["aten._to_copy.default"] for k in ks if k is not rows[0])
 
@@ -270,4 +270,4 @@ def test_cuda_row_kernel_keeps_to_its_register_cap(dynamic):
         assert_close_to_reference(g, r, torch.bfloat16)
     regs = [(k.n_regs, k.metadata.num_warps) for fk in list(fast_launch.ALL) if fk.fn.__name__.endswith("_rows")
             for k, _, _ in fk._compiled.values()]
-    assert regs and all(n <= column_sums.register_cap(w) for n, w in regs), regs
+    assert regs and all(column_sums.register_cap(w) is None or n <= column_sums.register_cap(w) for n, w in regs), regs
