@@ -5,6 +5,7 @@ graphs are in test_cudagraphs_gpu.py."""
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -114,7 +115,14 @@ def test_plain_training_loop_lends_without_holding_back(monkeypatch):
     note = _forward_note(backend)
     assert "lent, not copied (held back from a replay 0 time(s)" in note, note
     assert "0 around memory a later graph lent" in note, note
-    assert made[-1].captures == 2 and made[-1].replays == 8
+    # one capture per graph, plus one for each input found at a new address after it was captured (a
+    # fresh batch or gradient may reuse the last one's memory or not, as the host allocator decides: a
+    # run on the H200 machine counted 4 captures, this machine 2), and every call after the warm-ups replays
+    notes = [n for g in backend.report.graphs for n in g.notes if n.startswith("cudagraphs: captured")]
+    counts = [re.search(r"captured (\d+) graph.* (\d+) re-captured after a static input moved", n).groups()
+              for n in notes]
+    assert len(counts) == 2 and all(int(c) - int(r) == 1 for c, r in counts), notes
+    assert made[-1].captures == sum(int(c) for c, _ in counts) and made[-1].replays == 8
 
 
 def test_gradients_alive_at_the_next_forward_make_the_backward_copy_them(monkeypatch):
