@@ -18,6 +18,7 @@ import re
 import torch.fx as fx
 
 from ..analysis.reductions import reduction_info
+from .reduction_schedules import lane_reduce
 
 
 def joint_order(nodes: list[fx.Node], joinable) -> list:
@@ -34,33 +35,33 @@ def joint_order(nodes: list[fx.Node], joinable) -> list:
 
 
 def _next_group(order: list, joinable) -> tuple | None:
-    sums = [n for n in order if isinstance(n, fx.Node) and joinable(n)]
+    keys = {n: joinable(n) for n in order if isinstance(n, fx.Node)}
+    sums = [n for n, key in keys.items() if key]
     for i, first in enumerate(sums):
-        group = [first]
+        group, read = [first], _readers([first])
         for later in sums[i + 1:]:
-            if joinable(later) == joinable(first) and not any(_reads(later, g) for g in group):
+            if keys[later] == keys[first] and later not in read:
                 group.append(later)
+                read |= _readers([later])
         if len(group) > 1:
             return tuple(group)
     return None
 
 
-def _reads(node: fx.Node, other: fx.Node) -> bool:
-    """Whether node depends on other, transitively."""
-    seen, stack = set(), list(node.all_input_nodes)
+def _readers(nodes) -> set:
+    """Every node that reads one of `nodes`, transitively (through users)."""
+    out, stack = set(), [u for n in nodes for u in n.users]
     while stack:
         n = stack.pop()
-        if n is other:
-            return True
-        if n not in seen:
-            seen.add(n)
-            stack += n.all_input_nodes
-    return False
+        if n not in out:
+            out.add(n)
+            stack += n.users
+    return out
 
 
 def _gather(order: list, group: tuple) -> list:
     """Defer the group's members, and whatever reads them, to the last member's place."""
-    members, last = set(group), group[-1]
+    members, read, last = set(group), _readers(group), group[-1]
     out, deferred, done = [], [], False
     for item in order:
         if done:
@@ -71,20 +72,21 @@ def _gather(order: list, group: tuple) -> list:
             done = True
         elif item in members:
             continue
-        elif any(_reads(x, m) for x in (item if isinstance(item, tuple) else (item,)) for m in group):
+        elif any(x in read for x in (item if isinstance(item, tuple) else (item,))):
             deferred.append(item)
         else:
             out.append(item)
     return out
 
 
-def joint_reduce_lines(names: list[str], blocks: list[str], target: str) -> list[str]:
-    """Lines binding `names[k]` to the [XBLOCK, 1] row sum of `blocks[k]`, one reduce for all on the GPU."""
+def joint_reduce(names: list[str], blocks: list[str], target: str) -> tuple[list[str], list[str]]:
+    """(lines, expressions): the [XBLOCK, 1] row sum of each of `blocks`, one reduce for all on the GPU
+    (its results named after `names`); in the interpreter no lines and one tl.sum per block."""
     if target == "interpret":
-        return [f"{n} = tl.sum({b}, 1)[:, None]" for n, b in zip(names, blocks)]
-    joint = ", ".join(f"{n}_j" for n in names)
-    return [f"{joint} = tl.reduce(({', '.join(blocks)}), 1, {combine_name(len(names))})",
-            *(f"{n} = {n}_j[:, None]" for n in names)]
+        return [], [lane_reduce("sum", b, target) for b in blocks]
+    joint = [f"{n}_j" for n in names]
+    return ([f"{', '.join(joint)} = tl.reduce(({', '.join(blocks)}), 1, {combine_name(len(names))})"],
+            [f"{j}[:, None]" for j in joint])
 
 
 _CALLED = re.compile(r"\b_fx_sum(\d+)\b")

@@ -34,7 +34,7 @@ from .indexing import (IterationSpace, Layout, broadcast_strides, index_symbols,
 from .column_sums import (accumulate_line, column_config, column_ops, column_strides, column_sums,
                           with_column_sums)
 from .erf_poly import with_erf_helper
-from .joint_sums import joint_order, joint_reduce_lines, sum_kind, with_combine_helpers
+from .joint_sums import joint_order, joint_reduce, sum_kind, with_combine_helpers
 from .kernel import Kernel
 from .reduction_schedules import (COMBINE, EVEN_PER_CALL, LoopedSchedule, even_source, inner_view, lane_reduce,
                                   mask_line, per_call_xblock, persistent_per_call, split_kernel)
@@ -355,9 +355,8 @@ class ReductionEmitter(PointwiseEmitter):
         body.append("# -- compute ----")
         for n in joint_order(self.nodes, self._joinable):
             if isinstance(n, tuple):  # row sums reading none of each other: one reduce
-                blocks = [self._reduced_value(s)[0] for s in n]
-                body += joint_reduce_lines([f"{s.name}_sum" for s in n], blocks, self.target)
-                body += [self._finish(s, f"{s.name}_sum", sum_kind(s)) for s in n]
+                lines, sums = joint_reduce([s.name for s in n], [self._reduced_value(s)[0] for s in n], self.target)
+                body += lines + [self._finish(s, e, sum_kind(s)) for s, e in zip(n, sums)]
                 continue
             if n.op != "call_function" or (is_view(n) and not inner_view(n)):
                 continue

@@ -63,9 +63,9 @@ def test_gpu_source_of_layernorm_backward_reduces_both_sums_at_once(monkeypatch)
 
 
 def test_interpreter_keeps_separate_sums():
-    lines = joint_sums.joint_reduce_lines(["p", "q"], ["x", "y"], "interpret")
-    assert lines == ["p = tl.sum(x, 1)[:, None]", "q = tl.sum(y, 1)[:, None]"]
-    assert joint_sums.with_combine_helpers("src", lines) == "src"
+    lines, sums = joint_sums.joint_reduce(["p", "q"], ["x", "y"], "interpret")
+    assert lines == [] and sums == ["tl.sum(x, 1)[:, None]", "tl.sum(y, 1)[:, None]"]
+    assert joint_sums.with_combine_helpers("src", lines + sums) == "src"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the joint reduce runs on the GPU only")
