@@ -18,6 +18,7 @@ from .codegen.fast_launch import FastKernel
 from .codegen.interpreter_guard import GuardedKernel
 from .codegen.wrapper_layouts import launch_checks
 from .codegen.kernel import Kernel
+from .codegen.combined_casts import generate_combined_casts_kernel
 from .codegen.triton_pointwise import generate_pointwise_kernel
 from .codegen.triton_reduction import generate_reduction_kernel
 from .codegen.wrapper import generate_wrapper
@@ -31,6 +32,7 @@ from .memory.plan_report import memory_plan
 from .memory.size_plans import size_plans
 from .options import Environment, Options
 from .pass_manager import PassContext, PassManager, PassRecord, count_nodes
+from .passes.combine_casts import CASTS_PREFIX
 from .passes.fuse import FUSED_PREFIX
 from .passes.fuse_reductions import REDUCTION_PREFIX
 from .printing import graph_to_text
@@ -129,7 +131,9 @@ def compile_aten_graph(gm: fx.GraphModule, example_inputs, *, options: Options, 
     for node in gm.graph.nodes:
         if node.op == "call_module" and str(node.target).startswith(FUSED_PREFIX):
             sub = gm.get_submodule(node.target)
-            if str(node.target).startswith(REDUCTION_PREFIX):
+            if str(node.target).startswith(CASTS_PREFIX):
+                k = generate_combined_casts_kernel(sub, f"cast_inputs_{len(kernels)}")
+            elif str(node.target).startswith(REDUCTION_PREFIX):
                 k = generate_reduction_kernel(sub, _kernel_name(sub, len(kernels)), kernel_target,
                                               headroom.get(node.name))
             else:

@@ -10,6 +10,7 @@ MEMORY_PLANS = (False, True, "apply")
 # passes that only make the result faster and can be left out one by one (fuse=False, attention=False and
 # precision=None switch off the others)
 SKIPPABLE_PASSES = ("cpu_scalars_to_device", "sums_through_views", "fold_matmul_casts", "recompute_for_reductions",
+                    "combine_casts",
                     "sink_collective_waits")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 from .options import Options
 from .passes.attention import FuseAttention
 from .passes.cleanup import Cleanup
+from .passes.combine_casts import CombineInputCasts
 from .passes.collective_waits import SinkCollectiveWaits
 from .passes.cpu_scalars import ScalarsToDevice
 from .passes.cross_entropy import FuseCrossEntropy
@@ -38,6 +39,7 @@ def post_grad_passes(options: Options) -> list:
         RecomputeForReductions(),  # column sums (dw, db) get their own copy of cheap row math
         FuseReductions(),  # reductions take their pointwise producers and consumers first (softmax, norms)
         FusePointwise(),  # the remaining elementwise chains -> one submodule (one Triton kernel) per group
+        CombineInputCasts(),  # groups that only cast a graph input (training's parameter casts) -> one launch
         Cleanup(name="cleanup_after_fuse"),  # views that fed a group and are now unused disappear
         SinkCollectiveWaits(),  # a collective's wait moves to its result's first use: the compute between overlaps
     ]

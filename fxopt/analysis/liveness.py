@@ -200,14 +200,21 @@ def peak_headroom(gm: fx.GraphModule) -> dict[str, int]:
     (a scratch buffer freed when it returns) without raising the graph's peak, i.e. the most bytes the
     graph's buffers ever hold at once minus what they hold while it runs. Graph inputs are held by the
     caller throughout and cancel out. Empty for symbolic sizes (no single peak to compare with)."""
+    live = live_bytes(gm)
+    if live is None:
+        return {}
+    peak = max(live, default=0)
+    return {n.name: peak - live[i] for i, n in enumerate(gm.graph.nodes) if n.op == "call_module"}
+
+
+def live_bytes(gm: fx.GraphModule) -> list[int] | None:
+    """Bytes the graph's buffers hold at each node position (graph inputs excluded: the caller holds
+    them throughout); None for symbolic sizes."""
     intervals = buffer_intervals(gm)
     if not all(isinstance(iv.nbytes, int) for iv in intervals):
-        return {}
-    nodes = list(gm.graph.nodes)
-    change = [0] * (len(nodes) + 1)  # bytes born minus bytes freed at each position (a running sum)
+        return None
+    change = [0] * (len(gm.graph.nodes) + 1)  # bytes born minus bytes freed at each position (a running sum)
     for iv in intervals:
         change[iv.first_use] += iv.nbytes
         change[iv.last_use + 1] -= iv.nbytes
-    live = list(itertools.accumulate(change[:-1]))
-    peak = max(live, default=0)
-    return {n.name: peak - live[i] for i, n in enumerate(nodes) if n.op == "call_module"}
+    return list(itertools.accumulate(change[:-1]))

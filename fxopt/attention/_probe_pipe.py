@@ -1,0 +1,221 @@
+"""Flash-attention forward on Hopper-class GPUs, reading q, k and v through TMA tensor descriptors.
+
+The same schedule as flash_forward.py (online softmax in base 2, causal blocks above the diagonal
+skipped, a mask-free loop then the diagonal and ragged-end blocks, heaviest query blocks first), with
+the tiles moved by the GPU's tensor memory accelerator instead of per-thread pointer loads:
+- a tile's copy is one instruction for the whole block, so no registers hold [BLOCK_N, D] pointer
+  tensors or bounds masks, and the pipeliner overlaps the copies of the next key blocks with the
+  current block's matrix products;
+- rows past the end of a sequence come back as zeros and stores past it are dropped by the copy
+  engine itself, so ragged lengths need no load or store masks (scores of the zero keys are still
+  masked to -inf, as in the pointer kernel);
+- the score scale is folded into the exponent's fused multiply-add (exp2(s * c - max)) in the
+  mask-free loop instead of scaling the whole tile first.
+
+Descriptors are 4-D ([B, H, T, D] with the tensor's own strides), so the transposed views model code
+makes (`x.view(B, T, H, D).transpose(1, 2)`) are read in place. What TMA needs, `tma_applies` checks:
+a CUDA device of compute capability 9.0 or newer, 16-bit inputs, no additive mask, a power-of-two head
+dim, unit stride on the head dim and 16-byte aligned base pointers and strides; the callers add
+`tiles_fit` (no tile longer than its sequence). Everything else takes the pointer kernel, which
+serves every case.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..codegen.wrapper_runtime import cdiv
+from .flash_common import LN2, key_ranges, launcher, store_rows, visible
+
+try:  # triton >= 3.4
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older triton
+    TensorDescriptor = None
+
+__all__ = ["tma_applies", "tma_readable", "tiles_fit", "descriptor", "flash_forward_tma", "query_block_program"]
+
+
+def tma_applies(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> bool:
+    """Whether the TMA kernel can read these inputs (see the module docstring); False means the
+    pointer kernel runs, never an error."""
+    if TensorDescriptor is None or mask is not None or q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] < 9:
+        return False  # (on the CPU the Triton interpreter emulates the descriptors: tests use it)
+    head_dim = q.shape[-1]
+    if head_dim & (head_dim - 1) or head_dim > 256:
+        return False
+    return all(tma_readable(t) for t in (q, k, v))
+
+
+def tiles_fit(q: Tensor, k: Tensor, block_q: int, block_k: int) -> bool:
+    """No descriptor tile longer than its sequence: a copy box past the whole tensor is left to the
+    pointer kernels (short sequences, where the copy engine buys nothing)."""
+    return block_q <= q.shape[2] and block_k <= k.shape[2]
+
+
+def tma_readable(t: Tensor) -> bool:
+    elem = t.element_size()
+    return (t.numel() > 0 and t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all((s * elem) % 16 == 0 for s in t.stride()[:-1]))
+
+
+def descriptor(t: Tensor, rows: int) -> "TensorDescriptor":
+    """A 4-D descriptor of `t` with [1, 1, rows, D] tiles. Built without TensorDescriptor's own checks
+    (a dozen asserts and a block-shape validation: ~10 us per descriptor, five per attention call on
+    the training path): tma_readable and tiles_fit already checked what they check (16-byte aligned
+    base and strides, unit last stride, non-empty), and rows and D are powers of two <= 256."""
+    d = object.__new__(TensorDescriptor)
+    d.__dict__.update(_DESCRIPTOR_DEFAULTS)  # padding="zero", and whatever defaults this triton adds
+    d.base, d.shape, d.strides, d.block_shape = t, list(t.shape), list(t.stride()), [1, 1, rows, t.shape[-1]]
+    return d
+
+
+_DESCRIPTOR_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TensorDescriptor)
+                        if f.default is not dataclasses.MISSING} if TensorDescriptor is not None else {}
+
+
+def flash_forward_tma(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool, cfg: dict,
+                      store_lse: bool = True) -> tuple[Tensor, Tensor | None]:
+    """flash_forward's (out, lse) for inputs `tma_applies` accepted; cfg: BLOCK_M, BLOCK_N, num_warps,
+    num_stages (already resolved); without store_lse, (out, None)."""
+    batch, heads, seq_q, head_dim = q.shape
+    kv_heads, seq_k = k.shape[1], k.shape[2]
+    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    out = torch.empty_like(q)  # q's memory order, as flash_forward promises
+    lse = torch.empty(batch, heads, seq_q, device=q.device, dtype=torch.float32) if store_lse else None
+    grid = (cdiv(seq_q, block_m), batch * heads)
+    launcher(_flash_forward_tma_kernel, grid, q.device)(
+        descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(out, block_m),
+        out if lse is None else lse,
+        heads, heads // kv_heads, seq_q, seq_k, scale * 1.4426950408889634,
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
+        EVEN_M=seq_q % block_m == 0, EVEN_N=seq_k % block_n == 0, STORE_LSE=store_lse, PIPE=cfg.get('PIPE', False), LAZY=cfg.get('LAZY', False),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out, lse
+
+
+@triton.jit
+def _flash_forward_tma_kernel(
+        q_desc, k_desc, v_desc, o_desc, Lse, num_heads, group_size, seq_q, seq_k, qk_scale,
+        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+        EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, STORE_LSE: tl.constexpr, PIPE: tl.constexpr = False, LAZY: tl.constexpr = False):
+    """BLOCK_M query rows of one (batch, head) against every key they may see: out rows and lse."""
+    bh, batch, head, kv_head, m0 = query_block_program(num_heads, group_size, BLOCK_M, CAUSAL)
+    causal_shift = seq_k - seq_q
+
+    q = q_desc.load([batch, head, m0, 0]).reshape(BLOCK_M, HEAD_DIM)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    mask_free_end, end = key_ranges(m0, seq_k, causal_shift, BLOCK_M, BLOCK_N, CAUSAL)
+    acc, row_sum, row_max = _pipe_blocks(
+        acc, row_sum, row_max, q, k_desc, v_desc, batch, kv_head, 0, mask_free_end, qk_scale,
+        HEAD_DIM, BLOCK_M, BLOCK_N, PIPE, LAZY)
+    if CAUSAL or not EVEN_N:
+        acc, row_sum, row_max = _tma_key_blocks(
+            acc, row_sum, row_max, q, k_desc, v_desc, batch, kv_head, m0, mask_free_end, end, seq_q, seq_k,
+            causal_shift, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL)
+
+    out = (acc / row_sum[:, None]).to(o_desc.dtype)
+    o_desc.store([batch, head, m0, 0], out.reshape(1, 1, BLOCK_M, HEAD_DIM))
+    if STORE_LSE:
+        rows = tl.arange(0, BLOCK_M)
+        store_rows(Lse + bh.to(tl.int64) * seq_q + m0 + rows, (row_max + tl.log2(row_sum)) * LN2, m0 + rows, seq_q,
+                   EVEN_M)
+
+
+@triton.jit
+def query_block_program(num_heads, group_size, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
+    """(bh, batch, head, kv_head, m0) of a program over grid (query blocks, batch * heads); causal
+    launches take the heaviest query blocks (the last ones, which see the most keys) first."""
+    block_m = tl.program_id(0)
+    if CAUSAL:
+        block_m = tl.num_programs(0) - 1 - block_m
+    bh = tl.program_id(1)
+    head = bh % num_heads
+    return bh, bh // num_heads, head, head // group_size, block_m * BLOCK_M
+
+
+@triton.jit
+def _tma_key_blocks(
+        acc, row_sum, row_max, q, k_desc, v_desc, batch, kv_head, m0, key_lo, key_hi, seq_q, seq_k,
+        causal_shift, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        MASKED: tl.constexpr, MASK_CAUSAL: tl.constexpr):
+    """The online-softmax update over key blocks [key_lo, key_hi); MASKED blocks get the elementwise
+    causal / ragged-end mask, the others none."""
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    for n0 in range(key_lo, key_hi, BLOCK_N):
+        n0 = tl.multiple_of(n0, BLOCK_N)
+        k = k_desc.load([batch, kv_head, n0, 0]).reshape(BLOCK_N, HEAD_DIM)
+        s = tl.dot(q, tl.trans(k))
+        if MASKED:
+            s = tl.where(visible(m0 + rows[:, None], n0 + cols[None, :], seq_q, seq_k, causal_shift, MASK_CAUSAL),
+                         s * qk_scale, float("-inf"))
+            new_max = tl.maximum(row_max, tl.max(s, 1))
+            p = tl.exp2(s - new_max[:, None])
+        else:
+            new_max = tl.maximum(row_max, tl.max(s, 1) * qk_scale)
+            p = tl.exp2(s * qk_scale - new_max[:, None])
+        rescale = tl.exp2(row_max - new_max)
+        row_sum = row_sum * rescale + tl.sum(p, 1)
+        v = v_desc.load([batch, kv_head, n0, 0]).reshape(BLOCK_N, HEAD_DIM)
+        acc = tl.dot(p.to(v.dtype), v, acc * rescale[:, None])
+        row_max = new_max
+    return acc, row_sum, row_max
+
+
+@triton.jit
+def _softmax_step(acc, row_sum, row_max, s, v, qk_scale, LAZY: tl.constexpr):
+    m_blk = tl.max(s, 1) * qk_scale
+    if LAZY:
+        grow = m_blk > row_max + 8.0
+        if tl.max(grow.to(tl.int32), 0) > 0:
+            new_max = tl.where(grow, m_blk, row_max)
+            rescale = tl.exp2(row_max - new_max)
+            acc = acc * rescale[:, None]
+            row_sum = row_sum * rescale
+            row_max = new_max
+        p = tl.exp2(s * qk_scale - row_max[:, None])
+        row_sum = row_sum + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    else:
+        new_max = tl.maximum(row_max, m_blk)
+        p = tl.exp2(s * qk_scale - new_max[:, None])
+        rescale = tl.exp2(row_max - new_max)
+        row_sum = row_sum * rescale + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * rescale[:, None])
+        row_max = new_max
+    return acc, row_sum, row_max
+
+
+@triton.jit
+def _pipe_blocks(acc, row_sum, row_max, q, k_desc, v_desc, batch, kv_head, key_lo, key_hi, qk_scale,
+                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 PIPE: tl.constexpr, LAZY: tl.constexpr):
+    if PIPE:
+        if key_hi > key_lo:
+            k = k_desc.load([batch, kv_head, key_lo, 0]).reshape(BLOCK_N, HEAD_DIM)
+            s = tl.dot(q, tl.trans(k))
+            for n0 in range(key_lo, key_hi - BLOCK_N, BLOCK_N):
+                n0 = tl.multiple_of(n0, BLOCK_N)
+                k = k_desc.load([batch, kv_head, n0 + BLOCK_N, 0]).reshape(BLOCK_N, HEAD_DIM)
+                s_next = tl.dot(q, tl.trans(k))
+                v = v_desc.load([batch, kv_head, n0, 0]).reshape(BLOCK_N, HEAD_DIM)
+                acc, row_sum, row_max = _softmax_step(acc, row_sum, row_max, s, v, qk_scale, LAZY)
+                s = s_next
+            v = v_desc.load([batch, kv_head, key_hi - BLOCK_N, 0]).reshape(BLOCK_N, HEAD_DIM)
+            acc, row_sum, row_max = _softmax_step(acc, row_sum, row_max, s, v, qk_scale, LAZY)
+    else:
+        for n0 in range(key_lo, key_hi, BLOCK_N):
+            n0 = tl.multiple_of(n0, BLOCK_N)
+            k = k_desc.load([batch, kv_head, n0, 0]).reshape(BLOCK_N, HEAD_DIM)
+            s = tl.dot(q, tl.trans(k))
+            v = v_desc.load([batch, kv_head, n0, 0]).reshape(BLOCK_N, HEAD_DIM)
+            acc, row_sum, row_max = _softmax_step(acc, row_sum, row_max, s, v, qk_scale, LAZY)
+    return acc, row_sum, row_max
