@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import time
@@ -22,8 +21,7 @@ from .codegen.kernel import Kernel
 from .codegen.combined_casts import generate_combined_casts_kernel
 from .codegen.triton_pointwise import generate_pointwise_kernel
 from .codegen.triton_reduction import generate_reduction_kernel
-from .codegen.warm_ops import warm_calls
-from .codegen.wrapper import cuda_device_index, generate_wrapper
+from .codegen.wrapper import generate_wrapper
 from .analysis.liveness import peak_headroom
 from .analysis.roofline import roofline
 from .analysis.symbolic import (graph_symbols, guard_texts, has_symbolic_shapes, hint, shape_env_of,
@@ -142,8 +140,7 @@ def compile_aten_graph(gm: fx.GraphModule, example_inputs, *, options: Options, 
                 k = generate_pointwise_kernel(sub, _kernel_name(sub, len(kernels)), kernel_target)
             kernels[node.target] = k
             record.kernels.append(KernelRecord(k.name, k.kind, k.ops, k.full_source(), graph_name,
-                                               k.notes.get("reduction") or k.notes.get("combined"),
-                                               standalone_source(k) if inspect else ""))
+                                               k.notes.get("reduction"), standalone_source(k) if inspect else ""))
     kernel_names = {sub_name: k.name for sub_name, k in kernels.items()}
     record.roofline = roofline(gm, kernel_names)
     if inspect:
@@ -232,7 +229,7 @@ def _load(gm: fx.GraphModule, kernels: dict[str, Kernel], record: GraphReport, e
             setattr(module, f"subgraph_{node.target}", gm.get_submodule(node.target))
     module.PLANS = plans  # symbolic graphs with an applied plan: the per-size plans
     if mode == "triton" and record.target == "cuda":
-        _precompile(module, kernels, gm)
+        _precompile(module, kernels)
     call = module.call
     call._boxed_call = True
     return call
@@ -248,10 +245,9 @@ def _kernels_of(k: Kernel) -> list[Kernel]:
     return [s for s in (k.prologue, k, k.epilogue, k.alternative) if s is not None]
 
 
-def _precompile(module, kernels: dict[str, Kernel], gm: fx.GraphModule) -> None:
+def _precompile(module, kernels: dict[str, Kernel]) -> None:
     """Compile every kernel now, several at once (Triton's compiler spends its time outside the GIL
-    in LLVM and ptxas), so the first call does not compile them one after another; fxopt's own ops
-    (attention, cross-entropy) run once on scratch tensors among them (codegen/warm_ops.py)."""
+    in LLVM and ptxas), so the first call does not compile them one after another."""
     def warm(k: Kernel):
         try:
             getattr(module, k.name).warmup(*k.warmup_args(), grid=k.grid_tuple(), **k.options(),
@@ -259,17 +255,14 @@ def _precompile(module, kernels: dict[str, Kernel], gm: fx.GraphModule) -> None:
         except Exception as exc:
             raise FxoptError(f"fxopt: Triton could not compile kernel {k.name}: {exc}\n{k.source}") from exc
 
-    todo = [functools.partial(warm, k) for k in _launched(kernels) if not k.symbolic]  # symbolic: at first call
-    device = cuda_device_index(gm)
-    if device is not None and not torch.cuda.is_current_stream_capturing():
-        todo += warm_calls(gm, torch.cuda.mem_get_info(device)[0])
+    todo = [k for k in _launched(kernels) if not k.symbolic]  # symbolic ones compile at their first call
     with _triton_interpreter(False):  # a process-wide TRITON_INTERPRET=1 (CPU tests) must not reach nvcc-side compiles
         if len(todo) <= 1:
-            for job in todo:
-                job()
+            for k in todo:
+                warm(k)
             return
         with ThreadPoolExecutor(max_workers=min(8, len(todo))) as pool:
-            list(pool.map(lambda job: job(), todo))
+            list(pool.map(warm, todo))
 
 
 @contextlib.contextmanager

@@ -116,16 +116,8 @@ def _callee(target) -> str:
     raise NotImplementedError(f"cannot call {target!r} from the wrapper")
 
 
-def own_op_callee(n: fx.Node) -> str | None:
-    """For a call of one of fxopt's own ops (`torch.ops.fxopt.*`), the function of direct_calls.py the
-    wrapper calls; None for any other node."""
-    t = n.target
-    if n.op != "call_function" or not isinstance(t, torch._ops.OpOverload) or t.namespace != "fxopt":
-        return None
-    name = t._schema.name.split("::")[-1]
-    if name == "flash_attention" and all(u.target is operator.getitem and u.args[1] == 0 for u in n.users):
-        return name + "_out_only"  # nothing reads the log-sum-exp (inference): not made at all
-    return name
+def _is_flash_attention(target) -> bool:
+    return isinstance(target, torch._ops.OpOverload) and target._schema.name == "fxopt::flash_attention"
 
 
 def _last_uses(gm: fx.GraphModule) -> dict[fx.Node, list[fx.Node]]:
@@ -258,7 +250,10 @@ def generate_wrapper(gm: fx.GraphModule, kernels: dict[str, Kernel], graph: str,
             elif n.target in TORCH_FUNCTIONS and (not n.kwargs or n.target in _SAME_KWARGS):
                 body += _timed([f"{n.name} = {TORCH_FUNCTIONS[n.target]}({', '.join(args)})"], n.name, profile)
             else:
-                callee = _callee(n.target) if own_op_callee(n) is None else f"fxopt_ops.{own_op_callee(n)}"
+                callee = _callee(n.target)
+                if _is_flash_attention(n.target) and all(u.target is operator.getitem and u.args[1] == 0
+                                                         for u in n.users):
+                    callee += "_out_only"  # nothing reads the log-sum-exp (inference): not made at all
                 body += _timed([f"{n.name} = {callee}({', '.join(args)})"], n.name, profile)
         elif n.op == "get_attr":
             continue  # constants are module globals, set when the wrapper is loaded
