@@ -140,7 +140,8 @@ def compile_aten_graph(gm: fx.GraphModule, example_inputs, *, options: Options, 
                 k = generate_pointwise_kernel(sub, _kernel_name(sub, len(kernels)), kernel_target)
             kernels[node.target] = k
             record.kernels.append(KernelRecord(k.name, k.kind, k.ops, k.full_source(), graph_name,
-                                               k.notes.get("reduction"), standalone_source(k) if inspect else ""))
+                                               k.notes.get("reduction") or k.notes.get("combined"),
+                                               standalone_source(k) if inspect else ""))
     kernel_names = {sub_name: k.name for sub_name, k in kernels.items()}
     record.roofline = roofline(gm, kernel_names)
     if inspect:
