@@ -99,3 +99,15 @@ def test_a_cast_moved_earlier_only_where_the_peak_stays():
     assert result.stats == {"kernels": 1, "casts": 2}
     combined = [n for n in result.gm.graph.nodes if n.op == "call_module" and "casts" in str(n.target)]
     assert len(combined) == 1 and [a.name for a in combined[0].args] == ["w1_1", "w2_1"]
+
+
+def test_a_graph_without_a_single_peak_joins_nothing_and_the_pass_ends(monkeypatch):
+    """Symbolic sizes elsewhere in the graph (live_bytes is None: no peak to keep) leave every cast
+    apart; the pass still ends (it once looped forever on an HF Llama under dynamic shapes)."""
+    import fxopt.passes.combine_casts as combine_casts
+    monkeypatch.setattr(combine_casts, "live_bytes", lambda gm: None)
+
+    def f(x, w1, w2):
+        return w1.to(torch.bfloat16), x * 2, w2.to(torch.bfloat16), x + 1
+    result = _fused_then_combined(f, torch.randn(4096), torch.randn(8), torch.randn(64))
+    assert result.stats == {"kernels": 0, "casts": 0}
