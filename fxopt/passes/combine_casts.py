@@ -69,12 +69,9 @@ def input_cast(gm: fx.GraphModule, node: fx.Node) -> bool:
             and src.is_contiguous() and dst.is_contiguous())
 
 
-def _joinable(members: list[fx.Node], gm: fx.GraphModule) -> list[fx.Node]:
+def _joinable(members: list[fx.Node], gm: fx.GraphModule, live: list[int]) -> list[fx.Node]:
     """The members, in graph order, whose results may be allocated at the first member's place
-    without raising the graph's peak (greedy, first come first in); always the first member."""
-    live = live_bytes(gm)
-    if live is None:  # symbolic sizes somewhere in the graph: no single peak to keep, nothing joins
-        return members[:1]
+    without raising the graph's peak (greedy, first come first in; `live`: liveness.live_bytes)."""
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
     peak, start = max(live, default=0), position[members[0]]
     extra = [0] * len(live)
@@ -108,10 +105,11 @@ class CombineInputCasts:
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         candidates = [n for n in gm.graph.nodes if input_cast(gm, n)]
         kernels = cast_count = 0
-        if len(candidates) >= 2 and live_bytes(gm) is None:  # symbolic sizes: no single peak to keep
-            candidates = []
         while len(candidates) >= 2:
-            members = _joinable(candidates[:MAX_MEMBERS], gm)
+            live = live_bytes(gm)  # (again after each combine: the graph changed)
+            if live is None:  # symbolic sizes somewhere: no single peak to keep, nothing joins
+                break
+            members = _joinable(candidates[:MAX_MEMBERS], gm, live)
             candidates = [c for c in candidates if c not in members]  # (the first always leaves)
             if len(members) < 2:
                 continue
