@@ -18,7 +18,11 @@ codegen/wrapper_layouts.launch_checks: graph inputs and size expressions; its ow
 and its literal ints fixed by construction), and only those are re-checked: most sites check none.
 
 A fast launch goes through torch's C launcher where it can take the kernel (codegen/static_launch.py:
-no Python between the wrapper and cuLaunchKernel), else through Triton's `CompiledKernel.run`.
+no Python between the wrapper and cuLaunchKernel), else through Triton's `CompiledKernel.run`. The
+first launch of such a kernel goes through torch's launcher too: the kernel is compiled with
+`JITFunction.warmup`, which skips building Triton's own launcher (a C file through the host compiler,
+0.25 s per kernel signature with a cold cache: 15 of them were 4.8 s of a GPT-2 training step's first
+call, benchmarks/results/2026-12-02-h200-f.md).
 `FXOPT_STATIC_LAUNCH=0` keeps every launch on Triton's launcher (to compare, or to rule it out).
 """
 from __future__ import annotations
@@ -29,7 +33,7 @@ import torch
 from torch import Tensor
 
 from ..options import Environment
-from .static_launch import StaticLaunch, picker, plan_static_launch
+from .static_launch import StaticLaunch, picker, plan_static_launch, static_launcher_available
 
 try:  # triton >= 3.4 keeps the launch hooks in knobs; older ones on CompiledKernel
     from triton import knobs as _knobs
@@ -134,13 +138,30 @@ class FastKernel:
                 compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, None,
                              None, None, *args, *rest)
             return compiled
+        remember, static, tried = len(self._compiled) < self.MAX_VARIANTS, None, False
+        if remember and self._static and _STATIC_POSSIBLE and type(grid) is tuple and not hooks_installed():
+            # compile without launching: Triton builds its own launcher (a C file through the host
+            # compiler, ~0.2-0.3 s per kernel signature with a cold cache) only when a kernel launches
+            # through it, and a kernel that torch's C launcher takes never needs it
+            kernel = self.fn.warmup(*args, grid=grid, **kwargs)
+            static, tried = self._static_launch(kernel, len(args), device), True
+            if static is not None:
+                self._compiled[key] = (kernel, self._constexprs(args, kwargs), static)
+                g = (*grid, 1, 1)
+                static.launch(g[0], g[1], g[2], stream, args)
+                self.static_launches += 1
+                return kernel
         kernel = self.fn[grid](*args, **kwargs)
         self.triton_launches += 1
-        if len(self._compiled) < self.MAX_VARIANTS and _launcher_signature_known(kernel):
-            # the constexprs in signature order, fixed for this key (its kwargs are part of it)
-            rest = tuple(kwargs[n] for n in self._names[len(args):])
-            self._compiled[key] = (kernel, rest, self._static_launch(kernel, len(args), device))
+        if remember and _launcher_signature_known(kernel):
+            if not tried:
+                static = self._static_launch(kernel, len(args), device)
+            self._compiled[key] = (kernel, self._constexprs(args, kwargs), static)
         return kernel
+
+    def _constexprs(self, args, kwargs) -> tuple:
+        """The constexprs in signature order, fixed for a key (its kwargs are part of it)."""
+        return tuple(kwargs[n] for n in self._names[len(args):])
 
     def _static_launch(self, kernel, n_args: int, device: int) -> StaticLaunch | None:
         if not self._static:
@@ -153,6 +174,7 @@ class FastKernel:
         return plan
 
 
+_STATIC_POSSIBLE = static_launcher_available()
 ALL: "weakref.WeakSet[FastKernel]" = weakref.WeakSet()  # every FastKernel alive (host_profile counts launches)
 
 

@@ -107,6 +107,11 @@ def launch_attributes(compiled) -> str | None:
     return None
 
 
+def static_launcher_available() -> bool:
+    """torch ships `_StaticCudaLauncher` (CUDA builds)."""
+    return _LAUNCHER is not None
+
+
 def plan_static_launch(compiled, n_args: int, device: int) -> StaticLaunch | str:
     """A StaticLaunch for `compiled` on `device`, or why Triton's launcher has to keep it."""
     if _LAUNCHER is None:

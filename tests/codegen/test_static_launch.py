@@ -83,9 +83,29 @@ def test_launches_through_the_c_launcher_match_tritons(n):
         outs.append(y)
     torch.cuda.synchronize()
     want = x.double() * 0.5 + 3
-    for y in outs:  # the first launch through Triton, the others through torch's C launcher
+    for y in outs:  # every launch through torch's C launcher, the first one too (compiled by warmup)
         torch.testing.assert_close(y.double(), want, rtol=1e-6, atol=1e-6)
-    assert k.static_refused is None and (k.fast_launches, k.static_launches) == (2, 2)
+    assert k.static_refused is None and (k.fast_launches, k.static_launches, k.triton_launches) == (2, 3, 0)
+    # so Triton never built its own launcher for it (a host-compiler run per signature, cold cache)
+    assert all(c.module is None for c, _, _ in k._compiled.values())
+
+
+@pytest.mark.gpu
+def test_a_kernel_the_c_launcher_refuses_launches_through_triton_from_the_first_call(monkeypatch):
+    from fxopt.codegen import fast_launch
+    monkeypatch.setattr(fast_launch, "plan_static_launch", lambda *a: "refused by this test")
+    x = torch.randn(300, device="cuda")
+    k = FastKernel(axpb)
+    outs = []
+    for _ in range(2):
+        y = torch.full_like(x, float("nan"))
+        k[(3,)](x, y, 300, 1, 2**40, 0.25, BLOCK=128)
+        outs.append(y)
+    torch.cuda.synchronize()
+    for y in outs:
+        torch.testing.assert_close(y.double(), x.double() * 0.25, rtol=1e-6, atol=1e-6)
+    assert k.static_refused == "refused by this test"
+    assert (k.triton_launches, k.fast_launches, k.static_launches) == (1, 1, 0)
 
 
 class FakeLauncher:

@@ -1,0 +1,144 @@
+"""GPU probe: softmax over rows of 131072 with the second read served from L2 instead of HBM.
+
+A two-pass softmax reads each row twice. With one persistent program per SM only ~132 rows are in
+flight (33 MB of bf16 at 256 KB a row, inside the H200's 50 MB L2), yet every two-read schedule
+measured so far reached 53-56% of copy (benchmarks/probe_reductions.py): the second pass walks the row
+from its start, the part read longest ago and the first evicted. Here pass 2 walks the row backwards
+(the most recently read blocks first), optionally with eviction hints (pass 1 keeps, pass 2 and the
+store stream), and optionally keeps the row's last TAIL elements in registers between the passes.
+
+    PYTHONPATH=. python -m benchmarks.probe_softmax_l2
+    TRITON_INTERPRET=1 PYTHONPATH=. python -m benchmarks.probe_softmax_l2 --interpret-check
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import triton
+import triton.language as tl
+import triton.testing
+
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _stats(X, lo, hi, RBLOCK: tl.constexpr, EVICT: tl.constexpr):
+    """Pass 1 over X[lo:hi] (whole blocks): running max (log2 units) and per-lane sum of exp2."""
+    m = tl.full([], float("-inf"), tl.float32)
+    s = tl.zeros([RBLOCK], tl.float32)
+    for off in range(lo, hi, RBLOCK):
+        cols = off + tl.arange(0, RBLOCK)
+        if EVICT:
+            v = tl.load(X + cols, eviction_policy="evict_last").to(tl.float32) * LOG2E
+        else:
+            v = tl.load(X + cols).to(tl.float32) * LOG2E
+        m_new = tl.maximum(m, tl.max(v, 0))
+        s = s * tl.exp2(m - m_new) + tl.exp2(v - m_new)
+        m = m_new
+    return m, s
+
+
+@triton.jit
+def _softmax_rows(X, Y, M, N, RBLOCK: tl.constexpr, REVERSE: tl.constexpr, EVICT: tl.constexpr,
+                  TAIL: tl.constexpr):
+    """Persistent programs striding over rows; N a multiple of RBLOCK, TAIL (0 or a multiple of
+    RBLOCK, < N) elements at the row's end held in registers between the passes."""
+    nblk = (N - TAIL) // RBLOCK
+    for r in range(tl.program_id(0), M, tl.num_programs(0)):
+        base = r * N  # < 2**31 at the probed sizes
+        m, s = _stats(X + base, 0, N - TAIL, RBLOCK, EVICT)
+        if TAIL > 0:
+            tcols = N - TAIL + tl.arange(0, TAIL)
+            t = tl.load(X + base + tcols).to(tl.float32) * LOG2E
+            m_new = tl.maximum(m, tl.max(t, 0))
+            total = tl.sum(s, 0) * tl.exp2(m - m_new) + tl.sum(tl.exp2(t - m_new), 0)
+            m = m_new
+            inv = 1.0 / total
+            if EVICT:
+                tl.store(Y + base + tcols, (tl.exp2(t - m) * inv).to(Y.dtype.element_ty), cache_modifier=".cs")
+            else:
+                tl.store(Y + base + tcols, (tl.exp2(t - m) * inv).to(Y.dtype.element_ty))
+        else:
+            inv = 1.0 / tl.sum(s, 0)
+        for j in range(0, nblk):
+            b = nblk - 1 - j if REVERSE else j
+            cols = b * RBLOCK + tl.arange(0, RBLOCK)
+            if EVICT:
+                v = tl.load(X + base + cols, eviction_policy="evict_first").to(tl.float32)
+                tl.store(Y + base + cols, (tl.exp2(v * LOG2E - m) * inv).to(Y.dtype.element_ty),
+                         cache_modifier=".cs")
+            else:
+                v = tl.load(X + base + cols).to(tl.float32)
+                tl.store(Y + base + cols, (tl.exp2(v * LOG2E - m) * inv).to(Y.dtype.element_ty))
+
+
+def launch(x, y, programs, rblock, warps, reverse, evict, tail):
+    m, n = x.shape
+    assert n % rblock == 0 and tail % rblock == 0 and tail < n
+    g = min(m, programs)
+    return lambda: _softmax_rows[(g,)](x, y, m, n, RBLOCK=rblock, REVERSE=reverse, EVICT=evict, TAIL=tail,
+                                       num_warps=warps)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.probe_softmax_l2", description=__doc__.splitlines()[0])
+    ap.add_argument("--interpret-check", action="store_true", help="numerics only, tiny shapes, on the CPU")
+    ap.add_argument("--rows", type=int, default=512)
+    args = ap.parse_args(argv)
+    quick = args.interpret_check
+    dev = "cpu" if quick else "cuda"
+    if not quick and not torch.cuda.is_available():
+        print("probe_softmax_l2: no CUDA device")
+        return 0
+    sms = 4 if quick else torch.cuda.get_device_properties(0).multi_processor_count
+    m, n, scale = (6, 2048, 64) if quick else (args.rows, 131072, 1)
+    torch.manual_seed(0)
+    x = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    ref = torch.softmax(x.double(), -1)
+    nbytes = 2 * x.numel() * x.element_size()
+    copy_gbs = float("nan")
+    if not quick:
+        src = torch.empty(2**30, dtype=torch.uint8, device=dev)
+        dst = torch.empty_like(src)
+        copy_gbs = max(2 * src.numel() / triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median") / 1e6
+                       for _ in range(3))
+        del src, dst
+        print(f"{torch.cuda.get_device_name(0)} ({sms} SMs), triton {triton.__version__}, "
+              f"copy {copy_gbs:.0f} GB/s, x [{m}, {n}] bf16")
+    configs = []
+    for k, rb, nw in ((1, 8192, 16), (1, 4096, 8), (2, 4096, 8), (1, 16384, 32)):
+        for rev, ev in ((False, False), (True, False), (True, True)):
+            configs.append((k, rb, nw, rev, ev, 0))
+    for k, rb, nw, tail in ((1, 8192, 16, 16384), (1, 8192, 16, 32768), (1, 4096, 32, 32768), (2, 4096, 8, 8192)):
+        for ev in (False, True):
+            configs.append((k, rb, nw, True, ev, tail))
+    failed = 0
+    for k, rb, nw, rev, ev, tail in configs:
+        label = f"G={k}xSM R{rb} w{nw} rev={int(rev)} evict={int(ev)} tail={tail}"
+        try:
+            y.zero_()
+            run = launch(x, y, sms * k, rb // scale, nw, rev, ev, tail // scale)
+            run()
+            err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
+            failed += not err <= 1e-2
+            if quick:
+                print(f"{label:60s} err {err:.2e}")
+                continue
+            ms = triton.testing.do_bench(run, warmup=10, rep=50, return_mode="median")
+            gbs = nbytes / ms / 1e6
+            print(f"{label:60s} {ms:8.4f} ms {gbs:6.0f} GB/s {100 * gbs / copy_gbs:5.1f}%  err {err:.2e}", flush=True)
+        except Exception as e:  # noqa: BLE001 - a failing variant is a result
+            failed += 1
+            print(f"{label:60s} ERROR {' '.join(str(e).split())[:90]}", flush=True)
+    if not quick:
+        ms = triton.testing.do_bench(lambda: torch.softmax(x, -1), return_mode="median")
+        print(f"{'torch.softmax':60s} {ms:8.4f} ms {nbytes / ms / 1e6:6.0f} GB/s {100 * nbytes / ms / 1e6 / copy_gbs:5.1f}%")
+    print(f"{failed} failed" if failed else "all ok")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
