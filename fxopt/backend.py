@@ -11,6 +11,7 @@ import threading
 import torch
 import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
+from torch._functorch import config as functorch_config
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from . import pipeline
@@ -19,6 +20,7 @@ from .cudagraphs import graphed_compiler
 from .decompositions import decomposition_table
 from .options import Environment, Options
 from .pass_manager import PassContext, PassManager
+from .passes.cse import eliminate_common_subexpressions
 from .passes.precision import lift_parameter_casts, with_cached_casts
 from .report import Report
 from .verify import GraphVerifier
@@ -96,6 +98,15 @@ def _guarded(compiled, guards):
     return call
 
 
+def _partition(joint: fx.GraphModule, joint_inputs, **kwargs):
+    """torch's min-cut partitioner after fxopt's own CSE (passes/cse.py: the partitioner's would import
+    Inductor, seconds of a training graph's first call)."""
+    if eliminate_common_subexpressions(joint.graph):
+        joint.recompile()
+    with functorch_config.patch(cse=False):
+        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+
 def _aot(gm, example_inputs, compiler):
     """Through dynamo's own aot_autograd backend helper, not aot_module_simplified directly: it keeps
     the counters DDP's graph splitter reads (without them a split graph's backward fails: "expected
@@ -106,7 +117,7 @@ def _aot(gm, example_inputs, compiler):
         bw_compiler=functools.partial(compiler, graph_name="backward"),
         inference_compiler=functools.partial(compiler, graph_name="inference"),
         decompositions=decomposition_table(),
-        partition_fn=min_cut_rematerialization_partition,
+        partition_fn=_partition,
         keep_inference_input_mutations=True,
     )(gm, example_inputs)
 

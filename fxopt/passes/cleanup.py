@@ -12,7 +12,6 @@ started is the tensor it started from.
 """
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +19,7 @@ import torch.fx as fx
 
 from ..analysis.symbolic import sizes, storage_offset, strides
 from ..pass_manager import PassContext, PassResult
+from .cse import eliminate_common_subexpressions
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -67,33 +67,6 @@ def _is_noop(node: fx.Node) -> bool:
     return False
 
 
-def _cse_key(node: fx.Node):
-    t = node.target
-    if node.op != "call_function":
-        return None
-    if t is not operator.getitem:
-        if not isinstance(t, torch._ops.OpOverload) or t._schema.is_mutable:
-            return None
-        if torch.Tag.nondeterministic_seeded in t.tags:
-            return None
-
-    def freeze(a):
-        if isinstance(a, (list, tuple)):
-            return (type(a).__name__,) + tuple(freeze(x) for x in a)
-        if isinstance(a, dict):
-            return tuple(sorted((k, freeze(v)) for k, v in a.items()))
-        if isinstance(a, float) and a != a:
-            return ("nan",)
-        return (type(a).__name__, a)
-
-    try:
-        key = (t, freeze(node.args), freeze(node.kwargs))
-        hash(key)
-        return key
-    except TypeError:
-        return None
-
-
 @dataclass(frozen=True)
 class Cleanup:
     name: str = "cleanup"
@@ -111,17 +84,7 @@ class Cleanup:
                 # (outputs keep their own view: aot_autograd recorded how each output aliases others)
                 node.replace_all_uses_with(root)
                 stats["view_chains_folded"] += 1
-        seen: dict = {}
-        for node in list(gm.graph.nodes):
-            key = _cse_key(node)
-            if key is None:
-                continue
-            if key in seen:
-                node.replace_all_uses_with(seen[key])
-                gm.graph.erase_node(node)
-                stats["cse_merged"] += 1
-            else:
-                seen[key] = node
+        stats["cse_merged"] = eliminate_common_subexpressions(gm.graph)
         before = len(gm.graph.nodes)
         gm.graph.eliminate_dead_code()
         stats["dead_removed"] = before - len(gm.graph.nodes)
