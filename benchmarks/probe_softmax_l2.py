@@ -24,11 +24,11 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def _stats(X, lo, hi, RBLOCK: tl.constexpr, EVICT: tl.constexpr):
+def _stats(X, lo, hi, RBLOCK: tl.constexpr, EVICT: tl.constexpr, STAGES: tl.constexpr):
     """Pass 1 over X[lo:hi] (whole blocks): running max (log2 units) and per-lane sum of exp2."""
     m = tl.full([], float("-inf"), tl.float32)
     s = tl.zeros([RBLOCK], tl.float32)
-    for off in range(lo, hi, RBLOCK):
+    for off in tl.range(lo, hi, RBLOCK, num_stages=STAGES):
         cols = off + tl.arange(0, RBLOCK)
         if EVICT:
             v = tl.load(X + cols, eviction_policy="evict_last").to(tl.float32) * LOG2E
@@ -42,13 +42,13 @@ def _stats(X, lo, hi, RBLOCK: tl.constexpr, EVICT: tl.constexpr):
 
 @triton.jit
 def _softmax_rows(X, Y, M, N, RBLOCK: tl.constexpr, REVERSE: tl.constexpr, EVICT: tl.constexpr,
-                  TAIL: tl.constexpr):
+                  TAIL: tl.constexpr, STAGES: tl.constexpr):
     """Persistent programs striding over rows; N a multiple of RBLOCK, TAIL (0 or a multiple of
     RBLOCK, < N) elements at the row's end held in registers between the passes."""
     nblk = (N - TAIL) // RBLOCK
     for r in range(tl.program_id(0), M, tl.num_programs(0)):
         base = r * N  # < 2**31 at the probed sizes
-        m, s = _stats(X + base, 0, N - TAIL, RBLOCK, EVICT)
+        m, s = _stats(X + base, 0, N - TAIL, RBLOCK, EVICT, STAGES)
         if TAIL > 0:
             tcols = N - TAIL + tl.arange(0, TAIL)
             t = tl.load(X + base + tcols).to(tl.float32) * LOG2E
@@ -62,7 +62,7 @@ def _softmax_rows(X, Y, M, N, RBLOCK: tl.constexpr, REVERSE: tl.constexpr, EVICT
                 tl.store(Y + base + tcols, (tl.exp2(t - m) * inv).to(Y.dtype.element_ty))
         else:
             inv = 1.0 / tl.sum(s, 0)
-        for j in range(0, nblk):
+        for j in tl.range(0, nblk, num_stages=STAGES):
             b = nblk - 1 - j if REVERSE else j
             cols = b * RBLOCK + tl.arange(0, RBLOCK)
             if EVICT:
@@ -74,12 +74,12 @@ def _softmax_rows(X, Y, M, N, RBLOCK: tl.constexpr, REVERSE: tl.constexpr, EVICT
                 tl.store(Y + base + cols, (tl.exp2(v * LOG2E - m) * inv).to(Y.dtype.element_ty))
 
 
-def launch(x, y, programs, rblock, warps, reverse, evict, tail):
+def launch(x, y, programs, rblock, warps, reverse, evict, tail, stages=1):
     m, n = x.shape
     assert n % rblock == 0 and tail % rblock == 0 and tail < n
     g = min(m, programs)
     return lambda: _softmax_rows[(g,)](x, y, m, n, RBLOCK=rblock, REVERSE=reverse, EVICT=evict, TAIL=tail,
-                                       num_warps=warps)
+                                       STAGES=stages, num_warps=warps)
 
 
 def main(argv=None) -> int:
@@ -108,19 +108,19 @@ def main(argv=None) -> int:
         del src, dst
         print(f"{torch.cuda.get_device_name(0)} ({sms} SMs), triton {triton.__version__}, "
               f"copy {copy_gbs:.0f} GB/s, x [{m}, {n}] bf16")
-    configs = []
-    for k, rb, nw in ((1, 8192, 16), (1, 4096, 8), (2, 4096, 8), (1, 16384, 32)):
-        for rev, ev in ((False, False), (True, False), (True, True)):
-            configs.append((k, rb, nw, rev, ev, 0))
-    for k, rb, nw, tail in ((1, 8192, 16, 16384), (1, 8192, 16, 32768), (1, 4096, 32, 32768), (2, 4096, 8, 8192)):
-        for ev in (False, True):
-            configs.append((k, rb, nw, True, ev, tail))
+    configs = []  # (programs per SM, block, warps, reverse, hints, tail, stages)
+    for k, rb, nw in ((1, 16384, 32), (1, 32768, 32), (2, 8192, 16), (2, 16384, 16)):
+        for rev, ev in ((False, False), (True, True)):
+            configs.append((k, rb, nw, rev, ev, 0, 1))
+    for k, rb, nw, st in ((1, 16384, 32, 2), (1, 16384, 32, 3), (1, 8192, 16, 3), (1, 8192, 32, 4), (2, 8192, 16, 2)):
+        configs.append((k, rb, nw, True, True, 0, st))
+    configs.append((1, 16384, 32, True, True, 32768, 1))
     failed = 0
-    for k, rb, nw, rev, ev, tail in configs:
-        label = f"G={k}xSM R{rb} w{nw} rev={int(rev)} evict={int(ev)} tail={tail}"
+    for k, rb, nw, rev, ev, tail, st in configs:
+        label = f"G={k}xSM R{rb} w{nw} rev={int(rev)} evict={int(ev)} tail={tail} stages={st}"
         try:
             y.zero_()
-            run = launch(x, y, sms * k, rb // scale, nw, rev, ev, tail // scale)
+            run = launch(x, y, sms * k, rb // scale, nw, rev, ev, tail // scale, st)
             run()
             err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
             failed += not err <= 1e-2

@@ -15,7 +15,7 @@ class KernelRecord:
     ops: list[str]  # the ATen ops fused into it
     source: str  # the Triton source
     graph: str = "forward"
-    schedule: str | None = None  # reductions: "persistent" (row in registers), "looped" or "split ...";
+    schedule: str | None = None  # reductions: "persistent" (row in registers), "looped", "strided looped ..." or "split ...";
     # combined casts: how many it does
     standalone: str = ""  # the kernel as a file that runs on its own (kernels/<name>.py in dumps)
 

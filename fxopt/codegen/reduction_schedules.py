@@ -14,7 +14,7 @@ import torch.fx as fx
 
 from ..analysis.op_classes import is_view
 from ..analysis.reductions import reduction_info
-from ..analysis.symbolic import pexpr
+from ..analysis.symbolic import is_symbolic, pexpr
 from .dtypes import TL_DTYPE, compute_dtype
 from .kernel import Kernel
 from .online_softmax import find_online_pairs, online_finish, online_init, online_update
@@ -99,6 +99,7 @@ class LoopedSchedule:
                           [self.need[o] for o, _ in em.outs if em.is_row.get(o)])
         self.emitted: set = set()
         self.stored: set = set()
+        self.strided = False  # set by strided_rows: passes alternate direction, loads carry L2 hints
 
     def _levels(self):
         em, ready, need = self.em, {}, {}
@@ -170,8 +171,13 @@ class LoopedSchedule:
                     init = str(torch.iinfo(acc).min if kind == "amax" else torch.iinfo(acc).max)
                 body.append(f"acc_{r.name} = tl.full([XBLOCK, RBLOCK], {init}, {TL_DTYPE[acc]})")
         start = "rstart + roffset" if chunked else "roffset"
-        loop = [f"rindex = {start} + tl.arange(0, RBLOCK)[None, :]", mask_line("r", em.exact_r and not chunked),
-                *em.rcoords]
+        backwards = self.strided and p % 2 == 1
+        # a strided kernel re-reads rows it read moments ago: keep them in L2 until the last pass
+        em.load_policy = ("evict_first" if p == self.passes else "evict_last") if self.strided else None
+        em.store_hint = self.strided
+        loop = ["roffset = (rnumel - 1) // RBLOCK * RBLOCK - rstep"] if backwards else []
+        loop += [f"rindex = {start} + tl.arange(0, RBLOCK)[None, :]", mask_line("r", em.exact_r and not chunked),
+                 *em.rcoords]
         wanted = row_ancestors(em, [r.args[0] for r in reds if r not in self.pairs] +
                                    [em.outs[j][0] for j in stores])
         loop += [em._load(i) for i, ld in enumerate(em.loads) if ld[0] in wanted and ld[0] in em.row_leaves]
@@ -189,9 +195,12 @@ class LoopedSchedule:
                 else:
                     loop.append(f"acc_{r.name} = acc_{r.name} + {block}")
         loop += [em._store(j) for j in stores]
-        body.append(f"for roffset in range(0, {'RCHUNK' if chunked else 'rnumel'}, RBLOCK):")
+        if backwards:  # the blocks read last in the pass before come first: they are the likeliest in L2
+            body.append("for rstep in range(0, rnumel, RBLOCK):")
+        else:
+            body.append(f"for roffset in range(0, {'RCHUNK' if chunked else 'rnumel'}, RBLOCK):")
         body += ["    " + line for line in loop]
-        em.suffix = ""
+        em.suffix, em.load_policy, em.store_hint = "", None, False
         return body, reds
 
     def _lane_results(self, reds) -> list[tuple[fx.Node, str, str]]:
@@ -299,3 +308,45 @@ def row_ancestors(em, roots: list) -> set:
             stack += n.all_input_nodes
     return out
 
+
+
+STRIDED_CONFIG = (16384, 32)  # RBLOCK, num_warps of a strided looped kernel (one program per SM)
+STRIDED_MIN_BLOCKS = 4  # rows shorter than this many blocks keep one program per row tile
+STRIDED_PROGRAMS = None  # programs of a strided kernel; None: the GPU's SM count (4 in the interpreter)
+
+
+def strided_config(em, tiles) -> tuple[int, int, int] | None:
+    """(programs, RBLOCK, num_warps) of a looped kernel strided over its `tiles` row tiles: one program
+    per SM (4 in the interpreter, so tests see programs striding); None where it keeps one program per
+    tile (symbolic sizes, rows shorter than STRIDED_MIN_BLOCKS blocks, no more tiles than programs)."""
+    rblock, warps = STRIDED_CONFIG
+    if not isinstance(tiles, int) or is_symbolic(em.rnumel) or em.rnumel < STRIDED_MIN_BLOCKS * rblock:
+        return None
+    device = em.output_nodes[0].meta["val"].device
+    programs = STRIDED_PROGRAMS or (torch.cuda.get_device_properties(device).multi_processor_count
+                                    if device.type == "cuda" else 4)
+    return (programs, rblock, warps) if tiles > programs else None
+
+
+def strided_rows(schedule: LoopedSchedule, prelude: list[str], tiles: int, wide: bool) -> list[str]:
+    """The looped schedule inside a loop over row tiles that each program strides through (the grid is
+    one program per SM). Only that many rows are in flight, so a pass that re-reads a row finds much of
+    it still in L2: it walks the row backwards from where the previous pass ended (the blocks read last
+    first), rows are loaded `evict_last` until their last pass, which loads them `evict_first` and
+    stores with `.cs` (streaming). Softmax over rows of 131072 on an H200: 54% of copy bandwidth
+    walking forwards without hints, 62% so (benchmarks/probe_softmax_l2.py,
+    benchmarks/results/2026-12-02-h200-f.md)."""
+    assert prelude[0].startswith("xoffset = tl.program_id(0)"), prelude[0]
+    schedule.strided = True
+    start = "tl.program_id(0).to(tl.int64)" if wide else "tl.program_id(0)"
+    inner = ["xoffset = xtile * XBLOCK", *prelude[1:], *schedule.lines()]
+    return [f"for xtile in range({start}, {tiles}, tl.num_programs(0)):"] + ["    " + line for line in inner]
+
+
+def per_call_config(em, loop_rblock: int):
+    """(grid, constexprs, num_warps, wrapper lines) of a row whose length is known only per call:
+    RBLOCK = the row's next power of two up to loop_rblock, XBLOCK rows filling ~2048 lanes."""
+    r, x = f"{em.name}_RBLOCK", f"{em.name}_XBLOCK"
+    setup = [f"{r} = min({loop_rblock}, next_power_of_2({pexpr(em.rnumel)}))", per_call_xblock(em, x, r)]
+    warps = f"max(1, min(16, {x} * {r} // 256))"
+    return f"cdiv({pexpr(em.xnumel)}, {x})", {"XBLOCK": x, "RBLOCK": r}, warps, setup

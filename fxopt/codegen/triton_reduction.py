@@ -37,7 +37,8 @@ from .erf_poly import with_erf_helper
 from .joint_sums import joint_order, joint_reduce, sum_kind, with_combine_helpers
 from .kernel import Kernel
 from .reduction_schedules import (COMBINE, EVEN_PER_CALL, LoopedSchedule, even_source, inner_view, lane_reduce,
-                                  mask_line, per_call_xblock, persistent_per_call, split_kernel)
+                                  mask_line, per_call_xblock, persistent_per_call, split_kernel,
+                                  per_call_config, strided_config, strided_rows)
 from .pointwise_ops import LOWERINGS, LowerCtx
 from .triton_pointwise import PointwiseEmitter, cdiv_source, operand_dtype, view_root
 
@@ -68,6 +69,7 @@ class ReductionEmitter(PointwiseEmitter):
         self.rnumel = info.rnumel
         self.xnumel = math.prod(self.S[d] for d in self.xdims)
         self.suffix = ""  # set per pass of a looped kernel
+        self.load_policy, self.store_hint = None, False  # set per pass of a strided looped kernel
         self.counted: set = set()  # nodes already listed in `ops` (looped kernels recompute row values)
         self.is_row: dict[fx.Node, bool] = {}
 
@@ -174,14 +176,20 @@ class ReductionEmitter(PointwiseEmitter):
         nchunk = self._chunks(xblock, rblock) if splittable else 1
         if nchunk > 1:
             return split_kernel(self, schedule, prelude, xblock, rblock, warps, nchunk)
-        body = prelude + (self._persistent() if persistent else schedule.lines())
-        kind = "persistent" if persistent else "looped"
+        grid, consts, setup = cdiv_source(self.xnumel, xblock), {"XBLOCK": xblock, "RBLOCK": rblock}, []
+        strided = strided_config(self, grid) if schedule is not None and not self.syms else None
+        if strided:
+            grid, rblock, warps = strided
+            self.exact_r, consts["RBLOCK"] = self.rnumel % rblock == 0, rblock
+            body = strided_rows(schedule, prelude, cdiv_source(self.xnumel, xblock), wide)
+        else:
+            body = prelude + (self._persistent() if persistent else schedule.lines())
+        kind = "persistent" if persistent else "strided looped (one program per SM)" if strided else "looped"
         ints = ["xnumel", "rnumel"] + [s.name for s in self.syms]
         source = self._function(self.name, kind, body, ["in", "out"], ints, ["XBLOCK", "RBLOCK"])
-        grid, consts, setup = cdiv_source(self.xnumel, xblock), {"XBLOCK": xblock, "RBLOCK": rblock}, []
         alternative = None
         if is_symbolic(self.rnumel) and not column:
-            grid, consts, warps, setup = self._per_call_config()
+            grid, consts, warps, setup = per_call_config(self, LOOP_RBLOCK)
             alternative = self._persistent_alternative(prelude, ints)
             kind = "looped (block sizes per call), persistent when the row fits"
         kernel = self._kernel(self.name, source, grid, consts, warps, kind, setup)
@@ -216,15 +224,6 @@ class ReductionEmitter(PointwiseEmitter):
         consts = {"XBLOCK": x, "RBLOCK": r, EVEN_PER_CALL: even_source(self, r)}
         return self._kernel(name, source, f"cdiv({pexpr(self.xnumel)}, {x})", consts,
                             warps, "persistent (row length per call)", setup)
-
-    def _per_call_config(self):
-        """(grid, constexprs, num_warps, wrapper lines) of a row whose length is known only per call:
-        RBLOCK = the row's next power of two up to LOOP_RBLOCK, XBLOCK rows filling ~2048 lanes."""
-        r, x = f"{self.name}_RBLOCK", f"{self.name}_XBLOCK"
-        setup = [f"{r} = min({LOOP_RBLOCK}, next_power_of_2({pexpr(self.rnumel)}))",
-                 per_call_xblock(self, x, r)]
-        warps = f"max(1, min(16, {x} * {r} // 256))"
-        return f"cdiv({pexpr(self.xnumel)}, {x})", {"XBLOCK": x, "RBLOCK": r}, warps, setup
 
     def _function(self, name: str, kind: str, body: list[str], pointers: list[str], ints: list[str],
                   consts: list[str], n_ws: int = 0) -> str:
@@ -277,6 +276,8 @@ class ReductionEmitter(PointwiseEmitter):
                 (False, False): ""}[(has_x, has_r)]
         other = ", other=0" if has_r else ""
         policy = ', eviction_policy="evict_last"' if not has_x and has_r else ""
+        if has_x and has_r and self.load_policy:  # a strided looped kernel's (reduction_schedules.strided_rows)
+            policy = f', eviction_policy="{self.load_policy}"'
         load = f"tl.load({ptr} + ({print_index(addr)}){mask}{other}{policy})"
         cdt = compute_dtype(val.dtype)
         if cdt != val.dtype:
@@ -342,7 +343,8 @@ class ReductionEmitter(PointwiseEmitter):
         val = o.meta["val"]
         self.current_mapping = self._mapping(val.shape)
         mask = f"xmask & rmask{guard}" if row else f"xmask{guard}"
-        return f"tl.store(out_ptr{j} + ({addr}), {self._var(o)}.to({TL_DTYPE[val.dtype]}), {mask})"
+        hint = ', cache_modifier=".cs"' if row and self.store_hint else ""
+        return f"tl.store(out_ptr{j} + ({addr}), {self._var(o)}.to({TL_DTYPE[val.dtype]}), {mask}{hint})"
 
     def _row_index(self) -> list[str]:
         """rindex, its mask and the row's coordinates: what a whole-row block's loads address by."""

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import fxopt
 from fxopt.analysis import reductions
-from fxopt.codegen import triton_reduction
+from fxopt.codegen import reduction_schedules, triton_reduction
 from tests.helpers import assert_close_to_reference, compile_fxopt
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -27,12 +27,18 @@ def check(fn, *args, dtype=torch.float32):
     assert_close_to_reference(out, ref, dtype)
 
 
-@pytest.fixture(params=["persistent", "looped", "split"])
+@pytest.fixture(params=["persistent", "looped", "split", "strided"])
 def schedule(request, monkeypatch):
-    """Force each schedule at small sizes: looped rows of 16-element blocks; split cuts them in chunks."""
+    """Force each schedule at small sizes: looped rows of 8-element blocks; split cuts them in chunks;
+    strided: looped kernels of 4 programs striding over more row tiles, passes that
+    re-read a row alternating direction."""
     if request.param != "persistent":
         monkeypatch.setattr(triton_reduction, "PERSISTENT_MAX", 16)
         monkeypatch.setattr(triton_reduction, "LOOP_RBLOCK", 8)
+    if request.param == "strided":
+        monkeypatch.setattr(reduction_schedules, "STRIDED_CONFIG", (8, 2))
+        monkeypatch.setattr(reduction_schedules, "STRIDED_MIN_BLOCKS", 2)
+        monkeypatch.setattr(reduction_schedules, "STRIDED_PROGRAMS", 4)  # on a GPU too
     monkeypatch.setattr(triton_reduction, "SPLIT_PROGRAMS", 64 if request.param == "split" else 0)
     monkeypatch.setattr(triton_reduction, "SPLIT_MIN_BLOCKS", 1)
     return request.param
@@ -60,6 +66,9 @@ def test_softmax_is_one_kernel(device, dtype, schedule):
     expected = "looped" if schedule == "split" else schedule
     assert len(ks) == 1 and ks[0].kind == "reduction" and ks[0].schedule.startswith(expected)
     assert {"aten.amax.default", "aten.exp.default", "aten.sum.dim_IntList"} <= set(ks[0].ops)
+    if schedule == "strided":  # programs stride over row tiles; the second pass walks the row backwards
+        assert "for xtile in range(tl.program_id(0), 7, tl.num_programs(0))" in ks[0].source
+        assert "for rstep in range(0, rnumel, RBLOCK)" in ks[0].source and "evict_first" in ks[0].source
     check(softmax_scaled, x, dtype=dtype)
 
 
