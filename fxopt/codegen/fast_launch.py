@@ -146,6 +146,8 @@ class FastKernel:
             kernel = self.fn.warmup(*args, grid=grid, **kwargs)
             static, tried = self._static_launch(kernel, len(args), device), True
             if static is not None:
+                if getattr(kernel, "module", None) is None:  # what ptxas reported, where Triton's attributes keep it
+                    kernel.n_regs, kernel.n_spills = static.n_regs, static.n_spills
                 self._compiled[key] = (kernel, self._constexprs(args, kwargs), static)
                 g = (*grid, 1, 1)
                 static.launch(g[0], g[1], g[2], stream, args)

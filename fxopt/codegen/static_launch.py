@@ -41,6 +41,8 @@ class StaticLaunch:
     shared: int
     codes: str
     pick: object  # args -> the tuple the cubin takes (scratch placeholders appended)
+    n_regs: int = 0  # registers per thread and spills, as the loader reports them (Triton's own
+    n_spills: int = 0  # CompiledKernel learns them only when its launcher loads the kernel)
 
     def launch(self, gx: int, gy: int, gz: int, stream: int, args: tuple) -> None:
         if gx and gy and gz:  # CUDA refuses an empty grid; Triton's launcher skips it too
@@ -130,11 +132,11 @@ def plan_static_launch(compiled, n_args: int, device: int) -> StaticLaunch | str
     take = (lambda args: args) if keep == list(range(n_args)) else picker(tuple(keep))
     pick = (lambda args: take(args) + tail) if scratch else take
     meta = compiled.metadata
-    module, function = _load(asm["cubin"], meta.name, meta.shared, device)
-    return StaticLaunch(function, module, meta.num_warps, meta.shared, codes, pick)
+    module, function, n_regs, n_spills = _load(asm["cubin"], meta.name, meta.shared, device)
+    return StaticLaunch(function, module, meta.num_warps, meta.shared, codes, pick, n_regs, n_spills)
 
 
-def _load(cubin: bytes, name: str, shared: int, device: int) -> tuple[int, int]:
+def _load(cubin: bytes, name: str, shared: int, device: int) -> tuple[int | None, int, int, int]:
     """Load the cubin (the launcher takes a path; the file is gone once loaded)."""
     fd, path = tempfile.mkstemp(suffix=".cubin", prefix="fxopt_")
     try:
@@ -144,4 +146,4 @@ def _load(cubin: bytes, name: str, shared: int, device: int) -> tuple[int, int]:
     finally:
         os.unlink(path)
     # (module, function, n_regs, n_spills) in newer torch; (function, n_regs, n_spills) before
-    return (loaded[0], loaded[1]) if len(loaded) == 4 else (None, loaded[0])
+    return tuple(loaded) if len(loaded) == 4 else (None, *loaded)

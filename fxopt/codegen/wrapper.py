@@ -105,8 +105,6 @@ _SAME_KWARGS = {_ATEN.scalar_tensor.default}  # whose torch function takes the A
 def _callee(target) -> str:
     if isinstance(target, torch._ops.OpOverload):
         ns = target.namespace
-        if ns == "fxopt":  # our own ops: their implementation, without the dispatcher (direct_calls.py)
-            return f"fxopt_ops.{target._schema.name.split('::')[-1]}"
         prefix = ns if ns in ("aten", "prims") else f"torch.ops.{ns}"
         return f"{prefix}.{target._schema.name.split('::')[-1]}.{target._overloadname}"
     if getattr(target, "__module__", None) == "_operator":  # SymInt arithmetic (operator.mul, ...)
@@ -116,8 +114,16 @@ def _callee(target) -> str:
     raise NotImplementedError(f"cannot call {target!r} from the wrapper")
 
 
-def _is_flash_attention(target) -> bool:
-    return isinstance(target, torch._ops.OpOverload) and target._schema.name == "fxopt::flash_attention"
+def own_op_callee(n: fx.Node) -> str | None:
+    """The codegen/direct_calls.py function a wrapper calls for a node of fxopt's own ops (None for
+    others): the op's name, `flash_attention_out_only` where nothing reads the log-sum-exp (inference:
+    the statistics are not made at all)."""
+    if not (isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "fxopt"):
+        return None
+    name = n.target._schema.name.split("::")[-1]
+    if name == "flash_attention" and all(u.target is operator.getitem and u.args[1] == 0 for u in n.users):
+        return "flash_attention_out_only"
+    return name
 
 
 def _last_uses(gm: fx.GraphModule) -> dict[fx.Node, list[fx.Node]]:
@@ -250,10 +256,8 @@ def generate_wrapper(gm: fx.GraphModule, kernels: dict[str, Kernel], graph: str,
             elif n.target in TORCH_FUNCTIONS and (not n.kwargs or n.target in _SAME_KWARGS):
                 body += _timed([f"{n.name} = {TORCH_FUNCTIONS[n.target]}({', '.join(args)})"], n.name, profile)
             else:
-                callee = _callee(n.target)
-                if _is_flash_attention(n.target) and all(u.target is operator.getitem and u.args[1] == 0
-                                                         for u in n.users):
-                    callee += "_out_only"  # nothing reads the log-sum-exp (inference): not made at all
+                own = own_op_callee(n)
+                callee = f"fxopt_ops.{own}" if own else _callee(n.target)
                 body += _timed([f"{n.name} = {callee}({', '.join(args)})"], n.name, profile)
         elif n.op == "get_attr":
             continue  # constants are module globals, set when the wrapper is loaded

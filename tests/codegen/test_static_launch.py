@@ -88,6 +88,7 @@ def test_launches_through_the_c_launcher_match_tritons(n):
     assert k.static_refused is None and (k.fast_launches, k.static_launches, k.triton_launches) == (2, 3, 0)
     # so Triton never built its own launcher for it (a host-compiler run per signature, cold cache)
     assert all(c.module is None for c, _, _ in k._compiled.values())
+    assert all(c.n_regs > 0 for c, _, _ in k._compiled.values())  # ptxas's count, as Triton would give it
 
 
 @pytest.mark.gpu
@@ -130,6 +131,7 @@ def test_the_plan_loads_the_cubin_once_and_passes_only_the_cubins_arguments(monk
     plan = plan_static_launch(compiled, 6, device=3)
     assert fake.loaded == [(compiled.asm["cubin"], compiled.metadata.name, compiled.metadata.shared, 3)]
     assert (plan.module, plan.function) == ((11, 22) if returns_module else (None, 22))
+    assert (plan.n_regs, plan.n_spills) == (32, 0)
     x, y = object(), object()
     plan.launch(4, 1, 1, 7, (x, y, 100, 1, 2**40, 0.5))
     plan.launch(0, 1, 1, 7, (x, y, 100, 1, 2**40, 0.5))  # an empty grid launches nothing
