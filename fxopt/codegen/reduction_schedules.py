@@ -309,7 +309,6 @@ def row_ancestors(em, roots: list) -> set:
     return out
 
 
-
 STRIDED_CONFIG = (16384, 32)  # RBLOCK, num_warps of a strided looped kernel (one program per SM)
 STRIDED_MIN_BLOCKS = 4  # rows shorter than this many blocks keep one program per row tile
 STRIDED_PROGRAMS = None  # programs of a strided kernel; None: the GPU's SM count (4 in the interpreter)
