@@ -56,12 +56,16 @@ def _mergeable(node: fx.Node) -> bool:
 
 
 def _mutates(node: fx.Node) -> bool:
-    """Starts a new region: a mutating ATen op, or any call that is neither ATen nor plain arithmetic
-    (higher-order ops such as RNG state replay are taken as mutating, to be safe)."""
+    """Starts a new region: a mutating ATen op, or any call that is neither ATen nor size arithmetic
+    (`operator.mul`, `math.ceil`, `torch.sym_max`, ...): higher-order ops such as RNG state replay are
+    taken as mutating, to be safe."""
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
         return target._schema.is_mutable
-    return getattr(target, "__module__", None) not in ("_operator", "operator", "math")
+    module = getattr(target, "__module__", None)
+    if module in ("_operator", "operator", "math"):
+        return False
+    return not (module == "torch" and getattr(target, "__name__", "").lstrip("_").startswith("sym_"))
 
 
 def eliminate_common_subexpressions(graph: fx.Graph) -> int:

@@ -101,3 +101,17 @@ def test_a_training_compile_does_not_import_inductor():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "not imported"
+
+
+def test_size_arithmetic_between_equal_calls_does_not_stop_the_merge():
+    def f(x):
+        a = x * 2
+        n = torch.sym_max(x.shape[0], 3)  # a call_function that is not ATen, on sizes only
+        b = x * 2
+        return a + b, torch.full((n,), 1.0)
+    gm = make_fx(f, tracing_mode="symbolic")(torch.randn(5))
+    assert any(n.target is torch.sym_max for n in gm.graph.nodes)
+    assert eliminate_common_subexpressions(gm.graph) == 1
+    gm.recompile()
+    s, full = gm(torch.ones(6))
+    assert torch.equal(s, torch.full((6,), 4.0)) and full.shape == (6,)
