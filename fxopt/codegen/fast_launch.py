@@ -138,13 +138,14 @@ class FastKernel:
                 compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, None,
                              None, None, *args, *rest)
             return compiled
-        remember, static, tried = len(self._compiled) < self.MAX_VARIANTS, None, False
-        if remember and self._static and _STATIC_POSSIBLE and type(grid) is tuple and not hooks_installed():
-            # compile without launching: Triton builds its own launcher (a C file through the host
-            # compiler, ~0.2-0.3 s per kernel signature with a cold cache) only when a kernel launches
-            # through it, and a kernel that torch's C launcher takes never needs it
+        remember = len(self._compiled) < self.MAX_VARIANTS
+        # compile without launching where torch's C launcher may take the kernel: Triton builds its own
+        # launcher (a C file through the host compiler, ~0.2-0.3 s per kernel signature with a cold
+        # cache) only when a kernel launches through it
+        warm = remember and self._static and _STATIC_POSSIBLE and type(grid) is tuple and not hooks_installed()
+        if warm:
             kernel = self.fn.warmup(*args, grid=grid, **kwargs)
-            static, tried = self._static_launch(kernel, len(args), device), True
+            static = self._static_launch(kernel, len(args), device)
             if static is not None:
                 if getattr(kernel, "module", None) is None:  # what ptxas reported, where Triton's attributes keep it
                     kernel.n_regs, kernel.n_spills = static.n_regs, static.n_spills
@@ -156,8 +157,8 @@ class FastKernel:
         kernel = self.fn[grid](*args, **kwargs)
         self.triton_launches += 1
         if remember and _launcher_signature_known(kernel):
-            if not tried:
-                static = self._static_launch(kernel, len(args), device)
+            # (a warm kernel was refused by the C launcher already: Triton's launcher keeps it)
+            static = None if warm else self._static_launch(kernel, len(args), device)
             self._compiled[key] = (kernel, self._constexprs(args, kwargs), static)
         return kernel
 
