@@ -6,7 +6,8 @@ Each candidate (XBLOCK, RBLOCK, num_warps) replaces ReductionEmitter._config whi
 fastest is what fxopt/codegen/triton_reduction.py's heuristics should pick. For the norm backwards,
 whose weight/bias sums run inside the row kernel (codegen/column_sums.py), candidates ("col", XBLOCK,
 num_warps, programs) replace ReductionEmitter._column_config instead. Numbers: median ms and % of the
-copy ceiling measured here.
+copy ceiling measured here. `<workload>_hints` (softmax, ln_gelu, rmsnorm) tries cache hints on the
+row loads and stores instead (HINTS).
 """
 import sys
 
@@ -33,6 +34,10 @@ CANDIDATES = {
     "rms_bwd_stages": [("col", 1, 16, 264, s) for s in (1, 3, 4, 5, 6)] + [("col", 1, 8, 528, s) for s in (3, 4, 5)]
     + [("col", 1, 16, 132, s) for s in (4, 6)],
 }
+# cache hints on a persistent row kernel's row loads and stores: (eviction policy of the loads, ".cs" stores)
+HINTS = [("hint", "evict_first", True), ("hint", "evict_first", False), ("hint", None, True)]
+for _name in ("softmax", "ln_gelu", "rmsnorm"):
+    CANDIDATES[_name + "_hints"] = HINTS
 
 
 def copy_ceiling() -> float:
@@ -48,8 +53,9 @@ def main(names):
     original = tr.ReductionEmitter._config
     original_column = tr.ReductionEmitter._column_config
     stages = column_sums.COLUMN_STAGES
+    original_init = tr.ReductionEmitter.__init__
     for name in names:
-        fn, inputs = WORKLOADS[name.removesuffix("_stages")].make("cuda", torch.bfloat16, False)
+        fn, inputs = WORKLOADS[name.removesuffix("_stages").removesuffix("_hints")].make("cuda", torch.bfloat16, False)
         with torch.no_grad():
             nbytes = io_bytes(inputs, fn(*inputs))
             for cand in [None] + CANDIDATES.get(name, []):
@@ -57,7 +63,7 @@ def main(names):
                 # only when the heuristic also chose a column schedule
                 def config(self, persistent, column, cand=cand):
                     base = original(self, persistent, column)
-                    if cand is None or cand[0] == "col" or (column != (cand[0] > 4)):
+                    if cand is None or cand[0] in ("col", "hint") or (column != (cand[0] > 4)):
                         return base
                     return cand[0], (min(cand[1], base[1]) if persistent else cand[1]), cand[2]
 
@@ -66,6 +72,12 @@ def main(names):
                 column_sums.COLUMN_STAGES = cand[4] if cand and cand[0] == "col" and len(cand) > 4 else stages
                 tr.ReductionEmitter._config = config
                 tr.ReductionEmitter._column_config = column_config
+
+                def init(self, *args, cand=cand, **kwargs):  # looped kernels set their own per pass
+                    original_init(self, *args, **kwargs)
+                    if cand and cand[0] == "hint":
+                        self.load_policy, self.store_hint = cand[1], cand[2]
+                tr.ReductionEmitter.__init__ = init
                 torch._dynamo.reset()
                 f = torch.compile(fn, backend="fxopt")
                 try:
@@ -77,6 +89,7 @@ def main(names):
                     print(f"{name:13s} {str(cand):18s} failed: {type(exc).__name__}: {str(exc)[:80]}")
     tr.ReductionEmitter._config = original
     tr.ReductionEmitter._column_config = original_column
+    tr.ReductionEmitter.__init__ = original_init
     column_sums.COLUMN_STAGES = stages
 
 

@@ -1,0 +1,212 @@
+"""Probe: the TMA causal forward with the next key block's scores issued before this block's softmax.
+
+    PYTHONPATH=. python -m benchmarks.probe_attention_pipelined [--causal 0|1] [--T 2048]
+    TRITON_INTERPRET=1 PYTHONPATH=. python -m benchmarks.probe_attention_pipelined --check   # CPU numerics
+
+Hopper's wgmma runs asynchronously: Triton waits for a dot's result at its first use. In
+flash_forward_tma's key loop the scores S_j = Q K_j^T are used at once (the row max), so the tensor
+cores idle while the exp2 / row sums of block j run on the CUDA cores. Here the mask-free loop computes
+S_{j+1} first and the softmax of S_j after it (FlashAttention-3's intra-warpgroup overlap, written by
+hand since Triton 3.6 does not warp-specialize this loop on sm_90). Prints ms and TFLOP/s of SDPA, the
+current kernel and the pipelined one over a few tile configs, in one process (triton.testing.do_bench);
+`persistent_forward` adds one program per SM slot walking the tiles heaviest first.
+
+Status (2026-12-03): numerics checked in the Triton interpreter only (`--check`); not yet run on the
+H200 (no device machine could be started in that session). Not used by fxopt.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from fxopt.attention.flash_common import LN2, key_ranges, launcher, store_rows
+from fxopt.attention.flash_forward_tma import (_tma_key_blocks, descriptor, flash_forward_tma,
+                                               query_block_program)
+from fxopt.codegen.wrapper_runtime import cdiv
+
+
+def pipelined_forward(q, k, v, *, scale, causal, cfg):
+    batch, heads, seq_q, head_dim = q.shape
+    kv_heads, seq_k = k.shape[1], k.shape[2]
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    out = torch.empty_like(q)
+    lse = torch.empty(batch, heads, seq_q, device=q.device, dtype=torch.float32)
+    grid = (cdiv(seq_q, bm), batch * heads)
+    launcher(_pipelined_kernel, grid, q.device)(
+        descriptor(q, bm), descriptor(k, bn), descriptor(v, bn), descriptor(out, bm), lse,
+        heads, heads // kv_heads, seq_q, seq_k, scale * 1.4426950408889634,
+        HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, EVEN_N=seq_k % bn == 0,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out, lse
+
+
+@triton.jit
+def _pipelined_kernel(q_desc, k_desc, v_desc, o_desc, Lse, num_heads, group_size, seq_q, seq_k, qk_scale,
+                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      CAUSAL: tl.constexpr, EVEN_N: tl.constexpr):
+    bh, batch, head, kv_head, m0 = query_block_program(num_heads, group_size, BLOCK_M, CAUSAL)
+    causal_shift = seq_k - seq_q
+    q = q_desc.load([batch, head, m0, 0]).reshape(BLOCK_M, HEAD_DIM)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    mask_free_end, end = key_ranges(m0, seq_k, causal_shift, BLOCK_M, BLOCK_N, CAUSAL)
+    if mask_free_end > 0:
+        acc, row_sum, row_max = _pipelined_blocks(acc, row_sum, row_max, q, k_desc, v_desc, batch, kv_head,
+                                                  mask_free_end, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N)
+    if CAUSAL or not EVEN_N:
+        acc, row_sum, row_max = _tma_key_blocks(
+            acc, row_sum, row_max, q, k_desc, v_desc, batch, kv_head, m0, mask_free_end, end, seq_q, seq_k,
+            causal_shift, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL)
+    out = (acc / row_sum[:, None]).to(o_desc.dtype)
+    o_desc.store([batch, head, m0, 0], out.reshape(1, 1, BLOCK_M, HEAD_DIM))
+    rows = tl.arange(0, BLOCK_M)
+    store_rows(Lse + bh.to(tl.int64) * seq_q + m0 + rows, (row_max + tl.log2(row_sum)) * LN2, m0 + rows, seq_q,
+               False)
+
+
+def persistent_forward(q, k, v, *, scale, causal, cfg, pipelined=True, programs_per_sm=2):
+    """The same, with one program per SM slot walking (query block, head) tiles heaviest first."""
+    batch, heads, seq_q, head_dim = q.shape
+    kv_heads, seq_k = k.shape[1], k.shape[2]
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    out = torch.empty_like(q)
+    lse = torch.empty(batch, heads, seq_q, device=q.device, dtype=torch.float32)
+    tiles = cdiv(seq_q, bm) * batch * heads
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+    launcher(_persistent_kernel, (min(tiles, sms * programs_per_sm),), q.device)(
+        descriptor(q, bm), descriptor(k, bn), descriptor(v, bn), descriptor(out, bm), lse,
+        heads, heads // kv_heads, batch * heads, tiles, seq_q, seq_k, scale * 1.4426950408889634,
+        HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, EVEN_N=seq_k % bn == 0, PIPELINED=pipelined,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out, lse
+
+
+@triton.jit
+def _persistent_kernel(q_desc, k_desc, v_desc, o_desc, Lse, num_heads, group_size, num_bh, tiles, seq_q, seq_k,
+                       qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       CAUSAL: tl.constexpr, EVEN_N: tl.constexpr, PIPELINED: tl.constexpr):
+    causal_shift = seq_k - seq_q
+    m_blocks = tl.cdiv(seq_q, BLOCK_M)
+    for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
+        block_m = m_blocks - 1 - tile // num_bh
+        bh = tile % num_bh
+        batch, head = bh // num_heads, bh % num_heads
+        kv_head = head // group_size
+        m0 = block_m * BLOCK_M
+        q = q_desc.load([batch, head, m0, 0]).reshape(BLOCK_M, HEAD_DIM)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        row_sum = tl.zeros([BLOCK_M], tl.float32)
+        row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        mask_free_end, end = key_ranges(m0, seq_k, causal_shift, BLOCK_M, BLOCK_N, CAUSAL)
+        if PIPELINED:
+            if mask_free_end > 0:
+                acc, row_sum, row_max = _pipelined_blocks(acc, row_sum, row_max, q, k_desc, v_desc, batch, kv_head,
+                                                          mask_free_end, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N)
+        else:
+            acc, row_sum, row_max = _tma_key_blocks(
+                acc, row_sum, row_max, q, k_desc, v_desc, batch, kv_head, m0, 0, mask_free_end, seq_q, seq_k,
+                causal_shift, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, False, False)
+        if CAUSAL or not EVEN_N:
+            acc, row_sum, row_max = _tma_key_blocks(
+                acc, row_sum, row_max, q, k_desc, v_desc, batch, kv_head, m0, mask_free_end, end, seq_q, seq_k,
+                causal_shift, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL)
+        out = (acc / row_sum[:, None]).to(o_desc.dtype)
+        o_desc.store([batch, head, m0, 0], out.reshape(1, 1, BLOCK_M, HEAD_DIM))
+        rows = tl.arange(0, BLOCK_M)
+        store_rows(Lse + bh.to(tl.int64) * seq_q + m0 + rows, (row_max + tl.log2(row_sum)) * LN2, m0 + rows,
+                   seq_q, False)
+
+
+@triton.jit
+def _softmax_update(s, acc, row_sum, row_max, v, qk_scale):
+    new_max = tl.maximum(row_max, tl.max(s, 1) * qk_scale)
+    p = tl.exp2(s * qk_scale - new_max[:, None])
+    rescale = tl.exp2(row_max - new_max)
+    row_sum = row_sum * rescale + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * rescale[:, None])
+    return acc, row_sum, new_max
+
+
+@triton.jit
+def _pipelined_blocks(acc, row_sum, row_max, q, k_desc, v_desc, batch, kv_head, key_hi, qk_scale,
+                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Mask-free key blocks [0, key_hi) (key_hi > 0): S of block j+1 issued before block j's softmax."""
+    k = k_desc.load([batch, kv_head, 0, 0]).reshape(BLOCK_N, HEAD_DIM)
+    s = tl.dot(q, tl.trans(k))
+    for n0 in range(0, key_hi - BLOCK_N, BLOCK_N):
+        n0 = tl.multiple_of(n0, BLOCK_N)
+        k_next = k_desc.load([batch, kv_head, n0 + BLOCK_N, 0]).reshape(BLOCK_N, HEAD_DIM)
+        s_next = tl.dot(q, tl.trans(k_next))
+        v = v_desc.load([batch, kv_head, n0, 0]).reshape(BLOCK_N, HEAD_DIM)
+        acc, row_sum, row_max = _softmax_update(s, acc, row_sum, row_max, v, qk_scale)
+        s = s_next
+    v = v_desc.load([batch, kv_head, key_hi - BLOCK_N, 0]).reshape(BLOCK_N, HEAD_DIM)
+    acc, row_sum, row_max = _softmax_update(s, acc, row_sum, row_max, v, qk_scale)
+    return acc, row_sum, row_max
+
+
+def check() -> None:
+    """Interpreter numerics against float64 SDPA (fp16, small shapes, both kernels)."""
+    torch.manual_seed(0)
+    for causal in (True, False):
+        for T in (64, 96):
+            q, k, v = (torch.randn(2, 2, T, 32, dtype=torch.float16) for _ in range(3))
+            ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal)
+            cfg = dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1)
+            for name, fn in (("pipelined", pipelined_forward), ("persistent", persistent_forward)):
+                out, _ = fn(q, k, v, scale=32 ** -0.5, causal=causal, cfg=cfg)
+                err = (out.double() - ref).abs().max().item()
+                print(f"{name} causal={causal} T={T}: max abs err {err:.2e}")
+                assert err < 5e-3, err
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--check", action="store_true")
+    p.add_argument("--causal", type=int, default=1)
+    p.add_argument("--T", type=int, default=2048)
+    p.add_argument("--B", type=int, default=8)
+    p.add_argument("--H", type=int, default=16)
+    a = p.parse_args(argv)
+    if a.check:
+        check()
+        return 0
+    causal = bool(a.causal)
+    q, k, v = (torch.randn(a.B, a.H, a.T, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    flops = 4 * a.B * a.H * a.T * a.T * 128 / (2 if causal else 1)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    rows = [("sdpa", None, lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))]
+    for bm, bn, w, st in [(64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 3),
+                          (128, 64, 8, 2), (64, 128, 4, 3)]:
+        cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
+        rows.append(("current", cfg, lambda c=cfg: flash_forward_tma(q, k, v, scale=128 ** -0.5, causal=causal, cfg=c)))
+        rows.append(("pipelined", cfg, lambda c=cfg: pipelined_forward(q, k, v, scale=128 ** -0.5, causal=causal, cfg=c)))
+        if (bm, bn, st) in ((64, 64, 3), (128, 64, 3), (128, 128, 3)):
+            for pipe in (False, True):
+                for per_sm in (1, 2, 3):
+                    rows.append((f"persist{'+pipe' if pipe else ''}/{per_sm}", cfg,
+                                 lambda c=cfg, pp=pipe, ps=per_sm: persistent_forward(
+                                     q, k, v, scale=128 ** -0.5, causal=causal, cfg=c, pipelined=pp, programs_per_sm=ps)))
+    sdpa_ms = None
+    for name, cfg, fn in rows:
+        try:
+            out = fn()
+            out = out[0] if isinstance(out, tuple) else out
+            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+            ms = triton.testing.do_bench(fn, warmup=25, rep=100)
+        except Exception as e:  # noqa: BLE001 - a probe: report and go on
+            print(f"{name:16} {cfg}: failed {type(e).__name__}: {str(e)[:200]}")
+            continue
+        sdpa_ms = sdpa_ms or ms
+        print(f"{name:16} {str(cfg):70} {ms:.4f} ms {flops / ms / 1e9:7.1f} TFLOP/s  {sdpa_ms / ms:.3f}x SDPA  err {err:.1e}",
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
