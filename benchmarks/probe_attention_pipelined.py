@@ -49,15 +49,29 @@ def _pipelined_kernel(q_desc, k_desc, v_desc, o_desc, Lse, num_heads, group_size
                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       CAUSAL: tl.constexpr, EVEN_N: tl.constexpr):
     bh, batch, head, kv_head, m0 = query_block_program(num_heads, group_size, BLOCK_M, CAUSAL)
+    _query_tile(q_desc, k_desc, v_desc, o_desc, Lse, bh, batch, head, kv_head, m0, seq_q, seq_k, qk_scale,
+                HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, EVEN_N, True)
+
+
+@triton.jit
+def _query_tile(q_desc, k_desc, v_desc, o_desc, Lse, bh, batch, head, kv_head, m0, seq_q, seq_k, qk_scale,
+                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                EVEN_N: tl.constexpr, PIPELINED: tl.constexpr):
+    """One query block of one (batch, head): its out rows and lse, the mask-free keys pipelined or not."""
     causal_shift = seq_k - seq_q
     q = q_desc.load([batch, head, m0, 0]).reshape(BLOCK_M, HEAD_DIM)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     mask_free_end, end = key_ranges(m0, seq_k, causal_shift, BLOCK_M, BLOCK_N, CAUSAL)
-    if mask_free_end > 0:
-        acc, row_sum, row_max = _pipelined_blocks(acc, row_sum, row_max, q, k_desc, v_desc, batch, kv_head,
-                                                  mask_free_end, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N)
+    if PIPELINED:
+        if mask_free_end > 0:
+            acc, row_sum, row_max = _pipelined_blocks(acc, row_sum, row_max, q, k_desc, v_desc, batch, kv_head,
+                                                      mask_free_end, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N)
+    else:
+        acc, row_sum, row_max = _tma_key_blocks(
+            acc, row_sum, row_max, q, k_desc, v_desc, batch, kv_head, m0, 0, mask_free_end, seq_q, seq_k,
+            causal_shift, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, False, False)
     if CAUSAL or not EVEN_N:
         acc, row_sum, row_max = _tma_key_blocks(
             acc, row_sum, row_max, q, k_desc, v_desc, batch, kv_head, m0, mask_free_end, end, seq_q, seq_k,
@@ -90,36 +104,13 @@ def persistent_forward(q, k, v, *, scale, causal, cfg, pipelined=True, programs_
 def _persistent_kernel(q_desc, k_desc, v_desc, o_desc, Lse, num_heads, group_size, num_bh, tiles, seq_q, seq_k,
                        qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        CAUSAL: tl.constexpr, EVEN_N: tl.constexpr, PIPELINED: tl.constexpr):
-    causal_shift = seq_k - seq_q
     m_blocks = tl.cdiv(seq_q, BLOCK_M)
     for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
-        block_m = m_blocks - 1 - tile // num_bh
         bh = tile % num_bh
         batch, head = bh // num_heads, bh % num_heads
-        kv_head = head // group_size
-        m0 = block_m * BLOCK_M
-        q = q_desc.load([batch, head, m0, 0]).reshape(BLOCK_M, HEAD_DIM)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        row_sum = tl.zeros([BLOCK_M], tl.float32)
-        row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        mask_free_end, end = key_ranges(m0, seq_k, causal_shift, BLOCK_M, BLOCK_N, CAUSAL)
-        if PIPELINED:
-            if mask_free_end > 0:
-                acc, row_sum, row_max = _pipelined_blocks(acc, row_sum, row_max, q, k_desc, v_desc, batch, kv_head,
-                                                          mask_free_end, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N)
-        else:
-            acc, row_sum, row_max = _tma_key_blocks(
-                acc, row_sum, row_max, q, k_desc, v_desc, batch, kv_head, m0, 0, mask_free_end, seq_q, seq_k,
-                causal_shift, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, False, False)
-        if CAUSAL or not EVEN_N:
-            acc, row_sum, row_max = _tma_key_blocks(
-                acc, row_sum, row_max, q, k_desc, v_desc, batch, kv_head, m0, mask_free_end, end, seq_q, seq_k,
-                causal_shift, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL)
-        out = (acc / row_sum[:, None]).to(o_desc.dtype)
-        o_desc.store([batch, head, m0, 0], out.reshape(1, 1, BLOCK_M, HEAD_DIM))
-        rows = tl.arange(0, BLOCK_M)
-        store_rows(Lse + bh.to(tl.int64) * seq_q + m0 + rows, (row_max + tl.log2(row_sum)) * LN2, m0 + rows,
-                   seq_q, False)
+        _query_tile(q_desc, k_desc, v_desc, o_desc, Lse, bh, batch, head, head // group_size,
+                    (m_blocks - 1 - tile // num_bh) * BLOCK_M, seq_q, seq_k, qk_scale,
+                    HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, EVEN_N, PIPELINED)
 
 
 @triton.jit
