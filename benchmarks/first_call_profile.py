@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     with measure.grad_mode(w):
         t0 = time.perf_counter()
         profile.enable()
-        measure.runnable(w, args.backend, fn)(*inputs)
+        measure.runnable(w, args.backend, fn, fresh=True)(*inputs)
         measure.sync(device)
         profile.disable()
     print(f"first call of {args.workload} on {args.backend} ({device}): {time.perf_counter() - t0:.2f} s under cProfile")
@@ -68,6 +68,11 @@ def main(argv=None) -> int:
     stats.sort_stats("cumulative").print_stats(args.top)
     stats.sort_stats("tottime").print_stats(args.top // 2)
     print(out.getvalue())
+    for g in (g for rep in measure.FXOPT_REPORTS for g in rep.graphs):
+        passes = sum(p.seconds for p in g.passes)
+        print(f"fxopt {g.name} graph: compiled in {g.compile_seconds:.2f} s: passes {passes:.2f} s, Triton "
+              f"{g.triton_compile_seconds:.2f} s ({len(g.kernels)} kernels; attention kernels compile at their "
+              f"first launch)")
     for name, frames in tracer.seen:
         print(f"imported {name} <- {' | '.join(frames)}")
     return 0

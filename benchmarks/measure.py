@@ -62,11 +62,15 @@ FXOPT_OPTIONS: dict = {}  # --fxopt-option KEY=VALUE: extra fxopt.backend option
 FXOPT_REPORTS: list = []  # the Report of the latest fxopt compile (every graph it compiled), for plan/LB
 
 
-def compile_for(backend: str, fn, w=None):
+def compile_for(backend: str, fn, w=None, *, fresh: bool = False):
     """`fn` as `backend` runs it for workload `w`: a mixed-precision workload (w.precision) runs eager and
     Inductor under torch.autocast and fxopt with precision=...; w.cudagraphs asks both compilers for
-    CUDA graphs (Inductor mode="reduce-overhead", fxopt cudagraphs=True)."""
-    torch._dynamo.reset()
+    CUDA graphs (Inductor mode="reduce-overhead", fxopt cudagraphs=True). `fresh`: nothing was compiled
+    in this process yet (a first-call child), so dynamo is not reset: torch.compile's reset imports
+    Inductor's CUDA-graph trees and with them all of Inductor (seconds, cold), which a user's first call
+    never pays."""
+    if not fresh:
+        torch._dynamo.reset()
     precision = getattr(w, "precision", None)
     graphs = bool(getattr(w, "cudagraphs", False))
     if backend == "eager":
@@ -115,13 +119,14 @@ def backends_for(w, requested) -> list[str]:
     return [b for b in requested if b != "sdpa" or w.anchor is not None]
 
 
-def runnable(w, backend: str, fn):
+def runnable(w, backend: str, fn, *, fresh: bool = False):
     """What `backend` calls with the workload's inputs: `fn` compiled by it, or, for "sdpa", the
     workload's anchor (the same computation through F.scaled_dot_product_attention), uncompiled."""
     if backend == "sdpa":
-        torch._dynamo.reset()
+        if not fresh:
+            torch._dynamo.reset()
         return autocast(w.anchor, w.precision)
-    return compile_for(backend, fn, w)
+    return compile_for(backend, fn, w, fresh=fresh)
 
 
 def as_float64(inputs) -> list:
@@ -259,7 +264,7 @@ def first_call_child(w, backend: str, device: str, dtype, quick: bool) -> dict:
             pass
     with grad_mode(w):
         t0 = time.perf_counter()
-        out = runnable(w, backend, fn)(*inputs)
+        out = runnable(w, backend, fn, fresh=True)(*inputs)
         sync(device)
         seconds = time.perf_counter() - t0
     del out

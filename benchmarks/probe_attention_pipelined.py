@@ -50,13 +50,13 @@ def _pipelined_kernel(q_desc, k_desc, v_desc, o_desc, Lse, num_heads, group_size
                       CAUSAL: tl.constexpr, EVEN_N: tl.constexpr):
     bh, batch, head, kv_head, m0 = query_block_program(num_heads, group_size, BLOCK_M, CAUSAL)
     _query_tile(q_desc, k_desc, v_desc, o_desc, Lse, bh, batch, head, kv_head, m0, seq_q, seq_k, qk_scale,
-                HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, EVEN_N, True)
+                HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, EVEN_N, 1)
 
 
 @triton.jit
 def _query_tile(q_desc, k_desc, v_desc, o_desc, Lse, bh, batch, head, kv_head, m0, seq_q, seq_k, qk_scale,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                EVEN_N: tl.constexpr, PIPELINED: tl.constexpr):
+                EVEN_N: tl.constexpr, MODE: tl.constexpr):
     """One query block of one (batch, head): its out rows and lse, the mask-free keys pipelined or not."""
     causal_shift = seq_k - seq_q
     q = q_desc.load([batch, head, m0, 0]).reshape(BLOCK_M, HEAD_DIM)
@@ -64,7 +64,10 @@ def _query_tile(q_desc, k_desc, v_desc, o_desc, Lse, bh, batch, head, kv_head, m
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     mask_free_end, end = key_ranges(m0, seq_k, causal_shift, BLOCK_M, BLOCK_N, CAUSAL)
-    if PIPELINED:
+    if MODE == 2:
+        acc, row_sum, row_max = _lazy_blocks(acc, row_sum, row_max, q, k_desc, v_desc, batch, kv_head,
+                                             mask_free_end, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N)
+    elif MODE == 1:
         if mask_free_end > 0:
             acc, row_sum, row_max = _pipelined_blocks(acc, row_sum, row_max, q, k_desc, v_desc, batch, kv_head,
                                                       mask_free_end, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N)
@@ -83,8 +86,9 @@ def _query_tile(q_desc, k_desc, v_desc, o_desc, Lse, bh, batch, head, kv_head, m
                False)
 
 
-def persistent_forward(q, k, v, *, scale, causal, cfg, pipelined=True, programs_per_sm=2):
-    """The same, with one program per SM slot walking (query block, head) tiles heaviest first."""
+def persistent_forward(q, k, v, *, scale, causal, cfg, pipelined=True, programs_per_sm=2, group=None):
+    """The same, with one program per SM slot walking (query block, head) tiles heaviest first in
+    groups of `group` heads (None: all heads in one group)."""
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
@@ -95,22 +99,60 @@ def persistent_forward(q, k, v, *, scale, causal, cfg, pipelined=True, programs_
     launcher(_persistent_kernel, (min(tiles, sms * programs_per_sm),), q.device)(
         descriptor(q, bm), descriptor(k, bn), descriptor(v, bn), descriptor(out, bm), lse,
         heads, heads // kv_heads, batch * heads, tiles, seq_q, seq_k, scale * 1.4426950408889634,
-        HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, EVEN_N=seq_k % bn == 0, PIPELINED=pipelined,
+        HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, EVEN_N=seq_k % bn == 0, MODE=int(pipelined),
+        GROUP=group or batch * heads, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out, lse
+
+
+def grouped_forward(q, k, v, *, scale, causal, cfg, group=8, mode=0):
+    """The current kernel's tile body on a 1-D grid ordered heaviest query blocks first within groups of
+    `group` heads (group 1 is the current order; all heads in one group is global heaviest-first, whose
+    key/value working set outgrows L2)."""
+    batch, heads, seq_q, head_dim = q.shape
+    kv_heads, seq_k = k.shape[1], k.shape[2]
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    out = torch.empty_like(q)
+    lse = torch.empty(batch, heads, seq_q, device=q.device, dtype=torch.float32)
+    num_bh = batch * heads
+    launcher(_grouped_kernel, (cdiv(seq_q, bm) * num_bh,), q.device)(
+        descriptor(q, bm), descriptor(k, bn), descriptor(v, bn), descriptor(out, bm), lse,
+        heads, heads // kv_heads, num_bh, seq_q, seq_k, scale * 1.4426950408889634,
+        HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, EVEN_N=seq_k % bn == 0, GROUP=group, MODE=mode,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out, lse
 
 
 @triton.jit
+def _grouped_tile(tile, num_bh, m_blocks, GROUP: tl.constexpr):
+    """(bh, query block) of a linear tile index: groups of GROUP heads, heaviest blocks first in each
+    (the last group may hold fewer heads)."""
+    span = GROUP * m_blocks
+    first_bh = (tile // span) * GROUP
+    heads_here = tl.minimum(GROUP, num_bh - first_bh)
+    r = tile % span
+    return first_bh + r % heads_here, m_blocks - 1 - r // heads_here
+
+
+@triton.jit
+def _grouped_kernel(q_desc, k_desc, v_desc, o_desc, Lse, num_heads, group_size, num_bh, seq_q, seq_k, qk_scale,
+                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    CAUSAL: tl.constexpr, EVEN_N: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr):
+    bh, block = _grouped_tile(tl.program_id(0), num_bh, tl.cdiv(seq_q, BLOCK_M), GROUP)
+    head = bh % num_heads
+    _query_tile(q_desc, k_desc, v_desc, o_desc, Lse, bh, bh // num_heads, head, head // group_size,
+                block * BLOCK_M, seq_q, seq_k, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, EVEN_N, MODE)
+
+
+@triton.jit
 def _persistent_kernel(q_desc, k_desc, v_desc, o_desc, Lse, num_heads, group_size, num_bh, tiles, seq_q, seq_k,
                        qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       CAUSAL: tl.constexpr, EVEN_N: tl.constexpr, PIPELINED: tl.constexpr):
+                       CAUSAL: tl.constexpr, EVEN_N: tl.constexpr, MODE: tl.constexpr, GROUP: tl.constexpr):
     m_blocks = tl.cdiv(seq_q, BLOCK_M)
     for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
-        bh = tile % num_bh
-        batch, head = bh // num_heads, bh % num_heads
-        _query_tile(q_desc, k_desc, v_desc, o_desc, Lse, bh, batch, head, head // group_size,
-                    (m_blocks - 1 - tile // num_bh) * BLOCK_M, seq_q, seq_k, qk_scale,
-                    HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, EVEN_N, PIPELINED)
+        bh, block = _grouped_tile(tile, num_bh, m_blocks, GROUP)
+        head = bh % num_heads
+        _query_tile(q_desc, k_desc, v_desc, o_desc, Lse, bh, bh // num_heads, head, head // group_size,
+                    block * BLOCK_M, seq_q, seq_k, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, EVEN_N, MODE)
 
 
 @triton.jit
@@ -141,6 +183,31 @@ def _pipelined_blocks(acc, row_sum, row_max, q, k_desc, v_desc, batch, kv_head, 
     return acc, row_sum, row_max
 
 
+@triton.jit
+def _lazy_blocks(acc, row_sum, row_max, q, k_desc, v_desc, batch, kv_head, key_hi, qk_scale,
+                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Mask-free key blocks [0, key_hi) whose running max moves only when some row's block max passes
+    it by more than 2^8 (FlashAttention-4's lazy rescale): most blocks then skip the [BLOCK_M, D]
+    rescale of acc; p stays below 256, safe in fp32 sums and 16-bit dot operands, and out = acc / sum
+    uses the same stale max for both, so the result is exact."""
+    for n0 in range(0, key_hi, BLOCK_N):
+        n0 = tl.multiple_of(n0, BLOCK_N)
+        k = k_desc.load([batch, kv_head, n0, 0]).reshape(BLOCK_N, HEAD_DIM)
+        s = tl.dot(q, tl.trans(k))
+        block_max = tl.max(s, 1) * qk_scale
+        if tl.max(block_max - row_max, 0) > 8.0:
+            new_max = tl.maximum(row_max, block_max)
+            rescale = tl.exp2(row_max - new_max)
+            acc = acc * rescale[:, None]
+            row_sum = row_sum * rescale
+            row_max = new_max
+        p = tl.exp2(s * qk_scale - row_max[:, None])
+        row_sum += tl.sum(p, 1)
+        v = v_desc.load([batch, kv_head, n0, 0]).reshape(BLOCK_N, HEAD_DIM)
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, row_sum, row_max
+
+
 def check() -> None:
     """Interpreter numerics against float64 SDPA (fp16, small shapes, both kernels)."""
     torch.manual_seed(0)
@@ -149,7 +216,9 @@ def check() -> None:
             q, k, v = (torch.randn(2, 2, T, 32, dtype=torch.float16) for _ in range(3))
             ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal)
             cfg = dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1)
-            for name, fn in (("pipelined", pipelined_forward), ("persistent", persistent_forward)):
+            for name, fn in (("pipelined", pipelined_forward), ("persistent", persistent_forward),
+                             ("grouped", lambda *a, **kw: grouped_forward(*a, group=3, **kw)),
+                             ("lazy", lambda *a, **kw: grouped_forward(*a, group=3, mode=2, **kw))):
                 out, _ = fn(q, k, v, scale=32 ** -0.5, causal=causal, cfg=cfg)
                 err = (out.double() - ref).abs().max().item()
                 print(f"{name} causal={causal} T={T}: max abs err {err:.2e}")
@@ -163,6 +232,7 @@ def main(argv=None) -> int:
     p.add_argument("--T", type=int, default=2048)
     p.add_argument("--B", type=int, default=8)
     p.add_argument("--H", type=int, default=16)
+    p.add_argument("--pipelined", action="store_true", help="also the pipelined kernel (slower on the H200)")
     a = p.parse_args(argv)
     if a.check:
         check()
@@ -172,17 +242,17 @@ def main(argv=None) -> int:
     flops = 4 * a.B * a.H * a.T * a.T * 128 / (2 if causal else 1)
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     rows = [("sdpa", None, lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))]
-    for bm, bn, w, st in [(64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 3),
-                          (128, 64, 8, 2), (64, 128, 4, 3)]:
+    for bm, bn, w, st in [(64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 3), (64, 128, 4, 2)]:
         cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
         rows.append(("current", cfg, lambda c=cfg: flash_forward_tma(q, k, v, scale=128 ** -0.5, causal=causal, cfg=c)))
-        rows.append(("pipelined", cfg, lambda c=cfg: pipelined_forward(q, k, v, scale=128 ** -0.5, causal=causal, cfg=c)))
-        if (bm, bn, st) in ((64, 64, 3), (128, 64, 3), (128, 128, 3)):
-            for pipe in (False, True):
-                for per_sm in (1, 2, 3):
-                    rows.append((f"persist{'+pipe' if pipe else ''}/{per_sm}", cfg,
-                                 lambda c=cfg, pp=pipe, ps=per_sm: persistent_forward(
-                                     q, k, v, scale=128 ** -0.5, causal=causal, cfg=c, pipelined=pp, programs_per_sm=ps)))
+        if a.pipelined:
+            rows.append(("pipelined", cfg, lambda c=cfg: pipelined_forward(q, k, v, scale=128 ** -0.5, causal=causal,
+                                                                            cfg=c)))
+        for g in (1, 8):
+            for mode in (0, 2):
+                rows.append((f"grouped/{g}/{'lazy' if mode else 'eager'}", cfg,
+                             lambda c=cfg, g=g, m=mode: grouped_forward(q, k, v, scale=128 ** -0.5, causal=causal,
+                                                                        cfg=c, group=g, mode=m)))
     sdpa_ms = None
     for name, cfg, fn in rows:
         try:

@@ -230,7 +230,9 @@ def _load(gm: fx.GraphModule, kernels: dict[str, Kernel], record: GraphReport, e
             setattr(module, f"subgraph_{node.target}", gm.get_submodule(node.target))
     module.PLANS = plans  # symbolic graphs with an applied plan: the per-size plans
     if mode == "triton" and record.target == "cuda":
+        start = time.perf_counter()
         _precompile(module, kernels)
+        record.triton_compile_seconds = time.perf_counter() - start
     call = module.call
     call._boxed_call = True
     return call

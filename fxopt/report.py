@@ -88,6 +88,7 @@ class GraphReport:
     captured_text: str = ""
     snapshots: dict[str, fx.GraphModule] = field(default_factory=dict)
     compile_seconds: float = 0.0
+    triton_compile_seconds: float = 0.0  # part of compile_seconds: the CUDA kernels compiled up front
     cache: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     memory_plan: MemoryPlan | None = None

@@ -26,7 +26,8 @@ def report_to_text(rep) -> str:
         out += [f"  {c.node}: {c.from_dtype} -> {c.to_dtype}  ({c.reason})" for c in rep.casts]
         out.append("")
     for g in rep.graphs:
-        out.append(f"== {g.name} graph (kernels for {g.target}) compiled in {g.compile_seconds * 1000:.1f} ms ==")
+        triton = f", {g.triton_compile_seconds * 1000:.1f} ms of it in Triton" if g.triton_compile_seconds else ""
+        out.append(f"== {g.name} graph (kernels for {g.target}) compiled in {g.compile_seconds * 1000:.1f} ms{triton} ==")
         rows = []
         for p in g.passes:
             stats = ", ".join(f"{k}={v}" for k, v in p.stats.items() if v)

@@ -48,3 +48,13 @@ def test_large_chain_bf16_matches_float64():
     out = torch.compile(chain, backend="fxopt")(x, w, b)
     ref = chain(x.double(), w.double(), b.double())
     assert ((out.double() - ref).norm() / ref.norm()).item() < 4e-3
+
+
+def test_report_says_how_long_triton_compiled_the_kernels():
+    import fxopt
+
+    x = torch.randn(64, 96, device="cuda")
+    rep = fxopt.explain(lambda v: torch.softmax(v * 0.5, -1) + torch.sigmoid(v), x)
+    g = rep.graphs[0]
+    assert 0 < g.triton_compile_seconds <= g.compile_seconds
+    assert "of it in Triton" in str(rep)
