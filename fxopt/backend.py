@@ -10,11 +10,11 @@ import threading
 
 import torch
 import torch.fx as fx
-from torch._dynamo.backends.common import aot_autograd
 from torch._functorch import config as functorch_config
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from . import pipeline
+from .aot import aot_compile
 from .compile import compile_aten_graph
 from .cudagraphs import graphed_compiler
 from .decompositions import decomposition_table
@@ -108,18 +108,18 @@ def _partition(joint: fx.GraphModule, joint_inputs, **kwargs):
 
 
 def _aot(gm, example_inputs, compiler):
-    """Through dynamo's own aot_autograd backend helper, not aot_module_simplified directly: it keeps
-    the counters DDP's graph splitter reads (without them a split graph's backward fails: "expected
-    same # of fw and bw compiles"), hides the backward compiler and the compiled graph from dynamo,
-    and flattens list inputs."""
-    return aot_autograd(
+    """aot_autograd with dynamo's bookkeeping (aot.py: DDP's graph splitter reads its counters; the
+    backward compiler and compiled graphs hidden from dynamo; list inputs flattened), without the
+    Inductor import dynamo's own helper makes."""
+    return aot_compile(
+        gm, example_inputs,
         fw_compiler=functools.partial(compiler, graph_name="forward"),
         bw_compiler=functools.partial(compiler, graph_name="backward"),
         inference_compiler=functools.partial(compiler, graph_name="inference"),
         decompositions=decomposition_table(),
         partition_fn=_partition,
         keep_inference_input_mutations=True,
-    )(gm, example_inputs)
+    )
 
 
 def fxopt_backend(gm: fx.GraphModule, example_inputs, **options):
