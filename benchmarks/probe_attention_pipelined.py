@@ -11,8 +11,12 @@ hand since Triton 3.6 does not warp-specialize this loop on sm_90). Prints ms an
 current kernel and the pipelined one over a few tile configs, in one process (triton.testing.do_bench);
 `persistent_forward` adds one program per SM slot walking the tiles heaviest first.
 
-Status (2026-12-03): numerics checked in the Triton interpreter only (`--check`); not yet run on the
-H200 (no device machine could be started in that session). Not used by fxopt.
+`grouped_forward` orders a 1-D grid heaviest-first within groups of heads, and mode 2 of `_query_tile`
+rescales acc lazily (FlashAttention-4: only when a row max grows by more than 2^8).
+
+Status (2026-12-03, H200, benchmarks/results/2026-12-03-h200.md): none of them beats the current kernel
+(0.80x SDPA): pipelined 0.57x, persistent 0.42-0.60x, grouped orders 0.79-0.81x, lazy rescale 0.75-0.77x.
+Numerics checked in the Triton interpreter (`--check`). Not used by fxopt.
 """
 from __future__ import annotations
 
