@@ -28,33 +28,13 @@ import triton
 import triton.language as tl
 
 from fxopt.attention.flash_common import LN2, key_ranges, launcher, store_rows
-from fxopt.attention.flash_forward_tma import (_tma_key_blocks, descriptor, flash_forward_tma,
-                                               query_block_program)
+from fxopt.attention.flash_forward_tma import _tma_key_blocks, descriptor, flash_forward_tma
 from fxopt.codegen.wrapper_runtime import cdiv
 
 
 def pipelined_forward(q, k, v, *, scale, causal, cfg):
-    batch, heads, seq_q, head_dim = q.shape
-    kv_heads, seq_k = k.shape[1], k.shape[2]
-    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    out = torch.empty_like(q)
-    lse = torch.empty(batch, heads, seq_q, device=q.device, dtype=torch.float32)
-    grid = (cdiv(seq_q, bm), batch * heads)
-    launcher(_pipelined_kernel, grid, q.device)(
-        descriptor(q, bm), descriptor(k, bn), descriptor(v, bn), descriptor(out, bm), lse,
-        heads, heads // kv_heads, seq_q, seq_k, scale * 1.4426950408889634,
-        HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, EVEN_N=seq_k % bn == 0,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return out, lse
-
-
-@triton.jit
-def _pipelined_kernel(q_desc, k_desc, v_desc, o_desc, Lse, num_heads, group_size, seq_q, seq_k, qk_scale,
-                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      CAUSAL: tl.constexpr, EVEN_N: tl.constexpr):
-    bh, batch, head, kv_head, m0 = query_block_program(num_heads, group_size, BLOCK_M, CAUSAL)
-    _query_tile(q_desc, k_desc, v_desc, o_desc, Lse, bh, batch, head, kv_head, m0, seq_q, seq_k, qk_scale,
-                HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, EVEN_N, 1)
+    """The current order (query blocks of one head after another, heaviest first), pipelined loop."""
+    return grouped_forward(q, k, v, scale=scale, causal=causal, cfg=cfg, group=1, mode=1)
 
 
 @triton.jit
