@@ -8,6 +8,8 @@ Run it with empty compiler caches, as the runner's first-call column does (a fre
 Prints the first call's wall time, the slowest functions by cumulative and by own time, and which
 modules were first imported during the call and by whom (`--imports`: e.g. Inductor's lowerings pulled
 in by a torch helper). Under the profiler everything is slower (about 1.5x); the shares are what count.
+`--timeline` runs without the profiler and prints when each compile step started and ended, on which
+thread (cProfile sees only the main thread: it cannot show what overlaps).
 """
 from __future__ import annotations
 
@@ -22,6 +24,48 @@ import traceback
 import torch
 
 from . import measure, workloads
+
+
+# (module, function) pairs --timeline times; Triton's launcher build is named differently across versions
+TIMELINE = [("fxopt.backend", "compile_dynamo_graph"), ("fxopt.backend", "aot_compile"),
+            ("fxopt.backend", "compile_aten_graph"), ("fxopt.compile", "precompile"),
+            ("fxopt.codegen.precompile", "_compile_in_workers"), ("fxopt.codegen.precompile", "_preload_own_op"), ("triton.compiler", "compile"),
+            ("triton.compiler.compiler", "compile"), ("triton.backends.nvidia.compiler", "get_ptxas_version"),
+            ("triton.backends.nvidia.driver", "compile_module_from_src"),
+            ("triton.backends.nvidia.driver", "compile_module_from_file")]
+
+
+def install_timeline(events: list) -> None:
+    """Wrap each TIMELINE function so every call appends (start, end, name, thread) to `events`."""
+    import importlib
+    import threading
+
+    for mod_name, fn_name in TIMELINE:
+        try:
+            mod = importlib.import_module(mod_name)
+        except ImportError:
+            continue
+        fn = getattr(mod, fn_name, None)
+        if fn is None or getattr(fn, "_timed", False):
+            continue
+
+        def timed(*a, __fn=fn, __name=f"{mod_name}.{fn_name}", **kw):
+            start = time.perf_counter()
+            try:
+                return __fn(*a, **kw)
+            finally:
+                label = __name
+                if __name.endswith(".compile") and a:  # which kernel
+                    label += f" {getattr(getattr(a[0], 'fn', None), '__name__', '')}"
+                events.append((start, time.perf_counter(), label, threading.current_thread().name))
+
+        timed._timed = True
+        setattr(mod, fn_name, timed)
+
+
+def print_timeline(events: list, t0: float) -> None:
+    for start, end, name, thread in sorted(events):
+        print(f"{start - t0:7.3f} -> {end - t0:7.3f} s  ({end - start:6.3f})  {name}  [{thread}]")
 
 
 class ImportTracer:
@@ -47,7 +91,11 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=45)
     ap.add_argument("--imports", default="torch._inductor,torch.ao,torch.export",
                     help="comma-separated module prefixes whose first import is traced ('' for none)")
+    ap.add_argument("--timeline", action="store_true", help="no profiler: when each compile step ran, per thread")
     args = ap.parse_args(argv)
+    events: list = []
+    if args.timeline:
+        install_timeline(events)
     import fxopt  # noqa: F401  (imported before the clock, as a user's program would)
     w = workloads.get(args.workload)[0]
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -58,11 +106,17 @@ def main(argv=None) -> int:
     profile = cProfile.Profile()
     with measure.grad_mode(w):
         t0 = time.perf_counter()
-        profile.enable()
+        if not args.timeline:
+            profile.enable()
         measure.runnable(w, args.backend, fn, fresh=True)(*inputs)
         measure.sync(device)
         profile.disable()
-    print(f"first call of {args.workload} on {args.backend} ({device}): {time.perf_counter() - t0:.2f} s under cProfile")
+    how = "with timed compile steps" if args.timeline else "under cProfile"
+    print(f"first call of {args.workload} on {args.backend} ({device}): {time.perf_counter() - t0:.2f} s {how}")
+    if args.timeline:
+        install_timeline(events)  # modules fxopt imported late (its own) are wrapped now, for a second look
+        print_timeline(events, t0)
+        return 0
     out = io.StringIO()
     stats = pstats.Stats(profile, stream=out)
     stats.sort_stats("cumulative").print_stats(args.top)

@@ -6,7 +6,6 @@ import logging
 import os
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.fx as fx
@@ -14,6 +13,7 @@ import torch.fx as fx
 from . import pipeline
 from .codegen.cache import module_cache, source_hash
 from .codegen.harness import standalone_source
+from .codegen.precompile import precompile
 from .codegen.fast_launch import FastKernel
 from .codegen.interpreter_guard import GuardedKernel
 from .codegen.wrapper_layouts import launch_checks
@@ -26,7 +26,7 @@ from .analysis.liveness import peak_headroom
 from .analysis.roofline import roofline
 from .analysis.symbolic import (graph_symbols, guard_texts, has_symbolic_shapes, hint, shape_env_of,
                                 symbolic_unsupported_reason)
-from .errors import FxoptError, node_error
+from .errors import node_error
 from .graph_svg import graph_svg
 from .memory.plan_report import memory_plan
 from .memory.size_plans import size_plans
@@ -231,7 +231,9 @@ def _load(gm: fx.GraphModule, kernels: dict[str, Kernel], record: GraphReport, e
     module.PLANS = plans  # symbolic graphs with an applied plan: the per-size plans
     if mode == "triton" and record.target == "cuda":
         start = time.perf_counter()
-        _precompile(module, kernels)
+        with _triton_interpreter(False):  # a process-wide TRITON_INTERPRET=1 (CPU tests) must not reach nvcc-side compiles
+            precompile(gm, module, [k for k in _launched(kernels) if not k.symbolic], record.wrapper_source, cache,
+                       env.compile_workers)  # symbolic kernels compile at their first call
         record.triton_compile_seconds = time.perf_counter() - start
     call = module.call
     call._boxed_call = True
@@ -246,26 +248,6 @@ def _launched(kernels: dict[str, Kernel]) -> list[Kernel]:
 
 def _kernels_of(k: Kernel) -> list[Kernel]:
     return [s for s in (k.prologue, k, k.epilogue, k.alternative) if s is not None]
-
-
-def _precompile(module, kernels: dict[str, Kernel]) -> None:
-    """Compile every kernel now, several at once (Triton's compiler spends its time outside the GIL
-    in LLVM and ptxas), so the first call does not compile them one after another."""
-    def warm(k: Kernel):
-        try:
-            getattr(module, k.name).warmup(*k.warmup_args(), grid=k.grid_tuple(), **k.options(),
-                                           **k.constexprs)
-        except Exception as exc:
-            raise FxoptError(f"fxopt: Triton could not compile kernel {k.name}: {exc}\n{k.source}") from exc
-
-    todo = [k for k in _launched(kernels) if not k.symbolic]  # symbolic ones compile at their first call
-    with _triton_interpreter(False):  # a process-wide TRITON_INTERPRET=1 (CPU tests) must not reach nvcc-side compiles
-        if len(todo) <= 1:
-            for k in todo:
-                warm(k)
-            return
-        with ThreadPoolExecutor(max_workers=min(8, len(todo))) as pool:
-            list(pool.map(warm, todo))
 
 
 @contextlib.contextmanager

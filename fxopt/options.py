@@ -79,6 +79,7 @@ class Environment:
     dump_all_passes: bool = False  # FXOPT_DUMP_ALL=1: dumps print passes that changed nothing too
     poison_freed: bool = False  # FXOPT_POISON_FREED=1: memory_plan="apply" wrappers NaN-fill dead arena regions
     static_launch: bool = True  # FXOPT_STATIC_LAUNCH=0: launch through Triton's launcher, not torch's C one
+    compile_workers: int = 0  # FXOPT_COMPILE_WORKERS: processes compiling CUDA kernels (0: in this process)
 
     @classmethod
     def read(cls) -> "Environment":
@@ -91,7 +92,20 @@ class Environment:
             dump_all_passes=os.environ.get("FXOPT_DUMP_ALL", "0") == "1",
             poison_freed=os.environ.get("FXOPT_POISON_FREED", "0") == "1",
             static_launch=os.environ.get("FXOPT_STATIC_LAUNCH", "1") != "0",
+            compile_workers=_worker_count(os.environ.get("FXOPT_COMPILE_WORKERS", "")),
         )
+
+
+def _worker_count(raw: str) -> int:
+    """FXOPT_COMPILE_WORKERS, else 0. Off by default: on the H200 host the workers did not shorten a
+    cold first call (GPT-2 and Llama blocks, training) and lengthened inference by 3-4 s, waiting
+    for the attention workers' torch import (benchmarks/results/2026-12-04-h200.md)."""
+    if not raw.strip():
+        return 0
+    if not raw.strip().isdigit():
+        raise ValueError(f"fxopt: FXOPT_COMPILE_WORKERS={raw!r} is not a count; set it to 0 (compile in this "
+                         "process) or a number of worker processes")
+    return int(raw)
 
 
 def _default_cache_dir() -> str:

@@ -145,6 +145,8 @@ class FastKernel:
         warm = remember and self._static and _STATIC_POSSIBLE and type(grid) is tuple and not hooks_installed()
         if warm:
             kernel = self.fn.warmup(*args, grid=grid, **kwargs)
+            if kernel is None:  # a capture took the compile (codegen/compile_pool.capturing): nothing runs
+                return None
             static = self._static_launch(kernel, len(args), device)
             if static is not None:
                 if getattr(kernel, "module", None) is None:  # what ptxas reported, where Triton's attributes keep it
@@ -155,6 +157,8 @@ class FastKernel:
                 self.static_launches += 1
                 return kernel
         kernel = self.fn[grid](*args, **kwargs)
+        if kernel is None:  # (as above)
+            return None
         self.triton_launches += 1
         if remember and _launcher_signature_known(kernel):
             # (a warm kernel was refused by the C launcher already: Triton's launcher keeps it)

@@ -1,0 +1,176 @@
+"""A compile worker: a process that compiles Triton kernels into Triton's on-disk cache, nothing else.
+
+Triton's front end (Python AST -> TTIR) holds the GIL, so threads compile one kernel at a time;
+processes compile them at once. This file runs as a script (`python compile_worker.py`), not as part
+of the fxopt package: importing fxopt imports torch (seconds), while this imports only Triton
+(a third of a second), so a worker is ready before the first graph's kernels are generated.
+
+Protocol: one JSON object per line on stdin, one reply per line on stdout.
+  request  {"id": int, "path": str, "module": str, "name": str, "spec": str,
+            "target": [backend, arch, warp_size]}       (path "": import `module`)
+  reply    {"id": int, "ok": bool, "error": str, "seconds": float}
+`path` is a module holding the kernel at the line where the parent's module holds it, loaded under
+the parent module's name (Triton's cache key includes the function's source, first line and module), `spec` is the specialisation Triton's
+`jit_cache_hook` gave the parent (`JITFunction.preload` replays it), so the worker's compile writes the
+cache entry the parent's own compile then finds. Nothing the worker does decides a result: a parent
+whose key differs, or a worker that fails, just compiles the kernel itself.
+The worker never touches the GPU: it stands in a driver that names the parent's target and device 0.
+"""
+import importlib.util
+import json
+import os
+import sys
+import time
+
+if __name__ == "__main__":  # this folder on sys.path would let fxopt's modules shadow installed ones
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
+
+
+class OfflineDriver:
+    """The part of Triton's driver that compiling asks for: the target, a device index and a stream."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def __getattr__(self, name):  # anything that needs the GPU itself: say so, instead of guessing
+        raise AttributeError(f"compile worker: Triton asked the driver for '{name}', which needs the GPU")
+
+
+def use_offline_driver(backend: str, arch, warp_size: int) -> None:
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+
+    offline = OfflineDriver(GPUTarget(backend, arch, warp_size))
+    if hasattr(driver, "set_active"):
+        driver.set_active(offline)
+    else:  # pragma: no cover - older triton
+        driver._active = offline
+
+
+_MODULES: dict[tuple[str, str], object] = {}
+
+
+def load_kernel(path: str, module_name: str, name: str):
+    """The JITFunction `name` of the module file `path`, loaded once per worker under the parent's
+    module name (Triton's key and the specialisation name the function by module and name); with no
+    path, of the importable module `module_name` (fxopt's attention kernels)."""
+    if not path:
+        return getattr(importlib.import_module(module_name), name)
+    module = _MODULES.get((path, module_name))
+    if module is None:
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module  # triton.jit looks the function's module up here
+        spec.loader.exec_module(module)
+        _MODULES[(path, module_name)] = module
+    return getattr(module, name)
+
+
+def import_fxopt_kernels(root: str, modules: list[str]) -> None:
+    """Import fxopt's kernel modules (`modules`) without fxopt's package __init__, which imports the
+    whole compiler (dynamo, aot_autograd: seconds); the kernel modules need torch and a few of
+    fxopt's small ones. `root` is the folder holding the parent's fxopt package."""
+    import types
+
+    package = types.ModuleType("fxopt")
+    package.__path__ = [os.path.join(root, "fxopt")]
+    sys.modules.setdefault("fxopt", package)
+    for name in modules:
+        importlib.import_module(name)
+
+
+def warm_launcher(kernel) -> None:
+    """Build Triton's launcher for the kernel too where this Triton compiles one per signature (a C
+    file through the host compiler, 0.3 s cold; triton 3.6 does, 3.9 does not), into the same cache."""
+    try:
+        from triton.backends.nvidia import driver as nvidia_driver
+
+        if kernel is not None and hasattr(nvidia_driver, "compile_module_from_src"):
+            nvidia_driver.CudaLauncher(kernel.src, kernel.metadata)
+    except Exception:  # the parent builds it at the first launch, as without workers
+        pass
+
+
+def compile_one(request: dict) -> dict:
+    start = time.perf_counter()
+    try:
+        use_offline_driver(*request["target"])
+        warm_launcher(load_kernel(request["path"], request["module"], request["name"]).preload(request["spec"]))
+        return {"id": request["id"], "ok": True, "error": "", "seconds": time.perf_counter() - start}
+    except Exception as exc:  # reported, not raised: the parent compiles this kernel itself
+        return {"id": request["id"], "ok": False, "error": f"{type(exc).__name__}: {exc}",
+                "seconds": time.perf_counter() - start}
+
+
+def warm_up(target) -> None:
+    """What every compile needs first, done while the parent is still tracing: Triton's compiler
+    modules, `ptxas --version` (a second on a cold disk), and one real compile of a tiny kernel into a
+    throwaway cache (the first compile in a process sets up LLVM's and ptxas's state: without this the
+    worker's first kernel took twice as long as the parent's, benchmarks/results/2026-12-04-h200.md)."""
+    import tempfile
+
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler.compiler import make_backend
+
+        make_backend(GPUTarget(*target)).hash()
+        use_offline_driver(*target)
+        saved = os.environ.get("TRITON_CACHE_DIR")
+        with tempfile.TemporaryDirectory() as scratch:
+            os.environ["TRITON_CACHE_DIR"] = scratch
+            try:
+                source = triton.compiler.ASTSource(_define_tiny(), {"x_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"},
+                                                   constexprs={"BLOCK": 128})
+                triton.compile(source, target=GPUTarget(*target))
+            finally:
+                if saved is None:
+                    del os.environ["TRITON_CACHE_DIR"]
+                else:
+                    os.environ["TRITON_CACHE_DIR"] = saved
+    except Exception:  # the first real compile will say what is wrong
+        pass
+
+
+def _define_tiny():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _tiny(x_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(x_ptr + i, tl.exp(tl.load(x_ptr + i, mask=i < n)), mask=i < n)
+
+    return _tiny
+
+
+def main() -> None:
+    """argv: the target as JSON; then, for a worker that compiles fxopt's attention kernels, the folder
+    holding fxopt and the kernel modules to import before it says it is ready."""
+    os.environ["TRITON_INTERPRET"] = "0"
+    __import__("triton")  # before the first request: this is most of a worker's start-up
+
+    out = sys.stdout
+    sys.stdout = sys.stderr  # anything a compile prints must not corrupt the reply stream
+    target = json.loads(sys.argv[1])
+    warm_up(target)
+    if len(sys.argv) > 3:
+        import_fxopt_kernels(sys.argv[2], sys.argv[3].split(","))
+    print(json.dumps({"id": -1, "ok": True, "error": "", "seconds": 0.0}), file=out, flush=True)  # ready
+    for line in sys.stdin:
+        if line.strip():
+            print(json.dumps(compile_one(json.loads(line))), file=out, flush=True)
+
+
+if __name__ == "__main__":
+    main()

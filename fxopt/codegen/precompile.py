@@ -1,0 +1,101 @@
+"""Compile a CUDA graph's Triton kernels before its first call, all at once: the first call would
+otherwise compile them one after another as it reaches each launch (a GPT-2 block's attention kernel
+alone is 0.5 s on the H200 host's critical path, benchmarks/results/2026-12-04-h200.md)."""
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from ..errors import FxoptError
+from . import compile_pool
+from .compile_worker import warm_launcher
+from .kernel import Kernel
+from .own_op_compiles import own_op_compiles
+from .wrapper_text import KERNELS_END
+
+log = logging.getLogger("fxopt")
+
+
+def precompile(gm, module, todo: list[Kernel], source: str, cache, workers: int) -> None:
+    """Compile every kernel now, so the first call does not compile them one after another: the
+    wrapper's kernels and those the graph's fxopt ops will launch (codegen/own_op_compiles.py), on a
+    thread pool (Triton's backend passes release the GIL). With FXOPT_COMPILE_WORKERS, in worker
+    processes first (codegen/compile_pool.py): this process then loads each kernel as soon as its
+    worker is done (the load finds the workers' cache entry, or compiles the kernel if a worker could not)."""
+    def warm(k: Kernel):
+        if k.name in waits:
+            waits[k.name]()
+        try:
+            getattr(module, k.name).warmup(*k.warmup_args(), grid=k.grid_tuple(), **k.options(),
+                                           **k.constexprs)
+        except Exception as exc:
+            raise FxoptError(f"fxopt: Triton could not compile kernel {k.name}: {exc}\n{k.source}") from exc
+
+    waits, finish, own_ops = {}, lambda: None, []
+    if workers:
+        waits, finish = _compile_in_workers(gm, module, todo, source, cache, workers)
+    else:
+        own_ops = own_op_compiles(gm)
+    tasks = [functools.partial(warm, k) for k in todo]
+    tasks += [functools.partial(_preload_own_op, fn, spec, _graph_device(gm)) for fn, spec in own_ops]
+    if len(tasks) <= 1:
+        for task in tasks:
+            task()
+    else:
+        with ThreadPoolExecutor(max_workers=min(8, len(tasks))) as pool:
+            list(pool.map(lambda task: task(), tasks))
+    finish()
+
+
+def _preload_own_op(fn, spec: str, device: int) -> None:
+    """Compile one of an fxopt op's kernels for the specialisation its stand-in call asked for, and its
+    launcher; a failure is left to the op's first launch, which compiles as it would have anyway."""
+    try:
+        with torch.cuda.device(device):
+            warm_launcher(fn.preload(spec))
+    except Exception as exc:
+        log.debug("fxopt: precompiling %s failed (it compiles at its first launch): %s", fn.fn.__name__, exc)
+
+
+def _graph_device(gm) -> int:
+    vals = (n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder")
+    return next((v.device.index or 0 for v in vals if getattr(v, "is_cuda", False)), 0)
+
+
+def _compile_in_workers(gm, module, todo: list[Kernel], source: str, cache, workers: int):
+    """Send `todo` and the graph's own-op compiles to the compile workers. Returns ({kernel name: wait
+    for its worker}, finish: wait for the rest and log what the workers did). The workers load the
+    wrapper's kernel part (codegen/wrapper_text.py), written to fxopt's cache beside the wrapper."""
+    try:
+        pool = compile_pool.pool_for(compile_pool.current_target(), workers)
+    except Exception as exc:  # no driver, no target: this process compiles, as without workers
+        log.debug("fxopt: no compile workers: %s", exc)
+        pool = None
+    if pool is None:
+        return {}, lambda: None
+    path = cache.path_for(source[:source.index(KERNELS_END)]) if todo else ""
+    jobs = {}
+    for k in todo:
+        fn = getattr(module, k.name)
+        fn = getattr(fn, "fn", fn)  # the JITFunction inside FastKernel
+        spec = compile_pool.specialization(fn, *k.warmup_args(), grid=k.grid_tuple(), **k.options(), **k.constexprs)
+        if spec is not None:
+            jobs[k.name] = pool.submit(path, fn.__module__, k.name, spec)
+    for i, (fn, spec) in enumerate(own_op_compiles(gm)):  # attention and cross-entropy kernels, by module name
+        jobs[f"{fn.fn.__name__}#{i}"] = pool.submit("", fn.fn.__module__, fn.fn.__name__, spec)
+    start = time.perf_counter()
+
+    def finish():
+        replies = [(name.split("#")[0], job.result()) for name, job in jobs.items()]
+        for name, reply in replies:
+            if not reply["ok"]:
+                log.info("fxopt: compile worker could not compile %s (compiling it here): %s", name, reply["error"])
+        log.info("fxopt: %d kernels compiled in %d workers (ready %.2f s after start): longest %.2f s, "
+                 "all done %.2f s after sending", len(replies), len(pool.ready_after), max(pool.ready_after, default=0.0),
+                 max((r["seconds"] for _, r in replies), default=0.0), time.perf_counter() - start)
+
+    return {name: job.result for name, job in jobs.items()}, finish
