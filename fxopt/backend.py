@@ -15,6 +15,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from . import pipeline
 from .codegen import compile_pool
+from .codegen.precompile import warm_compile_keys
 from .aot import aot_compile
 from .compile import compile_aten_graph
 from .cudagraphs import graphed_compiler
@@ -33,7 +34,8 @@ _lock = threading.Lock()
 def compile_dynamo_graph(gm: fx.GraphModule, example_inputs, options: Options, report: Report | None = None):
     """Compile one graph dynamo captured; forward and backward go through aot_autograd."""
     env = Environment.read()
-    compile_pool.prestart(example_inputs, env.compile_workers)  # CUDA graphs: workers start while aot_autograd traces
+    warm_compile_keys(example_inputs)  # CUDA graphs: Triton's per-process keys computed while aot_autograd traces
+    compile_pool.prestart(example_inputs, env.compile_workers)  # and the compile workers started (if any)
     dump_dir = options.dump_dir or env.dump_dir
     on_done = None
     if report is None:

@@ -141,28 +141,15 @@ def pool_for(target: tuple, n: int) -> CompilePool | None:
 
 
 def prestart(example_inputs, n: int) -> None:
-    """Start the workers for the current CUDA device, and warm the parent's `ptxas --version` (Triton
-    asks it once per process for every cache key) on a thread, while tracing goes on."""
+    """Start the workers for the current CUDA device while tracing goes on (n = 0: none)."""
     import torch
 
-    if not any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs):
+    if n == 0 or not any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs):
         return
     try:
-        target = current_target()
-        if target not in _POOLS and pool_for(target, n) is not None:
-            threading.Thread(target=_warm_backend_hash, args=(target,), daemon=True).start()
+        pool_for(current_target(), n)
     except Exception as exc:  # the kernels compile in this process, as without workers
         log.info("fxopt: compile workers not started: %s", exc)
-
-
-def _warm_backend_hash(target: tuple) -> None:
-    try:
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler.compiler import make_backend
-
-        make_backend(GPUTarget(*target)).hash()
-    except Exception:
-        pass
 
 
 @contextlib.contextmanager

@@ -4,7 +4,9 @@ alone is 0.5 s on the H200 host's critical path, benchmarks/results/2026-12-04-h
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -99,3 +101,39 @@ def _compile_in_workers(gm, module, todo: list[Kernel], source: str, cache, work
                  max((r["seconds"] for _, r in replies), default=0.0), time.perf_counter() - start)
 
     return {name: job.result for name, job in jobs.items()}, finish
+
+
+_keys_warmed = threading.Event()
+
+
+def warm_compile_keys(example_inputs) -> None:
+    """Compute, on a thread while dynamo and aot_autograd trace, what every Triton compile of this
+    process needs first and computes once: `triton_key()` (a SHA-256 of Triton's sources and its
+    shared library: 0.39 s on this repo's CI machine) and the backend's hash (`ptxas --version`). Left to
+    the precompile pool, every pool thread computed them at once (Triton's lru_cache does not lock), each
+    kernel's "compile" spending ~0.4 s there even on a cache hit (benchmarks/results/2026-12-04-h200.md)."""
+    if _keys_warmed.is_set() or not any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs):
+        return
+    _keys_warmed.set()
+    try:
+        target = compile_pool.current_target()
+    except Exception as exc:  # no driver: nothing will compile for a GPU here
+        log.debug("fxopt: no Triton target to warm: %s", exc)
+        return
+    threading.Thread(target=_compute_keys, args=(target,), daemon=True, name="fxopt-compile-keys").start()
+
+
+def _compute_keys(target: tuple) -> None:
+    for module in ("triton.runtime.cache", "triton.compiler.compiler"):  # where Triton versions keep it
+        key = getattr(importlib.import_module(module), "triton_key", None)
+        if key is not None:
+            key()
+            break
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler.compiler import make_backend
+
+        make_backend(GPUTarget(*target)).hash()
+    except Exception as exc:  # the first compile computes it, as it would have
+        log.debug("fxopt: backend hash not warmed: %s", exc)
+
