@@ -293,3 +293,39 @@ def test_cache_hit_cost_script_runs_both_ways(capsys, monkeypatch):
     rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if "|" in line][1:]
     assert [r[0].strip() for r in rows] == ["at-first-compile", "ahead"]
     assert float(rows[0][1]) == 0.0 and float(rows[1][1]) > 0.0  # keys computed ahead only in the second
+
+
+def test_stand_ins_refuse_a_node_too_large_to_borrow_memory_for(monkeypatch):
+    """A node whose inputs and outputs need more than STAND_IN_LIMIT (or a quarter of free memory) gets
+    no stand-ins: nothing is allocated, its kernels compile at its first launch."""
+    import torch.fx as fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fxopt.codegen import own_op_compiles
+
+    with FakeTensorMode():  # CUDA-device metadata without a GPU, as a traced graph holds it
+        logits = torch.empty(16384, 32768, device="cuda", dtype=torch.bfloat16)  # 1 GiB
+        small = torch.empty(64, 128, device="cuda", dtype=torch.bfloat16)
+    graph = fx.Graph()
+    nodes = {}
+    for name, val in (("logits", logits), ("small", small)):
+        nodes[name] = graph.placeholder(name)
+        nodes[name].meta["val"] = val
+        call = graph.call_function(torch.neg, (nodes[name],))
+        call.meta["val"] = val
+        nodes[name + "_call"] = call
+    class Allocated(Exception):
+        pass
+
+    def empty(*args, **kwargs):
+        raise Allocated()
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (64 << 30, 80 << 30))
+    monkeypatch.setattr(torch, "empty", empty)
+    assert own_op_compiles._stand_ins(nodes["logits_call"]) is None  # 2 GiB with its output
+    # 32 KiB with its output: refused with 64 KiB free (a quarter is 16 KiB), allocated with 64 GiB
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (64 << 10, 80 << 30))
+    assert own_op_compiles._stand_ins(nodes["small_call"]) is None
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (64 << 30, 80 << 30))
+    with pytest.raises(Allocated):
+        own_op_compiles._stand_ins(nodes["small_call"])
