@@ -117,15 +117,12 @@ def warm_compile_keys(example_inputs) -> None:
     if _keys_warmed.is_set() or not any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs):
         return
     _keys_warmed.set()
-    try:
-        target = compile_pool.current_target()
-    except Exception as exc:  # no driver: nothing will compile for a GPU here
-        log.debug("fxopt: no Triton target to warm: %s", exc)
-        return
-    threading.Thread(target=_compute_keys, args=(target,), daemon=True, name="fxopt-compile-keys").start()
+    threading.Thread(target=_compute_keys, daemon=True, name="fxopt-compile-keys").start()
 
 
-def _compute_keys(target: tuple) -> None:
+def _compute_keys(target: tuple | None = None) -> None:
+    """The keys; the target from Triton's driver, whose first use builds its C utilities (a host
+    compiler run with a cold cache), on this thread too."""
     for module in ("triton.runtime.cache", "triton.compiler.compiler"):  # where Triton versions keep it
         key = getattr(importlib.import_module(module), "triton_key", None)
         if key is not None:
@@ -135,7 +132,7 @@ def _compute_keys(target: tuple) -> None:
         from triton.backends.compiler import GPUTarget
         from triton.compiler.compiler import make_backend
 
-        make_backend(GPUTarget(*target)).hash()
+        make_backend(GPUTarget(*(target or compile_pool.current_target()))).hash()
     except Exception as exc:  # the first compile computes it, as it would have
         log.debug("fxopt: backend hash not warmed: %s", exc)
 
