@@ -87,5 +87,9 @@ def _extent_bytes(t: torch.Tensor) -> int:
 
 
 def _view(buffer: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    n = len(buffer) // like.element_size()
-    return buffer[:n * like.element_size()].view(like.dtype).as_strided(like.shape, like.stride())
+    """`like`'s sizes, strides and 16-byte misalignment (the TMA kernels need aligned pointers: a view
+    starting mid-buffer must ask for the kernel the real call will) over `buffer` (16 bytes spare)."""
+    size = like.element_size()
+    n = len(buffer) // size
+    offset = int(like.storage_offset()) % max(1, 16 // size)
+    return buffer[:n * size].view(like.dtype).as_strided(like.shape, like.stride(), offset)

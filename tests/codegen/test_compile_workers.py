@@ -329,3 +329,18 @@ def test_stand_ins_refuse_a_node_too_large_to_borrow_memory_for(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (64 << 30, 80 << 30))
     with pytest.raises(Allocated):
         own_op_compiles._stand_ins(nodes["small_call"])
+
+
+def test_stand_in_views_keep_the_values_misalignment():
+    """A stand-in starts as far past a 16-byte boundary as the value it stands in for (assuming the
+    value's storage is aligned, as the caching allocator's are): TMA or not is decided from that."""
+    from fxopt.codegen.own_op_compiles import _extent_bytes, _view
+
+    base = torch.empty(4096, dtype=torch.float16)
+    for offset in (0, 3, 8, 13):
+        like = base[offset:offset + 512].view(8, 64)
+        buffer = torch.empty(_extent_bytes(like) + 16, dtype=torch.uint8)
+        view = _view(buffer, like)
+        assert view.shape == like.shape and view.stride() == like.stride()
+        assert (view.data_ptr() - buffer.data_ptr()) % 16 == (like.data_ptr() - base.data_ptr()) % 16
+        assert view.data_ptr() + _extent_bytes(view) <= buffer.data_ptr() + buffer.numel()
