@@ -30,6 +30,7 @@ from .wrapper_layouts import VIEW_METHODS, allocation, elided_splits, known_layo
 from .wrapper_layouts import device_source as _dev
 from .wrapper_text import HEADER, KERNELS_END, KERNELS_HEADER, MAIN, PROFILE_HEADER
 
+
 def format_value(a, names) -> str:
     """Python source for an argument of an ATen call."""
     if isinstance(a, fx.Node):
