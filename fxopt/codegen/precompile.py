@@ -44,7 +44,8 @@ def precompile(gm, module, todo: list[Kernel], source: str, cache, workers: int)
         own_ops = own_op_compiles(gm)
     # the own ops' kernels first: the longest compiles (attention's: 0.5-0.7 s each and a C launcher
     # build, against 0.2-0.5 s for a generated kernel) must not wait behind a full pool
-    tasks = [functools.partial(_preload_own_op, fn, spec, _graph_device(gm)) for fn, spec in own_ops]
+    device = _graph_device(gm) if own_ops else 0
+    tasks = [functools.partial(_preload_own_op, fn, spec, device) for fn, spec in own_ops]
     tasks += [functools.partial(warm, k) for k in todo]
     if len(tasks) <= 1:
         for task in tasks:

@@ -196,13 +196,35 @@ class _CausalBlock(torch.nn.Module):
         return x + self.proj(y.transpose(1, 2).reshape(b, t, d))
 
 
+def _train_step_equals_eager(model, x) -> list[tuple[str, bool, str]]:
+    """One compiled training step of `model` on `x`, checked against eager (output and x's gradient);
+    returns every Triton compile it did as (kernel, cache hit, thread)."""
+    import fxopt
+
+    compiles = []
+    old = knobs.compilation.listener
+    knobs.compilation.listener = lambda **kw: compiles.append(
+        (kw["src"].name, kw["cache_hit"], threading.current_thread().name))
+    try:
+        out = torch.compile(model, backend=fxopt.backend())(x)
+        out.float().square().mean().backward()
+        torch.cuda.synchronize()
+    finally:
+        knobs.compilation.listener = old
+    grad = x.grad.clone()
+    x.grad = None
+    ref = model(x)
+    ref.float().square().mean().backward()
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(grad, x.grad, atol=2e-2, rtol=2e-2)
+    return compiles
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_cuda_first_call_finds_the_workers_compiles(tmp_path, monkeypatch):
     """Training step of a block with attention: every kernel the first call compiles in this process
     (wrapper kernels and the attention kernels' first launches) is a hit in the cache the workers
     filled, and the result equals eager."""
-    import fxopt
-
     compile_pool._shutdown()
     compile_pool._POOLS.clear()  # workers read the cache folder from the environment they start with
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
@@ -211,25 +233,10 @@ def test_cuda_first_call_finds_the_workers_compiles(tmp_path, monkeypatch):
     torch._dynamo.reset()
     model = _CausalBlock().cuda().half()
     x = torch.randn(2, 128, 128, device="cuda", dtype=torch.float16, requires_grad=True)
-    compiles = []
-    old = knobs.compilation.listener
-    knobs.compilation.listener = lambda **kw: compiles.append((kw["src"].name, kw["cache_hit"]))
-    try:
-        compiled = torch.compile(model, backend=fxopt.backend())
-        out = compiled(x)
-        out.float().square().mean().backward()
-        torch.cuda.synchronize()
-    finally:
-        knobs.compilation.listener = old
-    misses = [name for name, hit in compiles if not hit]
-    assert any("flash" in name or "dkdv" in name for name, _ in compiles), compiles
+    compiles = _train_step_equals_eager(model, x)
+    misses = [name for name, hit, _ in compiles if not hit]
+    assert any("flash" in name or "dkdv" in name for name, _, _ in compiles), compiles
     assert not misses, f"compiled in this process, not found in the workers' cache: {misses}"
-    grad = x.grad.clone()
-    x.grad = None
-    ref = model(x)
-    ref.float().square().mean().backward()
-    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(grad, x.grad, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -237,8 +244,6 @@ def test_cuda_first_call_compiles_nothing_on_its_own_thread(tmp_path, monkeypatc
     """Without workers, every kernel of a training step (the wrapper kernels and the attention kernels
     its first launches ask for, codegen/own_op_compiles.py) compiles on the precompile pool's threads
     while the graph compiles, none at a launch on the calling thread, and the result equals eager."""
-    import fxopt
-
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     monkeypatch.setenv("FXOPT_CACHE_DIR", str(tmp_path / "fxopt"))
     monkeypatch.setenv("FXOPT_COMPILE_WORKERS", "0")
@@ -246,24 +251,10 @@ def test_cuda_first_call_compiles_nothing_on_its_own_thread(tmp_path, monkeypatc
     # another head size than the test above: a JITFunction keeps what it compiled for the process
     model = _CausalBlock(d=256).cuda().half()
     x = torch.randn(2, 128, 256, device="cuda", dtype=torch.float16, requires_grad=True)
-    compiles = []
-    old = knobs.compilation.listener
-    knobs.compilation.listener = lambda **kw: compiles.append((kw["src"].name, threading.current_thread().name))
-    try:
-        out = torch.compile(model, backend=fxopt.backend())(x)
-        out.float().square().mean().backward()
-        torch.cuda.synchronize()
-    finally:
-        knobs.compilation.listener = old
-    assert any("flash_forward" in name for name, _ in compiles) and any("dkdv" in name for name, _ in compiles)
-    at_launch = [name for name, thread in compiles if not thread.startswith("ThreadPoolExecutor")]
+    compiles = _train_step_equals_eager(model, x)
+    assert any("flash_forward" in name for name, _, _ in compiles) and any("dkdv" in name for name, _, _ in compiles)
+    at_launch = [name for name, _, thread in compiles if not thread.startswith("ThreadPoolExecutor")]
     assert not at_launch, f"compiled at a launch, not before the first call: {at_launch} ({compiles})"
-    grad = x.grad.clone()
-    x.grad = None
-    ref = model(x)
-    ref.float().square().mean().backward()
-    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(grad, x.grad, atol=2e-2, rtol=2e-2)
 
 
 def test_compile_keys_are_computed_ahead_of_the_first_compile(offline):
