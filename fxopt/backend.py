@@ -66,8 +66,12 @@ def compile_dynamo_graph(gm: fx.GraphModule, example_inputs, options: Options, r
     compiler = functools.partial(compile_aten_graph, options=options, report=report, on_done=on_done)
     if options.cudagraphs:  # forward, backward and inference replay as CUDA graphs, sharing one pool
         compiler = graphed_compiler(compiler, report, options)
-    # explain() wants the backward graph now; torch.compile compiles it at the first backward call
-    eager_backward = options.keep_graphs
+    # explain() wants the backward graph now; so does a CUDA training step, whose backward kernels then
+    # compile in the background while the forward's do (compile.py); torch.compile's default compiles
+    # the backward graph at the first backward call, after the forward's kernels. Not yet with
+    # cudagraphs=True: that combination has not been run on a GPU (benchmarks/results/2026-12-04-h200-b.md).
+    on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
+    eager_backward = options.keep_graphs or (on_cuda and not options.cudagraphs)
     try:
         with torch._functorch.config.patch(force_non_lazy_backward_lowering=eager_backward):
             compiled = _aot(gm, example_inputs, compiler)

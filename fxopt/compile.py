@@ -153,7 +153,11 @@ def compile_aten_graph(gm: fx.GraphModule, example_inputs, *, options: Options, 
         applied = plans.template()  # symbolic byte counts; offsets come from PLANS per call
     record.wrapper_source = generate_wrapper(gm, kernels, graph_name, mode, filename, options.profile,
                                              plan=applied, poison=applied is not None and env.poison_freed)
-    call = _load(gm, kernels, record, env, mode, plans)
+    # a training step's graphs compile their kernels in the background, the forward's while the
+    # backward graph is made and compiled (backend.py compiles it with the forward), each waited for
+    # at its graph's first call; explain() (keep_graphs) times them in the foreground
+    background = graph_name in ("forward", "backward") and not (options.keep_graphs or options.cudagraphs)
+    call = _load(gm, kernels, record, env, mode, plans, background)
     if options.profile:
         from .profile import attach_timer  # here, not at the top: profile.py compiles through backend.py
         attach_timer(call, record)
@@ -208,7 +212,7 @@ def _wrapper_cannot_call(gm: fx.GraphModule) -> str | None:
 
 
 def _load(gm: fx.GraphModule, kernels: dict[str, Kernel], record: GraphReport, env: Environment, mode,
-          plans=None):
+          plans=None, background: bool = False):
     cache = module_cache(env.cache_dir)
     hits = cache.hits
     with _triton_interpreter(record.target == "interpret"):
@@ -229,15 +233,32 @@ def _load(gm: fx.GraphModule, kernels: dict[str, Kernel], record: GraphReport, e
         if node.op == "call_module" and mode == "eager":
             setattr(module, f"subgraph_{node.target}", gm.get_submodule(node.target))
     module.PLANS = plans  # symbolic graphs with an applied plan: the per-size plans
+    pending = None
     if mode == "triton" and record.target == "cuda":
         start = time.perf_counter()
+
+        def timed(_=None):
+            record.triton_compile_seconds = time.perf_counter() - start
+
         with _triton_interpreter(False):  # a process-wide TRITON_INTERPRET=1 (CPU tests) must not reach nvcc-side compiles
-            precompile(gm, module, [k for k in _launched(kernels) if not k.symbolic], record.wrapper_source, cache,
-                       env.compile_workers)  # symbolic kernels compile at their first call
-        record.triton_compile_seconds = time.perf_counter() - start
-    call = module.call
+            pending = precompile(gm, module, [k for k in _launched(kernels) if not k.symbolic], record.wrapper_source,
+                                 cache, env.compile_workers, background)  # symbolic kernels compile at their first call
+        if pending is None:
+            timed()
+        else:
+            pending.add_done_callback(timed)
+    call = module.call if pending is None else _after(pending, module.call)
     call._boxed_call = True
     return call
+
+
+def _after(pending, call):
+    """`call`, each call first waiting for the kernels compiling in the background (at once once they
+    are done; a compile error raises at every call, as it would have raised at compile time)."""
+    def call_compiled(args):
+        pending.result()
+        return call(args)
+    return call_compiled
 
 
 def _launched(kernels: dict[str, Kernel]) -> list[Kernel]:

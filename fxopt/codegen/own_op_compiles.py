@@ -13,10 +13,13 @@ the path, too large) compile at their first launch.
 """
 from __future__ import annotations
 
+import inspect
 import logging
+import operator
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import _disable_current_modes
 
 from . import compile_pool, direct_calls
@@ -34,43 +37,92 @@ def own_op_compiles(gm: fx.GraphModule) -> list[tuple[object, str]]:
     found = []
     for n in gm.graph.nodes:
         callee = own_op_callee(n) if n.op == "call_function" else None
-        if callee is None:
-            continue
-        # The forward graph of a training step compiles inside aot_autograd's fake mode: real tensors
-        # only with the dispatch modes set aside.
-        with _disable_current_modes(), compile_pool.capturing() as captured:
-            stand_ins = _stand_ins(n)
-            if stand_ins is None:
-                log.debug("fxopt: %s (%s) has no stand-ins: its kernels compile at its first launch", n.name, callee)
-                continue
-            try:
-                getattr(direct_calls, callee)(*stand_ins[0], **stand_ins[1])
-            except Exception as exc:  # what was captured before stays useful; the rest compiles at launch
-                log.debug("fxopt: stand-in call of %s stopped: %s", n.name, exc)
-        log.debug("fxopt: stand-in call of %s (%s) asked for %s", n.name, callee,
-                  [fn.fn.__name__ for fn, _ in captured] or "no compile")
-        found.extend(captured)
+        if callee is not None and _inputs_stand(n):
+            args, kwargs = _node_values(n.args), _node_values(n.kwargs)
+            found.extend(_stand_in_call(n.name, callee, args, kwargs, n.meta.get("val")))
     return found
 
 
-def _stand_ins(n: fx.Node):
-    """(args, kwargs) for `n` with every tensor a view of one shared buffer; None if a value cannot be
-    stood in for."""
+# Backward op of a forward op: (its name, the names of the forward's outputs, {gradient argument: the
+# output it is the gradient of}); every other argument of the backward is the forward's of that name.
+_BACKWARDS = {
+    "flash_attention": ("flash_attention_backward", ("out", "lse"), {"dout": "out"}),
+    "cross_entropy": ("cross_entropy_backward", ("loss", "stats"), {"grad_loss": "loss"}),
+}
+
+
+def backward_compiles(gm: fx.GraphModule) -> list[tuple[object, str]]:
+    """The compiles the backward graph's fxopt ops will ask for, predicted from a training step's forward
+    graph: each own op whose statistics (output 1) the forward saves for the backward is followed there
+    by its backward op on the same inputs and outputs, and a gradient laid out like the output (a guess:
+    a gradient laid out otherwise asks for another kernel, which then compiles with the backward graph).
+    aot_autograd compiles the backward graph only when the first backward runs; its kernels (attention's
+    are the longest compiles fxopt has) can compile meanwhile."""
+    found = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or own_op_callee(n) not in _BACKWARDS or not _saves_statistics(n):
+            continue
+        if not _inputs_stand(n) or not isinstance(n.meta.get("val"), (tuple, list)):
+            continue
+        callee, out_names, grads = _BACKWARDS[own_op_callee(n)]
+        fwd = inspect.signature(getattr(direct_calls, own_op_callee(n))).bind(
+            *_node_values(n.args), **_node_values(n.kwargs)).arguments
+        values = {**fwd, **dict(zip(out_names, n.meta["val"]))}
+        values.update({grad: values[of] for grad, of in grads.items()})
+        params = inspect.signature(getattr(direct_calls, callee)).parameters
+        kwargs = {name: values[name] for name in params if name in values}
+        grads_out = [t for t in fwd.values() if isinstance(t, torch.Tensor)]  # at most one per input
+        found.extend(_stand_in_call(f"{n.name} (backward, predicted)", callee, (), kwargs, grads_out))
+    return found
+
+
+def _saves_statistics(n: fx.Node) -> bool:
+    return any(u.target is operator.getitem and u.args[1] == 1 and any(w.op == "output" for w in u.users)
+               for u in n.users)
+
+
+def _inputs_stand(n: fx.Node) -> bool:
+    """Whether stand-ins can take the place of `n`'s inputs: CUDA tensors of static sizes, none a runtime
+    scalar (scale_by: its value picks the path)."""
     tensors = [a.meta.get("val") for a in n.all_input_nodes]
-    if not all(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors):
-        return None
-    if any(t.dim() == 0 for t in tensors):  # a runtime scalar (scale_by): its value picks the path
-        return None
-    if any(isinstance(s, torch.SymInt) for t in tensors for s in (*t.shape, *t.stride())):
-        return None
+    if not all(isinstance(t, torch.Tensor) and t.is_cuda and t.dim() > 0 for t in tensors):
+        return False
+    return not any(isinstance(s, torch.SymInt) for t in tensors for s in (*t.shape, *t.stride()))
+
+
+def _node_values(arg):
+    return fx.node.map_arg(arg, lambda a: a.meta.get("val"))
+
+
+def _stand_in_call(name: str, callee: str, args, kwargs, out_val) -> list[tuple[object, str]]:
+    """Call direct_calls.`callee` on stand-ins for the tensors of `args`/`kwargs` (node values),
+    recording the compiles it asks for instead of doing them."""
+    # The forward graph of a training step compiles inside aot_autograd's fake mode: real tensors
+    # only with the dispatch modes set aside.
+    with _disable_current_modes(), compile_pool.capturing() as captured:
+        stand_ins = _stand_ins(name, (args, kwargs), out_val)
+        if stand_ins is None:
+            log.debug("fxopt: %s (%s) has no stand-ins: its kernels compile at its first launch", name, callee)
+            return []
+        try:
+            getattr(direct_calls, callee)(*stand_ins[0], **stand_ins[1])
+        except Exception as exc:  # what was captured before stays useful; the rest compiles at launch
+            log.debug("fxopt: stand-in call of %s stopped: %s", name, exc)
+    log.debug("fxopt: stand-in call of %s (%s) asked for %s", name, callee,
+              [fn.fn.__name__ for fn, _ in captured] or "no compile")
+    return captured
+
+
+def _stand_ins(name: str, values, out_val):
+    """`values` with every tensor a view of one shared buffer; None if that borrows too much."""
+    tensors = [t for t in pytree.tree_leaves(values) if isinstance(t, torch.Tensor)]
     extent = max(_extent_bytes(t) for t in tensors)
-    needed = extent + sum(t.numel() * t.element_size() for t in _tensors(n.meta.get("val")))
+    needed = extent + sum(t.numel() * t.element_size() for t in _tensors(out_val))
     if needed > min(STAND_IN_LIMIT, torch.cuda.mem_get_info(tensors[0].device)[0] // 4):
-        log.debug("fxopt: %s: %d MiB of stand-ins is too much to borrow at compile time", n.name, needed >> 20)
+        log.debug("fxopt: %s: %d MiB of stand-ins is too much to borrow at compile time", name, needed >> 20)
         return None
     buffer = torch.empty(extent + 16, dtype=torch.uint8, device=tensors[0].device)
-    views = {a: _view(buffer, a.meta["val"]) for a in n.all_input_nodes}
-    return fx.node.map_arg(n.args, views.get), fx.node.map_arg(n.kwargs, views.get)
+    return pytree.tree_map_only(torch.Tensor, lambda t: _view(buffer, t), values)
 
 
 def _tensors(val) -> list[torch.Tensor]:

@@ -8,7 +8,7 @@ import importlib
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -16,18 +16,21 @@ from ..errors import FxoptError
 from . import compile_pool
 from .compile_worker import warm_launcher
 from .kernel import Kernel
-from .own_op_compiles import own_op_compiles
+from .own_op_compiles import backward_compiles, own_op_compiles
 from .wrapper_text import KERNELS_END
 
 log = logging.getLogger("fxopt")
 
 
-def precompile(gm, module, todo: list[Kernel], source: str, cache, workers: int) -> None:
+def precompile(gm, module, todo: list[Kernel], source: str, cache, workers: int,
+               background: bool = False) -> Future | None:
     """Compile every kernel now, so the first call does not compile them one after another: the
     wrapper's kernels and those the graph's fxopt ops will launch (codegen/own_op_compiles.py), on a
     thread pool (Triton's backend passes release the GIL). With FXOPT_COMPILE_WORKERS, in worker
     processes first (codegen/compile_pool.py): this process then loads each kernel as soon as its
-    worker is done (the load finds the workers' cache entry, or compiles the kernel if a worker could not)."""
+    worker is done (the load finds the workers' cache entry, or compiles the kernel if a worker could not).
+    background=True returns at once with the compiles' future (the caller waits for it before the
+    graph's first call): a training step's forward and backward graphs compile their kernels together."""
     def warm(k: Kernel):
         if k.name in waits:
             waits[k.name]()
@@ -37,28 +40,76 @@ def precompile(gm, module, todo: list[Kernel], source: str, cache, workers: int)
         except Exception as exc:
             raise FxoptError(f"fxopt: Triton could not compile kernel {k.name}: {exc}\n{k.source}") from exc
 
-    waits, finish, own_ops = {}, lambda: None, []
+    waits, finish, own_ops, ahead = {}, lambda: None, [], []
     if workers:
         waits, finish = _compile_in_workers(gm, module, todo, source, cache, workers)
     else:
-        own_ops = own_op_compiles(gm)
+        own_ops, ahead = own_op_compiles(gm), backward_compiles(gm)
+    device = _graph_device(gm) if own_ops or ahead else 0
+    for fn, spec in ahead:
+        _compile_ahead(fn, spec, device)
     # the own ops' kernels first: the longest compiles (attention's: 0.5-0.7 s each and a C launcher
     # build, against 0.2-0.5 s for a generated kernel) must not wait behind a full pool
-    device = _graph_device(gm) if own_ops else 0
     tasks = [functools.partial(_preload_own_op, fn, spec, device) for fn, spec in own_ops]
     tasks += [functools.partial(warm, k) for k in todo]
-    if len(tasks) <= 1:
-        for task in tasks:
-            task()
-    else:
-        with ThreadPoolExecutor(max_workers=min(8, len(tasks))) as pool:
-            list(pool.map(lambda task: task(), tasks))
-    finish()
+
+    def run_all():
+        if len(tasks) <= 1:
+            for task in tasks:
+                task()
+        else:
+            with ThreadPoolExecutor(max_workers=min(8, len(tasks))) as pool:
+                list(pool.map(lambda task: task(), tasks))
+        finish()
+
+    if background:
+        return _background_pool().submit(run_all)
+    run_all()
+    return None
 
 
-def _preload_own_op(fn, spec: str, device: int) -> None:
+@functools.lru_cache(maxsize=None)
+def _background_pool() -> ThreadPoolExecutor:
+    """Runs background precompiles: two at once (a training step's forward and backward graphs)."""
+    return ThreadPoolExecutor(max_workers=2, thread_name_prefix="fxopt-precompile")
+
+
+# The backward graph's own-op compiles predicted from its forward graph (own_op_compiles.backward_compiles),
+# started when the forward graph precompiles and not waited for there: {(JITFunction, specialisation):
+# its future}. The backward graph's precompile waits for one it asks for again instead of compiling it twice.
+_ahead: dict = {}
+_ahead_lock = threading.RLock()  # a future done at once runs its callback under it
+
+
+@functools.lru_cache(maxsize=None)
+def _ahead_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=4, thread_name_prefix="fxopt-backward-ahead")
+
+
+def _compile_ahead(fn, spec: str, device: int) -> None:
+    with _ahead_lock:
+        if (fn, spec) not in _ahead:
+            _ahead[fn, spec] = future = _ahead_pool().submit(_preload_own_op, fn, spec, device, False)
+            future.add_done_callback(lambda _: _forget(fn, spec, future))
+
+
+def _forget(fn, spec: str, future) -> None:
+    """Done: the kernel is in its JITFunction's cache now, which the backward's stand-in calls find."""
+    with _ahead_lock:
+        if _ahead.get((fn, spec)) is future:
+            del _ahead[fn, spec]
+
+
+def _preload_own_op(fn, spec: str, device: int, wait_ahead: bool = True) -> None:
     """Compile one of an fxopt op's kernels for the specialisation its stand-in call asked for, and its
-    launcher; a failure is left to the op's first launch, which compiles as it would have anyway."""
+    launcher; a failure is left to the op's first launch, which compiles as it would have anyway. One
+    already compiling ahead (a predicted backward kernel) is waited for."""
+    if wait_ahead:
+        with _ahead_lock:
+            started = _ahead.pop((fn, spec), None)
+        if started is not None:
+            started.result()
+            return
     try:
         with torch.cuda.device(device):
             warm_launcher(fn.preload(spec))
@@ -110,20 +161,30 @@ _keys_warmed = threading.Event()
 
 
 def warm_compile_keys(example_inputs) -> None:
-    """Compute, on a thread while dynamo and aot_autograd trace, what every Triton compile of this
+    """Compute, on threads while dynamo and aot_autograd trace, what every Triton compile of this
     process needs first and computes once: `triton_key()` (a SHA-256 of Triton's sources and its
-    shared library: 0.39 s on this repo's CI machine) and the backend's hash (`ptxas --version`). Left to
-    the precompile pool, every pool thread computed them at once (Triton's lru_cache does not lock), each
-    kernel's "compile" spending ~0.4 s there even on a cache hit (benchmarks/results/2026-12-04-h200.md)."""
+    shared library: 0.39 s on this repo's CI machine), the backend's hash (`ptxas --version`) and the
+    driver's C utilities (a host compiler run with a cold cache: 0.26-0.36 s). Left to the precompile
+    pool, every pool thread computed the key at once (Triton's lru_cache does not lock), each kernel's
+    "compile" spending ~0.4 s there even on a cache hit; and the driver, built after the key on one
+    thread, was still building when the graph's first stand-in call needed it, so the calling thread
+    built it a second time (benchmarks/results/2026-12-04-h200.md, 2026-12-04-h200-b.md)."""
     if _keys_warmed.is_set() or not any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs):
         return
     _keys_warmed.set()
+    threading.Thread(target=_driver_ready, daemon=True, name="fxopt-compile-driver").start()
     threading.Thread(target=_compute_keys, daemon=True, name="fxopt-compile-keys").start()
 
 
+def _driver_ready() -> None:
+    try:
+        compile_pool.current_target()
+    except Exception as exc:  # no driver: the first compile says so, as it would have
+        log.debug("fxopt: Triton's driver not warmed: %s", exc)
+
+
 def _compute_keys(target: tuple | None = None) -> None:
-    """The keys; the target from Triton's driver, whose first use builds its C utilities (a host
-    compiler run with a cold cache), on this thread too."""
+    """The keys; the target from Triton's driver (warmed by its own thread, found ready by now)."""
     for module in ("triton.runtime.cache", "triton.compiler.compiler"):  # where Triton versions keep it
         key = getattr(importlib.import_module(module), "triton_key", None)
         if key is not None:
@@ -136,4 +197,3 @@ def _compute_keys(target: tuple | None = None) -> None:
         make_backend(GPUTarget(*(target or compile_pool.current_target()))).hash()
     except Exception as exc:  # the first compile computes it, as it would have
         log.debug("fxopt: backend hash not warmed: %s", exc)
-

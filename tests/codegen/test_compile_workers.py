@@ -243,7 +243,8 @@ def test_cuda_first_call_finds_the_workers_compiles(tmp_path, monkeypatch):
 def test_cuda_first_call_compiles_nothing_on_its_own_thread(tmp_path, monkeypatch):
     """Without workers, every kernel of a training step (the wrapper kernels and the attention kernels
     its first launches ask for, codegen/own_op_compiles.py) compiles on the precompile pool's threads
-    while the graph compiles, none at a launch on the calling thread, and the result equals eager."""
+    while the graph compiles, none at a launch on the calling thread; the attention backward's kernels
+    compile ahead, while the forward graph compiles, once; the result equals eager."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     monkeypatch.setenv("FXOPT_CACHE_DIR", str(tmp_path / "fxopt"))
     monkeypatch.setenv("FXOPT_COMPILE_WORKERS", "0")
@@ -253,8 +254,12 @@ def test_cuda_first_call_compiles_nothing_on_its_own_thread(tmp_path, monkeypatc
     x = torch.randn(2, 128, 256, device="cuda", dtype=torch.float16, requires_grad=True)
     compiles = _train_step_equals_eager(model, x)
     assert any("flash_forward" in name for name, _, _ in compiles) and any("dkdv" in name for name, _, _ in compiles)
-    at_launch = [name for name, _, thread in compiles if not thread.startswith("ThreadPoolExecutor")]
+    pools = ("ThreadPoolExecutor", "fxopt-backward-ahead")
+    at_launch = [name for name, _, thread in compiles if not thread.startswith(pools)]
     assert not at_launch, f"compiled at a launch, not before the first call: {at_launch} ({compiles})"
+    backward = [(name, thread) for name, _, thread in compiles if "dkdv" in name or "_dq" in name]
+    assert backward and all(thread.startswith("fxopt-backward-ahead") for _, thread in backward), compiles
+    assert len({name for name, _ in backward}) == len(backward), f"compiled twice: {compiles}"
 
 
 def test_compile_keys_are_computed_ahead_of_the_first_compile(offline):
@@ -289,7 +294,6 @@ def test_cache_hit_cost_script_runs_both_ways(capsys, monkeypatch):
 def test_stand_ins_refuse_a_node_too_large_to_borrow_memory_for(monkeypatch):
     """A node whose inputs and outputs need more than STAND_IN_LIMIT (or a quarter of free memory) gets
     no stand-ins: nothing is allocated, its kernels compile at its first launch."""
-    import torch.fx as fx
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from fxopt.codegen import own_op_compiles
@@ -297,14 +301,6 @@ def test_stand_ins_refuse_a_node_too_large_to_borrow_memory_for(monkeypatch):
     with FakeTensorMode():  # CUDA-device metadata without a GPU, as a traced graph holds it
         logits = torch.empty(16384, 32768, device="cuda", dtype=torch.bfloat16)  # 1 GiB
         small = torch.empty(64, 128, device="cuda", dtype=torch.bfloat16)
-    graph = fx.Graph()
-    nodes = {}
-    for name, val in (("logits", logits), ("small", small)):
-        nodes[name] = graph.placeholder(name)
-        nodes[name].meta["val"] = val
-        call = graph.call_function(torch.neg, (nodes[name],))
-        call.meta["val"] = val
-        nodes[name + "_call"] = call
     class Allocated(Exception):
         pass
 
@@ -313,13 +309,13 @@ def test_stand_ins_refuse_a_node_too_large_to_borrow_memory_for(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (64 << 30, 80 << 30))
     monkeypatch.setattr(torch, "empty", empty)
-    assert own_op_compiles._stand_ins(nodes["logits_call"]) is None  # 2 GiB with its output
+    assert own_op_compiles._stand_ins("logits", ((logits,), {}), logits) is None  # 2 GiB with its output
     # 32 KiB with its output: refused with 64 KiB free (a quarter is 16 KiB), allocated with 64 GiB
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (64 << 10, 80 << 30))
-    assert own_op_compiles._stand_ins(nodes["small_call"]) is None
+    assert own_op_compiles._stand_ins("small", ((small,), {}), small) is None
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (64 << 30, 80 << 30))
     with pytest.raises(Allocated):
-        own_op_compiles._stand_ins(nodes["small_call"])
+        own_op_compiles._stand_ins("small", ((small,), {}), small)
 
 
 def test_stand_in_views_keep_the_values_misalignment():
@@ -335,3 +331,4 @@ def test_stand_in_views_keep_the_values_misalignment():
         assert view.shape == like.shape and view.stride() == like.stride()
         assert (view.data_ptr() - buffer.data_ptr()) % 16 == (like.data_ptr() - base.data_ptr()) % 16
         assert view.data_ptr() + _extent_bytes(view) <= buffer.data_ptr() + buffer.numel()
+

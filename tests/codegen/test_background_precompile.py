@@ -1,0 +1,148 @@
+"""A training step's kernels compile in the background (codegen/precompile.py): the forward's while the
+backward graph is made, the attention backward's predicted from the forward graph
+(codegen/own_op_compiles.backward_compiles); each graph's first call waits for its own (compile.py).
+CPU tests of the bookkeeping; the GPU test that the kernels really compile there is in
+test_compile_workers.py (test_cuda_first_call_compiles_nothing_on_its_own_thread)."""
+import operator
+import threading
+import types
+
+import pytest
+import torch
+import torch.fx as fx
+
+from fxopt.codegen import precompile as precompile_module
+from fxopt.compile import _after
+from fxopt.errors import FxoptError
+
+
+def _attention_graph(save_lse: bool):
+    """A forward graph with one flash_attention node on CUDA fake values, as aot_autograd hands one over:
+    a training step's forward returns the log-sum-exp (saved for the backward); inference does not."""
+    import torch.fx as fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import fxopt.attention.op  # noqa: F401  (registers torch.ops.fxopt)
+
+    with FakeTensorMode():
+        q, k, v = (torch.empty(2, 4, 64, 32, device="cuda", dtype=torch.float16) for _ in range(3))
+        out, lse = torch.empty_like(q), torch.empty(2, 4, 64, device="cuda")
+    graph = fx.Graph()
+    inputs = []
+    for name, val in zip("qkv", (q, k, v)):
+        inputs.append(graph.placeholder(name))
+        inputs[-1].meta["val"] = val
+    att = graph.call_function(torch.ops.fxopt.flash_attention.default, (*inputs, None, 0.125, True))
+    att.meta["val"] = (out, lse)
+    got = [graph.call_function(operator.getitem, (att, i)) for i in (0, 1)]
+    graph.output((got[0], got[1]) if save_lse else (got[0],))
+    return fx.GraphModule(torch.nn.Module(), graph), (q, k, v, out, lse)
+
+
+def test_backward_compiles_are_predicted_from_a_training_forward(monkeypatch):
+    """own_op_compiles.backward_compiles calls the backward op a training forward's flash_attention is
+    followed by, on its inputs and outputs, the gradient laid out like the output; none for inference."""
+    from fxopt.codegen import own_op_compiles
+
+    calls = []
+    monkeypatch.setattr(own_op_compiles, "_stand_in_call",
+                        lambda name, callee, args, kwargs, out_val: calls.append((callee, kwargs, out_val)) or [])
+    gm, (q, k, v, out, lse) = _attention_graph(save_lse=True)
+    own_op_compiles.backward_compiles(gm)
+    assert len(calls) == 1
+    callee, kwargs, grads = calls[0]
+    assert callee == "flash_attention_backward"
+    assert kwargs["dout"] is out and kwargs["out"] is out and kwargs["lse"] is lse
+    assert kwargs["q"] is q and kwargs["k"] is k and kwargs["v"] is v
+    assert (kwargs["mask"], kwargs["scale"], kwargs["causal"]) == (None, 0.125, True)
+    assert [g.shape for g in grads] == [q.shape] * 3
+    calls.clear()
+    own_op_compiles.backward_compiles(_attention_graph(save_lse=False)[0])
+    assert calls == []
+
+
+def _kernel(name: str):
+    """What precompile reads of a generated kernel."""
+    return types.SimpleNamespace(name=name, source=f"# source of {name}", warmup_args=lambda: (),
+                                 grid_tuple=lambda: (1,), options=lambda: {}, constexprs={})
+
+
+def _empty_graph() -> fx.GraphModule:
+    graph = fx.Graph()
+    graph.output(graph.placeholder("x"))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def test_background_precompile_returns_at_once_and_its_future_compiles_every_kernel():
+    release, warmed = threading.Event(), []
+
+    def warmup(name):
+        def run(*args, **kwargs):
+            release.wait(10)
+            warmed.append((name, threading.current_thread().name))
+        return run
+
+    module = types.SimpleNamespace(a=types.SimpleNamespace(warmup=warmup("a")),
+                                   b=types.SimpleNamespace(warmup=warmup("b")))
+    pending = precompile_module.precompile(_empty_graph(), module, [_kernel("a"), _kernel("b")], "", None, 0,
+                                           background=True)
+    assert pending is not None and not pending.done()  # returned while the compiles wait
+    release.set()
+    pending.result(timeout=10)
+    assert sorted(name for name, _ in warmed) == ["a", "b"]
+    assert all(thread != threading.main_thread().name for _, thread in warmed)
+    release.clear()
+    assert precompile_module.precompile(_empty_graph(), module, [], "", None, 0) is None  # foreground: done
+
+
+def test_a_background_compile_error_raises_at_every_call_of_the_graph():
+    def fails(*args, **kwargs):
+        raise RuntimeError("ptxas says no")
+
+    module = types.SimpleNamespace(k=types.SimpleNamespace(warmup=fails))
+    pending = precompile_module.precompile(_empty_graph(), module, [_kernel("k")], "", None, 0, background=True)
+    calls = []
+    call = _after(pending, lambda args: calls.append(args))
+    for _ in range(2):
+        with pytest.raises(FxoptError, match="could not compile kernel k.*ptxas says no"):
+            call([1])
+    assert calls == []  # the graph never ran without its kernels
+
+
+def test_the_first_call_waits_for_the_background_compiles():
+    from concurrent.futures import Future
+
+    pending, seen = Future(), []
+    call = _after(pending, lambda args: seen.append(pending.done()) or args[0] + 1)
+    threading.Timer(0.2, pending.set_result, (None,)).start()
+    assert call([41]) == 42 and seen == [True]
+    assert call([1]) == 2
+
+
+def test_a_kernel_compiling_ahead_is_waited_for_not_compiled_again(monkeypatch):
+    """The backward graph's precompile asks for a kernel still compiling ahead: it waits for that compile
+    instead of starting a second one; once done, the entry is forgotten (the JIT cache holds the kernel)."""
+    started, release, preloads = threading.Event(), threading.Event(), []
+
+    class Fn:
+        fn = types.SimpleNamespace(__name__="_dkdv_kernel")
+
+        def preload(self, spec):
+            preloads.append(spec)
+            started.set()
+            release.wait(10)
+
+    monkeypatch.setattr(precompile_module, "warm_launcher", lambda kernel: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda index: __import__("contextlib").nullcontext())
+    fn = Fn()
+    precompile_module._compile_ahead(fn, "spec", 0)
+    precompile_module._compile_ahead(fn, "spec", 0)  # asked twice: one compile
+    assert started.wait(10)
+    waiter = threading.Thread(target=precompile_module._preload_own_op, args=(fn, "spec", 0))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive()  # waiting for the compile ahead
+    release.set()
+    waiter.join(10)
+    assert preloads == ["spec"]
+    assert (fn, "spec") not in precompile_module._ahead
