@@ -9,7 +9,8 @@ Prints the first call's wall time, the slowest functions by cumulative and by ow
 modules were first imported during the call and by whom (`--imports`: e.g. Inductor's lowerings pulled
 in by a torch helper). Under the profiler everything is slower (about 1.5x); the shares are what count.
 `--timeline` runs without the profiler and prints when each compile step started and ended, on which
-thread (cProfile sees only the main thread: it cannot show what overlaps).
+thread (cProfile sees only the main thread: it cannot show what overlaps), then Triton's own time per
+compile stage of each kernel (benchmarks/compile_stages.py: Python front end, MLIR lowerings, ptxas).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import traceback
 
 import torch
 
-from . import measure, workloads
+from . import compile_stages, measure, workloads
 
 
 # (module, function) pairs --timeline times; Triton's launcher build is named differently across versions
@@ -94,8 +95,10 @@ def main(argv=None) -> int:
     ap.add_argument("--timeline", action="store_true", help="no profiler: when each compile step ran, per thread")
     args = ap.parse_args(argv)
     events: list = []
+    stages: list = []
     if args.timeline:
         install_timeline(events)
+        compile_stages.install(stages)
     import fxopt  # noqa: F401  (imported before the clock, as a user's program would)
     w = workloads.get(args.workload)[0]
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -116,6 +119,7 @@ def main(argv=None) -> int:
     if args.timeline:
         install_timeline(events)  # modules fxopt imported late (its own) are wrapped now, for a second look
         print_timeline(events, t0)
+        print(compile_stages.table(stages))
         return 0
     out = io.StringIO()
     stats = pstats.Stats(profile, stream=out)
@@ -125,8 +129,8 @@ def main(argv=None) -> int:
     for g in (g for rep in measure.FXOPT_REPORTS for g in rep.graphs):
         passes = sum(p.seconds for p in g.passes)
         print(f"fxopt {g.name} graph: compiled in {g.compile_seconds:.2f} s: passes {passes:.2f} s, Triton "
-              f"{g.triton_compile_seconds:.2f} s ({len(g.kernels)} kernels; attention kernels compile at their "
-              f"first launch)")
+              f"{g.triton_compile_seconds:.2f} s ({len(g.kernels)} generated kernels and the own ops' kernels; "
+              f"in the background for training graphs: see --timeline)")
     for name, frames in tracer.seen:
         print(f"imported {name} <- {' | '.join(frames)}")
     return 0

@@ -332,3 +332,25 @@ def test_stand_in_views_keep_the_values_misalignment():
         assert (view.data_ptr() - buffer.data_ptr()) % 16 == (like.data_ptr() - base.data_ptr()) % 16
         assert view.data_ptr() + _extent_bytes(view) <= buffer.data_ptr() + buffer.numel()
 
+
+
+def test_compile_stages_records_triton_stage_times(offline):
+    """benchmarks/compile_stages.py (first_call_profile --timeline) reads Triton's own per-stage times of
+    a real compile (here for the offline sm_90 target): the Python front end and ptxas, each timed."""
+    from benchmarks import compile_stages
+
+    path = offline / "kernels.py"
+    path.write_text(KERNELS)
+    module = _load(path, "fxopt_test_stage_kernels")
+    records, old = [], knobs.compilation.listener
+    try:
+        assert compile_stages.install(records)
+        module.plus_one.warmup(torch.float32, 1000, grid=(8,), BLOCK=128, num_warps=4)
+    finally:
+        knobs.compilation.listener = old
+    [(name, hit, thread, stages)] = records
+    assert name == "plus_one" and not hit and thread == threading.current_thread().name
+    assert stages[compile_stages.FRONT_END] > 0 and stages["cubin"] > 0, stages
+    text = compile_stages.table(records)
+    assert "plus_one" in text and "total ms" in text and "cubin" in text
+    assert compile_stages.table([]) == ""
