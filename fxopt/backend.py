@@ -66,12 +66,7 @@ def compile_dynamo_graph(gm: fx.GraphModule, example_inputs, options: Options, r
     compiler = functools.partial(compile_aten_graph, options=options, report=report, on_done=on_done)
     if options.cudagraphs:  # forward, backward and inference replay as CUDA graphs, sharing one pool
         compiler = graphed_compiler(compiler, report, options)
-    # explain() wants the backward graph now; so does a CUDA training step, whose backward kernels then
-    # compile in the background while the forward's do (compile.py); torch.compile's default compiles
-    # the backward graph at the first backward call, after the forward's kernels. Not yet with
-    # cudagraphs=True: that combination has not been run on a GPU (benchmarks/results/2026-12-04-h200-b.md).
-    on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
-    eager_backward = options.keep_graphs or (on_cuda and not options.cudagraphs)
+    eager_backward = options.keep_graphs or backward_with_forward(options, env, example_inputs)
     try:
         with torch._functorch.config.patch(force_non_lazy_backward_lowering=eager_backward):
             compiled = _aot(gm, example_inputs, compiler)
@@ -80,6 +75,15 @@ def compile_dynamo_graph(gm: fx.GraphModule, example_inputs, options: Options, r
         raise
     compiled = with_cached_casts(compiled, cached_casts) if cached_casts else compiled
     return _guarded(compiled, ctx.input_guards) if ctx.input_guards else compiled
+
+
+def backward_with_forward(options: Options, env: Environment, example_inputs) -> bool:
+    """Whether a training step's backward graph compiles right after its forward, not at the first
+    backward call (torch.compile's default; explain() always wants it now): on CUDA, where both graphs'
+    kernels then compile in the background at once (compile.py). Not yet with cudagraphs=True: that
+    combination has not been run on a GPU (benchmarks/results/2026-12-04-h200-b.md)."""
+    on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
+    return on_cuda and env.backward_with_forward and not options.cudagraphs
 
 
 _REPORT_LISTS = ("graphs", "pre_autograd", "pre_autograd_notes", "attention", "casts")

@@ -80,6 +80,9 @@ class Environment:
     poison_freed: bool = False  # FXOPT_POISON_FREED=1: memory_plan="apply" wrappers NaN-fill dead arena regions
     static_launch: bool = True  # FXOPT_STATIC_LAUNCH=0: launch through Triton's launcher, not torch's C one
     compile_workers: int = 0  # FXOPT_COMPILE_WORKERS: processes compiling CUDA kernels (0: in this process)
+    # FXOPT_BACKWARD_WITH_FORWARD=0: a CUDA training step's backward graph compiles at its first backward
+    # call (torch's default), its kernels in the foreground, not with the forward's in the background
+    backward_with_forward: bool = True
 
     @classmethod
     def read(cls) -> "Environment":
@@ -93,6 +96,7 @@ class Environment:
             poison_freed=os.environ.get("FXOPT_POISON_FREED", "0") == "1",
             static_launch=os.environ.get("FXOPT_STATIC_LAUNCH", "1") != "0",
             compile_workers=_worker_count(os.environ.get("FXOPT_COMPILE_WORKERS", "")),
+            backward_with_forward=os.environ.get("FXOPT_BACKWARD_WITH_FORWARD", "1") != "0",
         )
 
 

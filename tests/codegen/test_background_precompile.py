@@ -146,3 +146,21 @@ def test_a_kernel_compiling_ahead_is_waited_for_not_compiled_again(monkeypatch):
     waiter.join(10)
     assert preloads == ["spec"]
     assert (fn, "spec") not in precompile_module._ahead
+
+
+def test_backward_compiles_with_the_forward_on_cuda_only_and_can_be_turned_off(monkeypatch):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fxopt.backend import backward_with_forward
+    from fxopt.options import Environment, Options
+
+    with FakeTensorMode():
+        on_gpu = [torch.empty(4, 8, device="cuda")]
+    on_cpu = [torch.empty(4, 8)]
+    monkeypatch.delenv("FXOPT_BACKWARD_WITH_FORWARD", raising=False)
+    env = Environment.read()
+    assert backward_with_forward(Options(), env, on_gpu)
+    assert not backward_with_forward(Options(), env, on_cpu)  # no background kernels to gain from
+    assert not backward_with_forward(Options(cudagraphs=True), env, on_gpu)  # not yet run on a GPU
+    monkeypatch.setenv("FXOPT_BACKWARD_WITH_FORWARD", "0")
+    assert not backward_with_forward(Options(), Environment.read(), on_gpu)
