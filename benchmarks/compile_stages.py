@@ -25,8 +25,7 @@ def install(records: list) -> bool:
         stages = {FRONT_END: times.ir_initialization / 1000}
         stages.update((name, us / 1000) for name, us in times.lowering_stages)
         stages["store"] = times.store_results / 1000
-        name = getattr(getattr(src, "fn", None), "__name__", None) or getattr(src, "name", "?")
-        records.append((name, cache_hit, threading.current_thread().name, stages))
+        records.append((getattr(src, "name", "?"), cache_hit, threading.current_thread().name, stages))
         if previous is not None:
             previous(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
 

@@ -20,7 +20,7 @@ from .aot import aot_compile
 from .compile import compile_aten_graph
 from .cudagraphs import graphed_compiler
 from .decompositions import decomposition_table
-from .options import Environment, Options
+from .options import Environment, Options, backward_with_forward
 from .pass_manager import PassContext, PassManager
 from .passes.cse import eliminate_common_subexpressions
 from .passes.precision import lift_parameter_casts, with_cached_casts
@@ -75,15 +75,6 @@ def compile_dynamo_graph(gm: fx.GraphModule, example_inputs, options: Options, r
         raise
     compiled = with_cached_casts(compiled, cached_casts) if cached_casts else compiled
     return _guarded(compiled, ctx.input_guards) if ctx.input_guards else compiled
-
-
-def backward_with_forward(options: Options, env: Environment, example_inputs) -> bool:
-    """Whether a training step's backward graph compiles right after its forward, not at the first
-    backward call (torch.compile's default; explain() always wants it now): on CUDA, where both graphs'
-    kernels then compile in the background at once (compile.py). Not yet with cudagraphs=True: that
-    combination has not been run on a GPU (benchmarks/results/2026-12-04-h200-b.md)."""
-    on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
-    return on_cuda and env.backward_with_forward and not options.cudagraphs
 
 
 _REPORT_LISTS = ("graphs", "pre_autograd", "pre_autograd_notes", "attention", "casts")

@@ -30,7 +30,7 @@ from .errors import node_error
 from .graph_svg import graph_svg
 from .memory.plan_report import memory_plan
 from .memory.size_plans import size_plans
-from .options import Environment, Options
+from .options import Environment, Options, backward_with_forward
 from .pass_manager import PassContext, PassManager, PassRecord, count_nodes
 from .passes.combine_casts import CASTS_PREFIX
 from .passes.fuse import FUSED_PREFIX
@@ -156,8 +156,8 @@ def compile_aten_graph(gm: fx.GraphModule, example_inputs, *, options: Options, 
     # a training step's graphs compile their kernels in the background, the forward's while the
     # backward graph is made and compiled (backend.py compiles it with the forward), each waited for
     # at its graph's first call; explain() (keep_graphs) times them in the foreground
-    background = (graph_name in ("forward", "backward") and env.backward_with_forward
-                  and not (options.keep_graphs or options.cudagraphs))
+    background = (graph_name in ("forward", "backward") and not options.keep_graphs
+                  and backward_with_forward(options, env, example_inputs))
     call = _load(gm, kernels, record, env, mode, plans, background)
     if options.profile:
         from .profile import attach_timer  # here, not at the top: profile.py compiles through backend.py

@@ -116,3 +116,12 @@ def _default_cache_dir() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     user = os.environ.get("USER") or str(os.getuid())
     return os.path.join(base, f"fxopt-{user}")
+
+
+def backward_with_forward(options: Options, env: Environment, example_inputs) -> bool:
+    """Whether a training step's backward graph compiles right after its forward, not at the first
+    backward call (torch.compile's default; explain() always wants it now): on CUDA, where both graphs'
+    kernels then compile in the background at once (compile.py). Not yet with cudagraphs=True: that
+    combination has not been run on a GPU (benchmarks/results/2026-12-04-h200-b.md)."""
+    on_cuda = any(getattr(t, "is_cuda", False) is True for t in example_inputs)  # tensors, fake ones too
+    return on_cuda and env.backward_with_forward and not options.cudagraphs

@@ -56,16 +56,17 @@ def backward_compiles(gm: fx.GraphModule) -> list[tuple[object, str]]:
     graph: each own op whose statistics (output 1) the forward saves for the backward is followed there
     by its backward op on the same inputs and outputs, and a gradient laid out like the output (a guess:
     a gradient laid out otherwise asks for another kernel, which then compiles with the backward graph).
-    aot_autograd compiles the backward graph only when the first backward runs; its kernels (attention's
-    are the longest compiles fxopt has) can compile meanwhile."""
+    Attention's are the longest compiles fxopt has: they start with the forward graph's, before the
+    backward graph exists (compiled next, or at the first backward call)."""
     found = []
     for n in gm.graph.nodes:
-        if n.op != "call_function" or own_op_callee(n) not in _BACKWARDS or not _saves_statistics(n):
+        forward = own_op_callee(n) if n.op == "call_function" else None
+        if forward not in _BACKWARDS or not _saves_statistics(n) or not _inputs_stand(n):
             continue
-        if not _inputs_stand(n) or not isinstance(n.meta.get("val"), (tuple, list)):
+        if not isinstance(n.meta.get("val"), (tuple, list)):
             continue
-        callee, out_names, grads = _BACKWARDS[own_op_callee(n)]
-        fwd = inspect.signature(getattr(direct_calls, own_op_callee(n))).bind(
+        callee, out_names, grads = _BACKWARDS[forward]
+        fwd = inspect.signature(getattr(direct_calls, forward)).bind(
             *_node_values(n.args), **_node_values(n.kwargs)).arguments
         values = {**fwd, **dict(zip(out_names, n.meta["val"]))}
         values.update({grad: values[of] for grad, of in grads.items()})

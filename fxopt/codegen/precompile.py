@@ -89,7 +89,7 @@ def _ahead_pool() -> ThreadPoolExecutor:
 def _compile_ahead(fn, spec: str, device: int) -> None:
     with _ahead_lock:
         if (fn, spec) not in _ahead:
-            _ahead[fn, spec] = future = _ahead_pool().submit(_preload_own_op, fn, spec, device, False)
+            _ahead[fn, spec] = future = _ahead_pool().submit(_preload, fn, spec, device)
             future.add_done_callback(lambda _: _forget(fn, spec, future))
 
 
@@ -100,16 +100,19 @@ def _forget(fn, spec: str, future) -> None:
             del _ahead[fn, spec]
 
 
-def _preload_own_op(fn, spec: str, device: int, wait_ahead: bool = True) -> None:
+def _preload_own_op(fn, spec: str, device: int) -> None:
+    """_preload, or wait for the same compile already started ahead (a predicted backward kernel)."""
+    with _ahead_lock:
+        started = _ahead.pop((fn, spec), None)
+    if started is not None:
+        started.result()
+    else:
+        _preload(fn, spec, device)
+
+
+def _preload(fn, spec: str, device: int) -> None:
     """Compile one of an fxopt op's kernels for the specialisation its stand-in call asked for, and its
-    launcher; a failure is left to the op's first launch, which compiles as it would have anyway. One
-    already compiling ahead (a predicted backward kernel) is waited for."""
-    if wait_ahead:
-        with _ahead_lock:
-            started = _ahead.pop((fn, spec), None)
-        if started is not None:
-            started.result()
-            return
+    launcher; a failure is left to the op's first launch, which compiles as it would have anyway."""
     try:
         with torch.cuda.device(device):
             warm_launcher(fn.preload(spec))
