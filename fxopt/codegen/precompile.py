@@ -3,6 +3,7 @@ otherwise compile them one after another as it reaches each launch (a GPT-2 bloc
 alone is 0.5 s on the H200 host's critical path, benchmarks/results/2026-12-04-h200.md)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import logging
@@ -35,8 +36,9 @@ def precompile(gm, module, todo: list[Kernel], source: str, cache, workers: int,
         if k.name in waits:
             waits[k.name]()
         try:
-            getattr(module, k.name).warmup(*k.warmup_args(), grid=k.grid_tuple(), **k.options(),
-                                           **k.constexprs)
+            with _on(device):  # a pool thread starts on device 0: Triton compiles for the current device
+                getattr(module, k.name).warmup(*k.warmup_args(), grid=k.grid_tuple(), **k.options(),
+                                               **k.constexprs)
         except Exception as exc:
             raise FxoptError(f"fxopt: Triton could not compile kernel {k.name}: {exc}\n{k.source}") from exc
 
@@ -45,7 +47,7 @@ def precompile(gm, module, todo: list[Kernel], source: str, cache, workers: int,
         waits, finish = _compile_in_workers(gm, module, todo, source, cache, workers)
     else:
         own_ops, ahead = own_op_compiles(gm), backward_compiles(gm)
-    device = _graph_device(gm) if own_ops or ahead else 0
+    device = _graph_device(gm)
     for fn, spec in ahead:
         _compile_ahead(fn, spec, device)
     # the own ops' kernels first: the longest compiles (attention's: 0.5-0.7 s each and a C launcher
@@ -114,10 +116,16 @@ def _preload(fn, spec: str, device: int) -> None:
     """Compile one of an fxopt op's kernels for the specialisation its stand-in call asked for, and its
     launcher; a failure is left to the op's first launch, which compiles as it would have anyway."""
     try:
-        with torch.cuda.device(device):
+        with _on(device):
             warm_launcher(fn.preload(spec))
     except Exception as exc:
         log.debug("fxopt: precompiling %s failed (it compiles at its first launch): %s", fn.fn.__name__, exc)
+
+
+def _on(device: int):
+    """The graph's GPU current on this thread (pool threads start on device 0: on rank 1 of a
+    two-GPU job the kernels were compiled for the wrong GPU, then again at the first call)."""
+    return torch.cuda.device(device) if torch.cuda.is_available() else contextlib.nullcontext()
 
 
 def _graph_device(gm) -> int:

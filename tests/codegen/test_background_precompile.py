@@ -164,3 +164,39 @@ def test_backward_compiles_with_the_forward_on_cuda_only_and_can_be_turned_off(m
     assert not backward_with_forward(Options(cudagraphs=True), env, on_gpu)  # not yet run on a GPU
     monkeypatch.setenv("FXOPT_BACKWARD_WITH_FORWARD", "0")
     assert not backward_with_forward(Options(), Environment.read(), on_gpu)
+
+
+def test_pool_threads_compile_for_the_graphs_gpu_not_device_0(monkeypatch):
+    """A pool thread starts on device 0; a graph on cuda:1 (rank 1 of a two-GPU job) must have its
+    kernels compiled with cuda:1 current, or Triton caches them for device 0 and the first call
+    compiles them again."""
+    import contextlib
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    current = threading.local()
+
+    @contextlib.contextmanager
+    def device(index):
+        before = getattr(current, "index", 0)
+        current.index = index
+        try:
+            yield
+        finally:
+            current.index = before
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device", device)
+    monkeypatch.setattr(precompile_module, "own_op_compiles", lambda gm: [])
+    monkeypatch.setattr(precompile_module, "backward_compiles", lambda gm: [])
+    seen = []
+    record = types.SimpleNamespace(warmup=lambda *a, **k: seen.append(getattr(current, "index", 0)))
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    with FakeTensorMode():
+        x.meta["val"] = torch.empty(4, device="cuda:1")
+    graph.output(x)
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    module = types.SimpleNamespace(a=record, b=record)
+    precompile_module.precompile(gm, module, [_kernel("a"), _kernel("b")], "", None, 0, background=True).result(10)
+    assert seen == [1, 1]
