@@ -11,7 +11,7 @@ MEMORY_PLANS = (False, True, "apply")
 # precision=None switch off the others)
 SKIPPABLE_PASSES = ("cpu_scalars_to_device", "sums_through_views", "fold_matmul_casts", "recompute_for_reductions",
                     "combine_casts",
-                    "sink_collective_waits")
+                    "bucket_all_reduces", "sink_collective_waits")
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,9 @@ class Options:
     # None: 1e-3, or the low dtype's rounding when precision is bf16 (3e-2) / fp16 (5e-3)
     keep_graphs: bool = False  # keep a copy of the graph after every pass (explain sets this)
     profile: bool = False  # wrappers time each kernel and ATen call in a named region (fxopt.profile sets this)
+    # consecutive all-reduces of one group (DDP's python reducer: one per gradient) are issued as one
+    # coalesced all-reduce per bucket of about this many MiB (passes/bucket_all_reduces.py); 0: one each
+    all_reduce_bucket_mb: float = 25.0
     skip_passes: tuple = ()  # optional graph passes to leave out, by name (SKIPPABLE_PASSES): see or rule out one
 
     def __post_init__(self):
@@ -43,6 +46,9 @@ class Options:
         if isinstance(self.skip_passes, str) or not set(self.skip_passes) <= set(SKIPPABLE_PASSES):
             raise ValueError(f"fxopt: skip_passes={self.skip_passes!r} must be a tuple of names from "
                              f"{SKIPPABLE_PASSES}")
+        if not isinstance(self.all_reduce_bucket_mb, (int, float)) or self.all_reduce_bucket_mb < 0:
+            raise ValueError(f"fxopt: all_reduce_bucket_mb={self.all_reduce_bucket_mb!r} must be a number of MiB "
+                             "(0 issues every all-reduce on its own)")
         if self.precision_policy is not None:
             from .analysis.precision_policy import check_overrides  # lazily: it loads the attention op
             check_overrides(self.precision_policy, self.precision)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from .options import Options
 from .passes.attention import FuseAttention
+from .passes.bucket_all_reduces import BucketAllReduces
 from .passes.cleanup import Cleanup
 from .passes.combine_casts import CombineInputCasts
 from .passes.collective_waits import SinkCollectiveWaits
@@ -42,5 +43,8 @@ def post_grad_passes(options: Options) -> list:
         CombineInputCasts(),  # groups that only cast a graph input (training's parameter casts) -> one launch
         Cleanup(name="cleanup_after_fuse"),  # views that fed a group and are now unused disappear
         SinkCollectiveWaits(),  # a collective's wait moves to its result's first use: the compute between overlaps
+        # one all-reduce per gradient (DDP's python reducer) -> one coalesced call per bucket (after the
+        # waits moved: a bucket is issued where its last member was, before any wait on its members)
+        BucketAllReduces(),
     ]
     return [p for p in passes if p.name not in options.skip_passes]  # Options.skip_passes: see one pass's effect

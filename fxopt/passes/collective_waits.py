@@ -26,7 +26,7 @@ from ..analysis.op_classes import classify, is_collective, is_wait
 from ..pass_manager import PassContext, PassResult
 
 
-def _writes_in_place(node: fx.Node) -> bool:
+def writes_in_place(node: fx.Node) -> bool:
     schema = getattr(node.target, "_schema", None)
     return node.op == "call_function" and schema is not None and schema.is_mutable
 
@@ -35,7 +35,7 @@ def _pure(node: fx.Node) -> bool:
     """A computation that may run later without changing anything: a fused kernel or an ATen op that
     neither communicates, writes in place, nor draws random numbers (their order is the generator's)."""
     return (node.op in ("call_function", "call_module") and not is_collective(node)
-            and not _writes_in_place(node) and classify(node) != "random")
+            and not writes_in_place(node) and classify(node) != "random")
 
 
 def output_tails(gm: fx.GraphModule) -> list[fx.Node]:
@@ -55,7 +55,7 @@ def output_tails(gm: fx.GraphModule) -> list[fx.Node]:
 
 def _sink(wait: fx.Node) -> bool:
     stop = wait.next
-    while not (stop.op == "output" or wait in stop.all_input_nodes or _writes_in_place(stop)):
+    while not (stop.op == "output" or wait in stop.all_input_nodes or writes_in_place(stop)):
         stop = stop.next
     if stop is wait.next:
         return False
@@ -72,7 +72,7 @@ class SinkCollectiveWaits:
             return PassResult(gm, False, {})
         output = next(n for n in gm.graph.nodes if n.op == "output")
         # a tail moved to the end would pass every in-place write after it: then only step 2
-        in_place = any(_writes_in_place(n) for n in gm.graph.nodes)
+        in_place = any(writes_in_place(n) for n in gm.graph.nodes)
         tails = [] if in_place else output_tails(gm)
         for n in tails:
             output.prepend(n)

@@ -83,7 +83,8 @@ def _ddp_steps(rank, device):
 def _ddp_python_reducer_steps(rank, device):
     """DDP's python reducer under compiled autograd: the gradient all-reduces are in the compiled backward
     graph itself (all_reduce, wait, copy into the gradient, per parameter), where fxopt moves the waits
-    and the copies after the rest of the backward so that the communication overlaps it."""
+    and the copies after the rest of the backward so that the communication overlaps it, and issues
+    the all-reduces as coalesced buckets."""
     from helpers import CountingBackend
     from torch._dynamo import compiled_autograd
 
@@ -95,9 +96,11 @@ def _ddp_python_reducer_steps(rank, device):
     enable = getattr(compiled_autograd, "_enable", None) or compiled_autograd.enable
     with enable(torch.compile(backend=backend)):
         losses = _steps_side_by_side(torch.compile(ddp, backend=backend), ddp, ref, 512, rank, device)
-    deferred = sum(p.stats.get("tail_nodes_deferred", 0) for g in backend.report.graphs for p in g.passes
-                   if p.name == "sink_collective_waits")
-    return {"losses": losses, "param_diff": _param_diff(ddp.parameters(), ref.parameters()), "deferred": deferred}
+    stats = [p.stats for g in backend.report.graphs for p in g.passes]
+    deferred = sum(s.get("tail_nodes_deferred", 0) for s in stats)
+    bucketed = sum(s.get("all_reduces_bucketed", 0) for s in stats)
+    return {"losses": losses, "param_diff": _param_diff(ddp.parameters(), ref.parameters()), "deferred": deferred,
+            "bucketed": bucketed}
 
 
 def _ddp_attention_steps(rank, device):
@@ -280,5 +283,6 @@ def test_ddp_split_graphs_keep_the_causal_fact_of_a_mask_buffer(device):
 def test_ddp_python_reducer_all_reduces_in_the_backward_graph_overlap_it(device):
     for rank, r in run_on_two_ranks(_ddp_python_reducer_steps, device).items():
         assert r["deferred"] > 0, r  # waits and gradient copies moved behind the backward's compute
+        assert r["bucketed"] >= 18, r  # one all-reduce per gradient (18 parameters) -> coalesced buckets
         _assert_losses_follow_eager(rank, r)
         assert r["param_diff"] < 1e-5, (rank, r)
