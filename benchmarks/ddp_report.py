@@ -56,9 +56,10 @@ def print_table(results, world):
             print(f"| {b} | {a['ms'] if a else float('nan'):.2f} | {c['ms']:.2f} | {c['tokens_per_s']:.0f} "
                   f"| {scaling} | {hidden} | {peak} |")
     _print_scaling(results.get(f"scaling/{world}", {}), world)
-    if results.get(f"overlap/{world}", {}).get(0):
-        print(f"\nNCCL kernels vs compute kernels on rank 0 (3 fxopt DDP steps; an NCCL kernel's time includes "
-              f"waiting for the other rank): {results[f'overlap/{world}'][0]}")
+    for rank, found in results.get(f"overlap/{world}", {}).items():
+        if found:  # the profiled rank's
+            print(f"\nNCCL kernels vs compute kernels on rank {rank} (3 fxopt DDP steps; an NCCL kernel's time "
+                  f"includes waiting for the other rank): {found}")
 
 
 

@@ -19,7 +19,7 @@ all-reduce matters. The parts, each in processes of their own (one per rank):
               rounds in the same processes (median and range of the per-round ratio): the host's speed
               drifts too much between separate runs for their ratio to mean much. With --world 1, DDP
               on a single rank: what DDP (and dynamo's graph splitting) costs without communication.
-  overlap     a torch.profiler trace of fxopt DDP steps on rank 0: the share of NCCL kernel time that
+  overlap     a torch.profiler trace of fxopt DDP steps on one rank (--profile-rank): the share of NCCL kernel time that
               runs while a compute kernel runs on another stream (0% = fully exposed communication).
 
 Dynamo's DDP optimizer splits each model's graph at DDP's bucket boundaries (torch._dynamo.config.
@@ -265,15 +265,15 @@ def job_scaling(rank, world, cfg, device, args) -> dict:
 
 
 def job_overlap(rank, world, cfg, device, args) -> dict:
-    """Profile 3 fxopt DDP steps; on rank 0: how much NCCL kernel time overlaps compute kernels, and
-    the busiest GPU kernels and host operations."""
+    """Profile 3 fxopt DDP steps; on --profile-rank (0): how much NCCL kernel time overlaps compute
+    kernels, and the busiest GPU kernels and host operations."""
     from torch.profiler import ProfilerActivity, profile
     model = _wrap(_model(cfg, device), world, device, args)
     step = _compiled("fxopt", model, args.precision, device, graphs=args.cudagraphs)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     prof = profile(activities=activities)
     ms = 1e3 * _time_steps(step, model.parameters(), cfg, device, rank, 3, profiler=prof)
-    if rank != 0 or device != "cuda":
+    if rank != args.profile_rank or device != "cuda":
         return {}
     if args.trace:
         prof.export_chrome_trace(args.trace)
@@ -362,7 +362,8 @@ def main(argv=None) -> int:
     p.add_argument("--comm-hook", default="none", choices=("none", "bf16"))
     p.add_argument("--cudagraphs", action="store_true",
                    help="compiled steps replayed as CUDA graphs (fxopt cudagraphs=True, Inductor reduce-overhead)")
-    p.add_argument("--trace", default="", help="write rank 0's chrome trace of the overlap part here")
+    p.add_argument("--trace", default="", help="write the profiled rank's chrome trace of the overlap part here")
+    p.add_argument("--profile-rank", type=int, default=0, help="the rank the overlap part profiles")
     p.add_argument("--share-gpu", action="store_true",
                    help="every rank on GPU 0 through gloo (checks results where only one GPU is lent)")
     p.add_argument("--quick", action="store_true", help="tiny shapes (a CPU smoke test)")
