@@ -121,3 +121,27 @@ def test_bucketed_results_reach_their_own_outputs(one_rank):
 def test_the_bucket_size_option_is_checked():
     with pytest.raises(ValueError, match="all_reduce_bucket_mb"):
         Options(all_reduce_bucket_mb=-1)
+
+
+def _copied_out(g):
+    """The python reducer's last step: the all-reduced gradient copied into a fresh tensor."""
+    reduced = funcol.all_reduce(g * 2, "sum", dist.group.WORLD)
+    return torch.ops.aten.copy.default(torch.empty_like(g), reduced)
+
+
+def _copied_and_returned(g):
+    reduced = funcol.all_reduce(g * 2, "sum", dist.group.WORLD)
+    return torch.ops.aten.copy.default(torch.empty_like(g), reduced), reduced
+
+
+def test_the_copy_out_of_an_all_reduced_result_only_it_reads_is_dropped(one_rank):
+    g = torch.randn(8, 4)
+    src = fxopt.explain(_copied_out, g).graphs[0].wrapper_source
+    body = src[src.index("def call"):]
+    assert "clone" not in body and "aten.copy" not in body  # the collective's buffer is returned
+    torch.testing.assert_close(torch.compile(_copied_out, backend="fxopt", dynamic=False)(g), g * 2)
+    # read by another output too: the copy stays, or the two outputs would share a buffer
+    copied, reduced = torch.compile(_copied_and_returned, backend="fxopt", dynamic=False)(g)
+    torch.testing.assert_close(copied, g * 2)
+    torch.testing.assert_close(reduced, g * 2)
+    assert copied.data_ptr() != reduced.data_ptr()
