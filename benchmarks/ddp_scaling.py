@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import functools
 import json
 import os
