@@ -9,7 +9,8 @@ in one call (benchmarks/results/2026-12-04-h200-c.md). DDP's C++ reducer buckets
 same reason; so does Inductor on these graphs (its `_fuse_ddp_communication`).
 
 The rewrite: all-reduces that follow each other in the graph's order of collectives, with the same
-reduce op, group, dtype and device, gather into buckets of about `Options.all_reduce_bucket_mb`;
+reduce op, group, dtype and device, on a backend known to take a list (NCCL on CUDA, gloo on the
+CPU), gather into buckets of about `Options.all_reduce_bucket_mb`;
 each bucket becomes `all_reduce_coalesced([inputs], op, group)` issued where its last member was,
 and each member's result is an item of it (its waits unchanged: waiting on one item waits for the
 bucket). No copy: the coalesced call takes the gradients as they are, and each result is a tensor of
@@ -42,9 +43,25 @@ def _key(node: fx.Node):
     val = inp.meta.get("val") if isinstance(inp, fx.Node) else None
     if not isinstance(val, torch.Tensor) or val.layout != torch.strided or not isinstance(val.numel(), int):
         return None
-    if not node.users or not all(is_wait(u) for u in node.users):
+    if not node.users or not all(is_wait(u) for u in node.users) or not _coalesces(group, val.device):
         return None
     return (op, group, val.dtype, val.device)
+
+
+# process-group backends known to all-reduce a list of tensors on a device type: gloo refuses CUDA
+# tensors ("ProcessGroupGloo::allreduce_coalesced: unsupported device type cuda", on the H200)
+_COALESCING = {"cuda": ("ProcessGroupNCCL", "FakeProcessGroup"), "cpu": ("ProcessGroupGloo", "FakeProcessGroup")}
+
+
+def _coalesces(group, device: torch.device) -> bool:
+    """Whether the group's backend for `device` takes all_reduce_coalesced; False where the group cannot
+    be found in this process (a graph compiled away from its job keeps its all-reduces as they are)."""
+    try:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+        backend = _resolve_process_group(group)._get_backend(device)
+    except Exception:  # no such group here, or a torch without these: leave the all-reduces alone
+        return False
+    return type(backend).__name__ in _COALESCING.get(device.type, ())
 
 
 def _nbytes(node: fx.Node) -> int:

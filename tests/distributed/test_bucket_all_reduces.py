@@ -145,3 +145,13 @@ def test_the_copy_out_of_an_all_reduced_result_only_it_reads_is_dropped(one_rank
     torch.testing.assert_close(copied, g * 2)
     torch.testing.assert_close(reduced, g * 2)
     assert copied.data_ptr() != reduced.data_ptr()
+
+
+def test_gloo_all_reduces_of_cuda_tensors_are_left_alone(one_rank):
+    """Gloo cannot all-reduce a list of CUDA tensors at once: such graphs keep one all-reduce each."""
+    from fxopt.passes import bucket_all_reduces
+
+    group = dist.group.WORLD.group_name
+    assert bucket_all_reduces._coalesces(group, torch.device("cpu"))
+    assert not bucket_all_reduces._coalesces(group, torch.device("cuda"))
+    assert not bucket_all_reduces._coalesces("no such group", torch.device("cpu"))
