@@ -65,7 +65,8 @@ def print_table(results, world):
 
 def _print_scaling(ranks: dict, world: int):
     """Rank 0's rounds: median ms per step alone and under DDP, and the median of the per-round scaling
-    (each round's two timings are minutes closer than separate runs), with its range."""
+    (each round's two timings are minutes closer than separate runs), with its range; then the other
+    ranks' medians."""
     if not ranks.get(0):
         return
     print(f"\n| backend | 1 GPU ms/step | {world} GPUs ms/step | scaling | scaling range | rounds |\n"
@@ -74,4 +75,11 @@ def _print_scaling(ranks: dict, world: int):
         ratios = [world * a / c for a, c in zip(r["single_ms"], r["ddp_ms"])]
         print(f"| {b} | {statistics.median(r['single_ms']):.2f} | {statistics.median(r['ddp_ms']):.2f} "
               f"| {statistics.median(ratios):.2f}x | {min(ratios):.2f}-{max(ratios):.2f}x | {len(ratios)} |")
+    # every rank's medians: a rank slower than the others (rank 1 under the python reducer on the H200
+    # host, 2026-12-04-h200-c.md) makes the rest wait in their all-reduces
+    others = {rank: found for rank, found in ranks.items() if rank != 0 and found}
+    for rank, found in sorted(others.items()):
+        print(f"rank {rank}: " + ", ".join(
+            f"{b} {statistics.median(r['single_ms']):.2f} / {statistics.median(r['ddp_ms']):.2f} ms"
+            for b, r in found.items()))
 

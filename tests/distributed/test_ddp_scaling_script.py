@@ -39,11 +39,14 @@ def test_losses_part_on_two_cpu_ranks(capsys):
 
 
 def test_scaling_table_takes_the_median_of_per_round_ratios(capsys):
-    ranks = {0: {"fxopt": {"single_ms": [10.0, 12.0, 11.0], "ddp_ms": [10.0, 15.0, 11.0]}}}
+    ranks = {0: {"fxopt": {"single_ms": [10.0, 12.0, 11.0], "ddp_ms": [10.0, 15.0, 11.0]}},
+             1: {"fxopt": {"single_ms": [20.0, 30.0, 25.0], "ddp_ms": [40.0, 45.0, 41.0]}}}
     ddp_report.print_table({"scaling/2": ranks}, 2)
-    row = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| fxopt"))
+    out = capsys.readouterr().out.splitlines()
+    row = next(ln for ln in out if ln.startswith("| fxopt"))
     # per-round ratios 2.0, 1.6, 2.0: median 2.0, range 1.6-2.0; medians of the times 11.0 and 11.0
     assert row == "| fxopt | 11.00 | 11.00 | 2.00x | 1.60-2.00x | 3 |"
+    assert "rank 1: fxopt 25.00 / 41.00 ms" in out  # a slower rank shows
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
