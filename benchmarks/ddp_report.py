@@ -77,8 +77,9 @@ def _print_scaling(ranks: dict, world: int):
               f"| {statistics.median(ratios):.2f}x | {min(ratios):.2f}-{max(ratios):.2f}x | {len(ratios)} |")
     # every rank's medians: a rank slower than the others (rank 1 under the python reducer on the H200
     # host, 2026-12-04-h200-c.md) makes the rest wait in their all-reduces
-    others = {rank: found for rank, found in ranks.items() if rank != 0 and found}
-    for rank, found in sorted(others.items()):
+    for rank, found in sorted(ranks.items()):
+        if rank == 0 or not found:
+            continue
         print(f"rank {rank}: " + ", ".join(
             f"{b} {statistics.median(r['single_ms']):.2f} / {statistics.median(r['ddp_ms']):.2f} ms"
             for b, r in found.items()))

@@ -109,9 +109,9 @@ class Cleanup:
     name: str = "cleanup"
 
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-        stats = {"noops_removed": 0, "view_chains_folded": 0, "copies_as_clones": 0, "cse_merged": 0,
-                 "dead_removed": 0}
-        stats["copies_as_clones"] = sum(_copy_as_clone(n) for n in list(gm.graph.nodes))
+        stats = {"noops_removed": 0, "view_chains_folded": 0,
+                 "copies_as_clones": sum(_copy_as_clone(n) for n in list(gm.graph.nodes)),
+                 "cse_merged": 0, "dead_removed": 0}
         for node in list(gm.graph.nodes):
             if _is_noop(node):
                 node.replace_all_uses_with(node.args[0])
