@@ -1,6 +1,6 @@
 """Memory held by CUDA graphs: fxopt's graphs sharing one pool vs a private pool each, with the tensors
 saved for the backward lent (default) or copied out, the outputs a caller sees lent (default) or
-copied out, vs Inductor.
+copied out, warm-ups allocating from the pool (default) or from the caller's stream cache, vs Inductor.
 
     PYTHONPATH=. python -m benchmarks.cudagraph_memory [--workloads gpt_block_train_cg,gpt_block_b1_cg] [--configs ...]
 
@@ -19,7 +19,8 @@ import sys
 
 import torch
 
-CONFIGS = ("fxopt shared pool", "fxopt outputs copied", "fxopt saved copied", "fxopt private pools", "inductor")
+CONFIGS = ("fxopt shared pool", "fxopt warm-up outside pool", "fxopt outputs copied", "fxopt saved copied",
+           "fxopt private pools", "inductor")
 
 
 def child(workload: str, config: str) -> dict:
@@ -31,6 +32,7 @@ def child(workload: str, config: str) -> dict:
     fn, inputs = w.make("cuda", torch.bfloat16, False)
     cudagraphs.SHARE_POOL = config != "fxopt private pools"
     cudagraphs.LEND_SAVED = config != "fxopt saved copied"
+    cudagraphs.WARMUP_IN_POOL = config != "fxopt warm-up outside pool"
     cudagraphs.LEND_OUTPUTS = config not in ("fxopt saved copied", "fxopt outputs copied")
     torch.cuda.synchronize()
     before = torch.cuda.memory_reserved()

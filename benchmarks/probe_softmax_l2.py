@@ -41,6 +41,46 @@ def _stats(X, lo, hi, RBLOCK: tl.constexpr, EVICT: tl.constexpr, STAGES: tl.cons
 
 
 @triton.jit
+def _stats_prefetch(X, lo, hi, RBLOCK: tl.constexpr):
+    """Pass 1 as _stats (hints on), the next block's load issued before this block is reduced: two
+    blocks in flight per program instead of one."""
+    m = tl.full([], float("-inf"), tl.float32)
+    s = tl.zeros([RBLOCK], tl.float32)
+    v = tl.load(X + lo + tl.arange(0, RBLOCK), eviction_policy="evict_last")
+    for off in range(lo + RBLOCK, hi, RBLOCK):
+        nxt = tl.load(X + off + tl.arange(0, RBLOCK), eviction_policy="evict_last")
+        w = v.to(tl.float32) * LOG2E
+        m_new = tl.maximum(m, tl.max(w, 0))
+        s = s * tl.exp2(m - m_new) + tl.exp2(w - m_new)
+        m = m_new
+        v = nxt
+    w = v.to(tl.float32) * LOG2E
+    m_new = tl.maximum(m, tl.max(w, 0))
+    s = s * tl.exp2(m - m_new) + tl.exp2(w - m_new)
+    return m_new, s
+
+
+@triton.jit
+def _softmax_rows_prefetch(X, Y, M, N, RBLOCK: tl.constexpr):
+    """Pass 1 and pass 2 (backwards, hints on) each with the next block's load issued first."""
+    nblk = N // RBLOCK
+    for r in range(tl.program_id(0), M, tl.num_programs(0)):
+        base = r * N
+        m, s = _stats_prefetch(X + base, 0, N, RBLOCK)
+        inv = 1.0 / tl.sum(s, 0)
+        cols = (nblk - 1) * RBLOCK + tl.arange(0, RBLOCK)
+        v = tl.load(X + base + cols, eviction_policy="evict_first")
+        for j in range(1, nblk):
+            ncols = (nblk - 1 - j) * RBLOCK + tl.arange(0, RBLOCK)
+            nxt = tl.load(X + base + ncols, eviction_policy="evict_first")
+            tl.store(Y + base + cols, (tl.exp2(v.to(tl.float32) * LOG2E - m) * inv).to(Y.dtype.element_ty),
+                     cache_modifier=".cs")
+            v, cols = nxt, ncols
+        tl.store(Y + base + cols, (tl.exp2(v.to(tl.float32) * LOG2E - m) * inv).to(Y.dtype.element_ty),
+                 cache_modifier=".cs")
+
+
+@triton.jit
 def _softmax_rows(X, Y, M, N, RBLOCK: tl.constexpr, REVERSE: tl.constexpr, EVICT: tl.constexpr,
                   TAIL: tl.constexpr, STAGES: tl.constexpr):
     """Persistent programs striding over rows; N a multiple of RBLOCK, TAIL (0 or a multiple of
@@ -78,6 +118,8 @@ def launch(x, y, programs, rblock, warps, reverse, evict, tail, stages=1):
     m, n = x.shape
     assert n % rblock == 0 and tail % rblock == 0 and tail < n
     g = min(m, programs)
+    if stages == "prefetch":
+        return lambda: _softmax_rows_prefetch[(g,)](x, y, m, n, RBLOCK=rblock, num_warps=warps)
     return lambda: _softmax_rows[(g,)](x, y, m, n, RBLOCK=rblock, REVERSE=reverse, EVICT=evict, TAIL=tail,
                                        STAGES=stages, num_warps=warps)
 
@@ -115,6 +157,8 @@ def main(argv=None) -> int:
     for k, rb, nw, st in ((1, 16384, 32, 2), (1, 16384, 32, 3), (1, 8192, 16, 3), (1, 8192, 32, 4), (2, 8192, 16, 2)):
         configs.append((k, rb, nw, True, True, 0, st))
     configs.append((1, 16384, 32, True, True, 32768, 1))
+    for k, rb, nw in ((1, 16384, 32), (1, 8192, 32), (1, 8192, 16), (2, 8192, 16), (2, 4096, 16), (1, 32768, 32)):
+        configs.append((k, rb, nw, True, True, 0, "prefetch"))
     failed = 0
     for k, rb, nw, rev, ev, tail, st in configs:
         label = f"G={k}xSM R{rb} w{nw} rev={int(rev)} evict={int(ev)} tail={tail} stages={st}"

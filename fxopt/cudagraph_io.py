@@ -27,6 +27,8 @@ import weakref
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .analysis.op_classes import is_cpu_scalar
+
 
 class Outputs:
     """How each output leaves the graph: copied out of graph memory (one copy per storage, so
@@ -165,3 +167,31 @@ class Lending:
     def prune(self) -> None:
         """Let go of retired graphs whose lent tensors all died (their memory returns to the pool)."""
         self.retired = [c for c in self.retired if c.outputs.lent_alive()]
+
+
+class Captured:
+    """A captured graph with how it reads its inputs (direct: in place; copies: into static buffers) and its outputs."""
+
+    def __init__(self, graph, direct, copies, outputs: Outputs):
+        self.graph, self.direct, self.copies, self.outputs = graph, direct, copies, outputs
+
+
+class Entry:
+    """One input signature: warm-up calls seen, inputs seen at more than one address, its graph."""
+
+    def __init__(self, cpu_ok: bool = False):
+        self.calls, self.ptrs, self.moved, self.captured = 0, None, set(), None
+        self.cpu_ok = cpu_ok  # a backend that runs on CPU tensors (tests): CPU tensors are graph inputs
+
+    def graph_inputs(self, args) -> list[int]:
+        """Positions of the tensors the graph reads from memory: not the 0-d CPU tensors, which the
+        signature keys by value (read on the host, at capture)."""
+        return [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and (self.cpu_ok or not is_cpu_scalar(a))]
+
+    def observe(self, args) -> None:
+        read = set(self.graph_inputs(args))
+        ptrs = [a.data_ptr() if i in read else None for i, a in enumerate(args)]
+        self.calls += 1
+        if self.ptrs is not None:
+            self.moved.update(i for i, (p, q) in enumerate(zip(ptrs, self.ptrs)) if p != q)
+        self.ptrs = ptrs

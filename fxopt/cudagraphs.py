@@ -2,8 +2,10 @@
 stops paying one CPU launch per kernel.
 
 Per compiled graph (forward, backward or inference) and per input signature (shapes, strides, dtypes):
-  calls 1..WARMUP_CALLS  run the compiled graph on the caller's stream (lazy initialisation, Triton
-                         and cuBLAS, happens outside capture) and note every input's address;
+  calls 1..WARMUP_CALLS  run the compiled graph uncaptured (lazy initialisation, Triton and cuBLAS,
+                         happens outside capture; until the pool's first capture on the capture
+                         stream, allocating from the pool: CudaGraphs.warmup) and note every input's
+                         address;
   the next call          capture, then replay. Inputs whose address never changed (parameters,
                          buffers, tensors an optimizer updates in place) are read where they are;
                          the others are copied into static buffers before each replay;
@@ -37,10 +39,9 @@ import torch.fx as fx
 
 from . import cudagraph_workspaces
 from .compile import choose_target
-from .analysis.op_classes import is_cpu_scalar
 from .cudagraph_checks import (MAX_GRAPHS, Refused, SignatureCache, mutated_inputs,
                                refusal_reason, saved_for_backward, signature)
-from .cudagraph_io import Lending, Outputs, static_buffer
+from .cudagraph_io import Captured, Entry, Lending, Outputs, static_buffer
 from .options import Environment
 from .report import GraphReport
 
@@ -51,6 +52,7 @@ _warned: set[str] = set()
 SHARE_POOL = True  # False: a private pool per captured graph (benchmarks/cudagraph_memory.py compares)
 LEND_SAVED = True  # False: tensors saved for the backward are copied out like every output
 LEND_OUTPUTS = True  # False: the outputs a caller sees are always copied out of graph memory
+WARMUP_IN_POOL = True  # False: every warm-up allocates from the caller's stream cache (cudagraph_memory compares)
 
 
 class CudaGraphs:
@@ -65,6 +67,7 @@ class CudaGraphs:
     def __init__(self, share_pool: bool | None = None):
         self.share_pool = SHARE_POOL if share_pool is None else share_pool
         self.pools: dict[int, tuple] = {}  # device -> (MemPool, anchor graph)
+        self.captured_into: set[int] = set()  # devices whose shared pool holds a captured graph of ours
 
     def pool(self, device: int):
         """The pool id to capture into on this device (None: a private pool for this graph). A new
@@ -90,13 +93,33 @@ class CudaGraphs:
         return self._streams[device]
 
     def warmup(self, fn, args, device: int):
-        """On the caller's stream: what a warm-up frees goes back to that stream's cache, which the
-        caller's own work reuses; a side stream's cache would stay reserved, unused, for good."""
+        """Until the first capture into the device's shared pool, a warm-up runs where the capture
+        will: on the capture stream, allocating from the pool, so the blocks it frees are the ones
+        the capture takes next (as Inductor's CUDA-graph trees warm up). On the caller's stream they
+        would stay cached by the general allocator beside the pool: a training step's footprint held
+        twice. After a capture, warm-ups (a new shape, a re-capture) run on the caller's stream: an
+        uncaptured call allocating in the pool could be handed a graph's scratch, which its replay
+        overwrites."""
         with torch.cuda.device(device):
-            return fn(args)
+            if not (WARMUP_IN_POOL and self.share_pool and device not in self.captured_into
+                    and hasattr(torch.cuda, "use_mem_pool")):
+                return fn(args)
+            self.pool(device)
+            pool, caller, side = self.pools[device][0], torch.cuda.current_stream(), self._stream(device)
+            side.wait_stream(caller)  # the inputs are ready, and caller-stream reads of freed pool blocks done
+            with torch.cuda.stream(side), torch.cuda.use_mem_pool(pool):
+                outs = fn(args)
+            caller.wait_stream(side)
+            for out in outs:  # freed later, a block is reused only once the caller's stream is past it
+                if isinstance(out, torch.Tensor) and out.is_cuda:
+                    out.record_stream(caller)
+            return outs
 
     def capture(self, fn, args, device: int):
-        return self._record(fn, args, device, self.pool(device))
+        pool = self.pool(device)
+        if pool is not None:
+            self.captured_into.add(device)
+        return self._record(fn, args, device, pool)
 
     def _record(self, fn, args, device: int, pool):
         """Capture fn(args) on the side stream into `pool`. On failure the side stream is retired and
@@ -146,32 +169,6 @@ def _release_generator(device: int) -> None:
         gen.graphsafe_set_state(gen.clone_state())
 
 
-class _Captured:
-    def __init__(self, graph, direct, copies, outputs: Outputs):
-        self.graph, self.direct, self.copies, self.outputs = graph, direct, copies, outputs
-
-
-class _Entry:
-    """One input signature: warm-up calls seen, inputs seen at more than one address, its graph."""
-
-    def __init__(self, cpu_ok: bool = False):
-        self.calls, self.ptrs, self.moved, self.captured = 0, None, set(), None
-        self.cpu_ok = cpu_ok  # a backend that runs on CPU tensors (tests): CPU tensors are graph inputs
-
-    def graph_inputs(self, args) -> list[int]:
-        """Positions of the tensors the graph reads from memory: not the 0-d CPU tensors, which the
-        signature keys by value (read on the host, at capture)."""
-        return [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and (self.cpu_ok or not is_cpu_scalar(a))]
-
-    def observe(self, args) -> None:
-        read = set(self.graph_inputs(args))
-        ptrs = [a.data_ptr() if i in read else None for i, a in enumerate(args)]
-        self.calls += 1
-        if self.ptrs is not None:
-            self.moved.update(i for i, (p, q) in enumerate(zip(ptrs, self.ptrs)) if p != q)
-        self.ptrs = ptrs
-
-
 class GraphedCallable:
     """The boxed callable aot_autograd gets: the compiled graph, replayed as CUDA graphs."""
 
@@ -218,7 +215,7 @@ class GraphedCallable:
             self._retire_all()
         entry = self.cache.get(key)
         if entry is None:
-            entry = self.cache.put(key, _Entry(self.backend.cpu_ok))
+            entry = self.cache.put(key, Entry(self.backend.cpu_ok))
         cap = entry.captured
         if cap is not None:
             moved = [i for i, ptr in cap.direct if args[i].data_ptr() != ptr]
@@ -257,7 +254,7 @@ class GraphedCallable:
         self._update_note()
         return self._replay(entry.captured, args, device)
 
-    def _capture(self, entry: _Entry, args, device: int) -> _Captured:
+    def _capture(self, entry: Entry, args, device: int) -> Captured:
         tensors = entry.graph_inputs(args)
         lent = self.lending.pointers() if entry.moved else set()  # a forward graph's memory: read in place
         copied = [i for i in tensors if i in entry.moved and args[i].data_ptr() not in lent]
@@ -276,9 +273,9 @@ class GraphedCallable:
         outputs.index, outputs.owner = self.lending.next_index(), weakref.ref(self)
         if any(outputs.lendable):
             self.lending.outputs.add(outputs)
-        return _Captured(graph, direct, copies, outputs)
+        return Captured(graph, direct, copies, outputs)
 
-    def _replay(self, cap: _Captured, args, device: int) -> tuple:
+    def _replay(self, cap: Captured, args, device: int) -> tuple:
         for i, buf, flat in cap.copies:
             if flat is None:
                 buf.copy_(args[i])
@@ -327,7 +324,7 @@ class GraphedCallable:
             self.lending.retire(entry.captured)
         self.cache = SignatureCache(self.cache.maxsize, self._evicted)
 
-    def _evicted(self, entry: _Entry) -> None:
+    def _evicted(self, entry: Entry) -> None:
         self.lending.retire(entry.captured)
         if entry.captured is not None:
             self._update_note()
