@@ -42,6 +42,7 @@ from .compile import choose_target
 from .cudagraph_checks import (MAX_GRAPHS, Refused, SignatureCache, mutated_inputs,
                                refusal_reason, saved_for_backward, signature)
 from .cudagraph_io import Captured, Entry, Lending, Outputs, static_buffer
+from .cudagraph_recovery import release_generator, stop_routing
 from .options import Environment
 from .report import GraphReport
 
@@ -106,13 +107,13 @@ class CudaGraphs:
                 return fn(args)
             self.pool(device)
             pool, caller, side = self.pools[device][0], torch.cuda.current_stream(), self._stream(device)
-            side.wait_stream(caller)  # the inputs are ready, and caller-stream reads of freed pool blocks done
+            # the side stream waits for everything the caller queued: the inputs, and the caller's reads of
+            # pool blocks it freed since (no record_stream: the capture could not reuse a block whose
+            # event it cannot query, and captures synchronize first)
+            side.wait_stream(caller)
             with torch.cuda.stream(side), torch.cuda.use_mem_pool(pool):
                 outs = fn(args)
             caller.wait_stream(side)
-            for out in outs:  # freed later, a block is reused only once the caller's stream is past it
-                if isinstance(out, torch.Tensor) and out.is_cuda:
-                    out.record_stream(caller)
             return outs
 
     def capture(self, fn, args, device: int):
@@ -122,16 +123,18 @@ class CudaGraphs:
         return self._record(fn, args, device, pool)
 
     def _record(self, fn, args, device: int, pool):
-        """Capture fn(args) on the side stream into `pool`. On failure the side stream is retired and
-        the device's generator released (a capture that never ended leaves it "capturing")."""
+        """Capture fn(args) on the side stream into `pool` (None: a private pool). On failure the side
+        stream is retired, the device's generator released (a capture that never ended leaves it
+        "capturing") and the pool's allocation routing ended (`_stop_routing`)."""
         with torch.cuda.device(device):
             graph, side = torch.cuda.CUDAGraph(), self._stream(device)
+            pool = torch.cuda.graph_pool_handle() if pool is None else pool  # known, to end its routing
             torch.cuda.synchronize()
             with torch.cuda.stream(side):
                 try:
                     graph.capture_begin(pool=pool, capture_error_mode="thread_local")
                 except BaseException:
-                    self._abandon(device)
+                    self._abandon(device, pool)
                     raise
                 try:
                     outs = fn(args)
@@ -139,34 +142,26 @@ class CudaGraphs:
                     try:
                         graph.capture_end()
                     except Exception:  # noqa: BLE001 (the capture is already invalid; keep the first error)
-                        _release_generator(device)
+                        release_generator(device)
+                        stop_routing(device, pool)
                     self._streams.pop(device, None)  # a failed capture retires its stream
                     raise
                 try:
                     graph.capture_end()
                 except BaseException:
-                    self._abandon(device)
+                    self._abandon(device, pool)
                     raise
         return graph, outs
 
-    def _abandon(self, device: int) -> None:
-        """After a capture that failed to begin or end: the generator is left capturing and the
-        stream in capture mode, so release the one and retire the other."""
-        _release_generator(device)
+    def _abandon(self, device: int, pool) -> None:
+        """After a capture that failed to begin or end: the generator is left capturing, the pool
+        still routed to and the stream in capture mode; release, end and retire them."""
+        release_generator(device)
+        stop_routing(device, pool)
         self._streams.pop(device, None)
 
     def replay(self, graph, device: int) -> None:
         graph.replay()
-
-
-def _release_generator(device: int) -> None:
-    """A capture whose end fails leaves the device's default generator marked as capturing, and every
-    later random op raises "Offset increment outside graph capture". Give the generator a clone of
-    its state (same seed and offset, not capturing). fxopt never captures random ops, so no graph of
-    ours reads the abandoned state."""
-    gen = torch.cuda.default_generators[device]
-    if hasattr(gen, "graphsafe_set_state") and hasattr(gen, "clone_state"):
-        gen.graphsafe_set_state(gen.clone_state())
 
 
 class GraphedCallable:

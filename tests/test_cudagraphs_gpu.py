@@ -26,10 +26,13 @@ gpu = pytest.mark.gpu
 
 @pytest.fixture(autouse=True)
 def _random_ops_still_work():
-    """After any test (a failed capture included), the device's generator is usable outside capture."""
+    """After any test (a failed capture included), the device's generator is usable outside capture
+    and no allocation routing to a graph pool is left behind (empty_cache asserts there is none; at
+    exit a pool's destruction would abort the process)."""
     yield
     if torch.cuda.is_available():
         torch.randn(1, device="cuda")
+        torch.cuda.empty_cache()
 
 
 @pytest.fixture(autouse=True)
