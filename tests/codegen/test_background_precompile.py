@@ -172,8 +172,6 @@ def test_pool_threads_compile_for_the_graphs_gpu_not_device_0(monkeypatch):
     compiles them again."""
     import contextlib
 
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     current = threading.local()
 
     @contextlib.contextmanager
@@ -193,8 +191,8 @@ def test_pool_threads_compile_for_the_graphs_gpu_not_device_0(monkeypatch):
     record = types.SimpleNamespace(warmup=lambda *a, **k: seen.append(getattr(current, "index", 0)))
     graph = fx.Graph()
     x = graph.placeholder("x")
-    with FakeTensorMode():
-        x.meta["val"] = torch.empty(4, device="cuda:1")
+    # what _graph_device reads of a placeholder's value (a fake tensor on cuda:1 needs a second GPU)
+    x.meta["val"] = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 1))
     graph.output(x)
     gm = fx.GraphModule(torch.nn.Module(), graph)
     module = types.SimpleNamespace(a=record, b=record)

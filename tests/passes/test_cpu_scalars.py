@@ -145,7 +145,7 @@ def test_cuda_graphs_key_a_cpu_scalar_by_value_and_read_only_gpu_inputs_from_mem
     """With the scalar made on the GPU from its value, a captured graph freezes that value: the graph's
     signature holds it (a new value, a new graph), and the scalar is not an input read from memory."""
     from fxopt.cudagraph_checks import Refused, refusal_reason, signature
-    from fxopt.cudagraphs import _Entry
+    from fxopt.cudagraph_io import Entry
     eps = torch.tensor(1e-6, dtype=torch.float64)
     key = signature([eps])[0]
     assert key == signature([torch.tensor(1e-6, dtype=torch.float64)])[0]
@@ -154,8 +154,8 @@ def test_cuda_graphs_key_a_cpu_scalar_by_value_and_read_only_gpu_inputs_from_mem
     assert signature([nan])[0] == signature([nan.clone()])[0]  # else every call would capture anew
     with pytest.raises(Refused, match="CPU tensor"):
         signature([torch.randn(3)])
-    assert _Entry().graph_inputs([torch.randn(3), eps, 3]) == [0]
-    assert _Entry(cpu_ok=True).graph_inputs([torch.randn(3), eps, 3]) == [0, 1]
+    assert Entry().graph_inputs([torch.randn(3), eps, 3]) == [0]
+    assert Entry(cpu_ok=True).graph_inputs([torch.randn(3), eps, 3]) == [0, 1]
     gm = _graph(rmsnorm)
     _run(gm)
     assert refusal_reason(gm, "cuda") is None  # its .item() reads the host, not the GPU
