@@ -177,4 +177,6 @@ def test_gpu_dynamic_rmsnorm_with_a_float_attribute_replays_as_cuda_graphs():
             m.float()
         torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
     notes = " ".join(note for g in be.report.graphs for note in g.notes)
-    assert "refused" not in notes and "captured 2 graph(s)" in notes, notes  # one per eps (2 warm-up calls each)
+    # one graph kept per eps (2 warm-up calls each); x may sit at one address through the warm-ups and
+    # move later, which re-captures that graph once with x copied (cudagraphs.GraphedCallable)
+    assert "refused" not in notes and "2 kept of at most" in notes, notes
