@@ -125,7 +125,7 @@ class CudaGraphs:
     def _record(self, fn, args, device: int, pool):
         """Capture fn(args) on the side stream into `pool` (None: a private pool). On failure the side
         stream is retired, the device's generator released (a capture that never ended leaves it
-        "capturing") and the pool's allocation routing ended (`_stop_routing`)."""
+        "capturing") and the pool's allocation routing ended (`stop_routing`)."""
         with torch.cuda.device(device):
             graph, side = torch.cuda.CUDAGraph(), self._stream(device)
             pool = torch.cuda.graph_pool_handle() if pool is None else pool  # known, to end its routing
