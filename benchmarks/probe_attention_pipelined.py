@@ -12,10 +12,16 @@ current kernel and the pipelined one over a few tile configs, in one process (tr
 `persistent_forward` adds one program per SM slot walking the tiles heaviest first.
 
 `grouped_forward` orders a 1-D grid heaviest-first within groups of heads, and mode 2 of `_query_tile`
-rescales acc lazily (FlashAttention-4: only when a row max grows by more than 2^8).
+rescales acc lazily (FlashAttention-4: only when a row max grows by more than 2^8). Modes 3-5 compute
+part of the mask-free blocks' exp2 on the FMA units instead of the MUFU (FlashAttention-4's software
+exp2: x = n + f, 2^f from a degree-3 polynomial, n added to the exponent bits; max relative error
+7.5e-5), interleaved per thread through inline PTX (`_split_exp2_asm`): mode 3 one of 2 elements on
+the FMA units, mode 4 one of 4, mode 5 three of 4. Inline PTX does not run in the interpreter: modes
+3-5 are checked on the GPU only (the err column against SDPA).
 
 Status (2026-12-03, H200, benchmarks/results/2026-12-03-h200.md): none of them beats the current kernel
-(0.80x SDPA): pipelined 0.57x, persistent 0.42-0.60x, grouped orders 0.79-0.81x, lazy rescale 0.75-0.77x.
+(0.80x SDPA): pipelined 0.57x, persistent 0.42-0.60x, grouped orders 0.79-0.81x, lazy rescale 0.75-0.77x;
+exp2 on the FMA units (2026-12-04-h200-d.md) 0.73-0.76x against 0.79x for the same grid.
 Numerics checked in the Triton interpreter (`--check`). Not used by fxopt.
 """
 from __future__ import annotations
@@ -48,7 +54,10 @@ def _query_tile(q_desc, k_desc, v_desc, o_desc, Lse, bh, batch, head, kv_head, m
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     mask_free_end, end = key_ranges(m0, seq_k, causal_shift, BLOCK_M, BLOCK_N, CAUSAL)
-    if MODE == 2:
+    if MODE >= 3:
+        acc, row_sum, row_max = _split_exp_blocks(acc, row_sum, row_max, q, k_desc, v_desc, batch, kv_head,
+                                                  mask_free_end, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, MODE)
+    elif MODE == 2:
         acc, row_sum, row_max = _lazy_blocks(acc, row_sum, row_max, q, k_desc, v_desc, batch, kv_head,
                                              mask_free_end, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N)
     elif MODE == 1:
@@ -192,6 +201,68 @@ def _lazy_blocks(acc, row_sum, row_max, q, k_desc, v_desc, batch, kv_head, key_h
     return acc, row_sum, row_max
 
 
+def _split_exp2_asm(pack: int, mufu: int) -> str:
+    """PTX for `pack` elements per call: the first `mufu` by ex2.approx (the MUFU), the others by
+    x = max(x, -126); j = x + 1.5 * 2^23 (n = round(x) in j's low bits); f = x - n in [-0.5, 0.5];
+    2^f by a degree-3 minimax polynomial (FMA); n << 23 added to its bits."""
+    parts = []
+    for i in range(pack):
+        out, x = f"${i}", f"${i + pack}"
+        if i < mufu:
+            parts.append(f"ex2.approx.ftz.f32 {out}, {x};")
+        else:
+            parts.append("{ .reg .b32 x, j, n, f, p, e;\n"
+                         f"max.f32 x, {x}, 0fC2FC0000;\n"
+                         "add.rn.f32 j, x, 0f4B400000;\n"
+                         "sub.rn.f32 n, j, 0f4B400000;\n"
+                         "sub.rn.f32 f, x, n;\n"
+                         "fma.rn.f32 p, f, 0f3D61FA39, 0f3E786E38;\n"
+                         "fma.rn.f32 p, p, f, 0f3F31798C;\n"
+                         "fma.rn.f32 p, p, f, 0f3F7FFB4D;\n"
+                         "shl.b32 e, j, 23;\n"
+                         f"add.s32 {out}, p, e; }}")
+    return "\n".join(parts)
+
+
+def _constraints(pack: int) -> str:
+    return ",".join(["=r"] * pack + ["r"] * pack)
+
+
+SPLIT_2_1: tl.constexpr = tl.constexpr(_split_exp2_asm(2, 1))
+SPLIT_4_3: tl.constexpr = tl.constexpr(_split_exp2_asm(4, 3))
+SPLIT_4_1: tl.constexpr = tl.constexpr(_split_exp2_asm(4, 1))
+C2: tl.constexpr = tl.constexpr(_constraints(2))
+C4: tl.constexpr = tl.constexpr(_constraints(4))
+
+
+@triton.jit
+def _exp2_split(x, MODE: tl.constexpr):
+    if MODE == 3:
+        return tl.inline_asm_elementwise(SPLIT_2_1, C2, [x], dtype=tl.float32, is_pure=True, pack=2)
+    elif MODE == 4:
+        return tl.inline_asm_elementwise(SPLIT_4_3, C4, [x], dtype=tl.float32, is_pure=True, pack=4)
+    else:
+        return tl.inline_asm_elementwise(SPLIT_4_1, C4, [x], dtype=tl.float32, is_pure=True, pack=4)
+
+
+@triton.jit
+def _split_exp_blocks(acc, row_sum, row_max, q, k_desc, v_desc, batch, kv_head, key_hi, qk_scale,
+                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr):
+    """Mask-free key blocks [0, key_hi) as _tma_key_blocks, p's exp2 split between MUFU and FMA."""
+    for n0 in range(0, key_hi, BLOCK_N):
+        n0 = tl.multiple_of(n0, BLOCK_N)
+        k = k_desc.load([batch, kv_head, n0, 0]).reshape(BLOCK_N, HEAD_DIM)
+        s = tl.dot(q, tl.trans(k))
+        new_max = tl.maximum(row_max, tl.max(s, 1) * qk_scale)
+        p = _exp2_split(s * qk_scale - new_max[:, None], MODE)
+        rescale = tl.exp2(row_max - new_max)
+        row_sum = row_sum * rescale + tl.sum(p, 1)
+        v = v_desc.load([batch, kv_head, n0, 0]).reshape(BLOCK_N, HEAD_DIM)
+        acc = tl.dot(p.to(v.dtype), v, acc * rescale[:, None])
+        row_max = new_max
+    return acc, row_sum, row_max
+
+
 def check() -> None:
     """Interpreter numerics against float64 SDPA (fp16, small shapes, both kernels)."""
     torch.manual_seed(0)
@@ -217,6 +288,7 @@ def main(argv=None) -> int:
     p.add_argument("--B", type=int, default=8)
     p.add_argument("--H", type=int, default=16)
     p.add_argument("--pipelined", action="store_true", help="also the pipelined kernel (slower on the H200)")
+    p.add_argument("--split-exp", action="store_true", help="only the current kernel and modes 3-5 (exp2 on FMA)")
     a = p.parse_args(argv)
     if a.check:
         check()
@@ -226,12 +298,18 @@ def main(argv=None) -> int:
     flops = 4 * a.B * a.H * a.T * a.T * 128 / (2 if causal else 1)
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     rows = [("sdpa", None, lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))]
-    for bm, bn, w, st in [(64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 3), (64, 128, 4, 2)]:
+    configs = [(64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 3), (64, 128, 4, 2)]
+    for bm, bn, w, st in configs[:4] if a.split_exp else configs:
         cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
         rows.append(("current", cfg, lambda c=cfg: flash_forward_tma(q, k, v, scale=128 ** -0.5, causal=causal, cfg=c)))
         if a.pipelined:
             rows.append(("pipelined", cfg, lambda c=cfg: pipelined_forward(q, k, v, scale=128 ** -0.5, causal=causal,
                                                                             cfg=c)))
+        if a.split_exp:
+            for mode, label in ((0, "1-D grid"), (3, "fma 1/2"), (4, "fma 1/4"), (5, "fma 3/4")):
+                rows.append((label, cfg, lambda c=cfg, m=mode: grouped_forward(q, k, v, scale=128 ** -0.5,
+                                                                               causal=causal, cfg=c, group=1, mode=m)))
+            continue
         for g in (1, 8):
             for mode in (0, 2):
                 rows.append((f"grouped/{g}/{'lazy' if mode else 'eager'}", cfg,
