@@ -340,3 +340,53 @@ def test_fake_graphs_train_through_torch_compile_like_eager(monkeypatch):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
     assert len(made) == 1 and made[0].captures == 2 and made[0].replays == 2 * (len(batches) - 2)
 
+
+
+@pytest.mark.parametrize("in_pool, share_pool", [(True, True), (False, True), (True, False)])
+def test_warmups_allocate_from_the_shared_pool_only_until_its_first_capture(monkeypatch, in_pool, share_pool):
+    """CudaGraphs.warmup's routing, with torch.cuda's stream and pool context managers recorded: before
+    the pool's first capture a warm-up runs on the capture stream inside the pool (so the capture reuses
+    what it freed); after it, or with warm-ups out of the pool or private pools, on the caller's stream
+    (an uncaptured call in the pool could be handed a graph's scratch)."""
+    import contextlib
+    entered = []
+
+    class Stream:
+        def wait_stream(self, other):
+            entered.append("wait")
+
+    def recorded(name):
+        @contextlib.contextmanager
+        def cm(*_):
+            entered.append(name)
+            yield
+        return cm
+
+    monkeypatch.setattr(cudagraphs, "WARMUP_IN_POOL", in_pool)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", recorded("capture stream"))
+    monkeypatch.setattr(torch.cuda, "use_mem_pool", recorded("pool"), raising=False)
+    be = cudagraphs.CudaGraphs(share_pool=share_pool)
+
+    def pool(device):
+        if be.share_pool:
+            be.pools.setdefault(device, ("mempool", None))
+            return "pool id"
+        return None
+    monkeypatch.setattr(be, "pool", pool)
+    monkeypatch.setattr(be, "_stream", lambda device: Stream())
+    monkeypatch.setattr(be, "_record", lambda fn, args, device, pool: ("graph", fn(args)))
+    double = lambda args: (args[0] * 2,)  # noqa: E731
+    x = torch.ones(3)
+
+    assert torch.equal(be.warmup(double, [x], 0)[0], x * 2)
+    expect_pool = in_pool and share_pool
+    assert entered == (["wait", "capture stream", "pool", "wait"] if expect_pool else []), entered
+    be.capture(double, [x], 0)
+    assert be.captured_into == ({0} if share_pool else set())
+    entered.clear()
+    be.warmup(double, [x], 0)  # a new shape's warm-up after the capture: the caller's stream
+    assert entered == []
+    be.warmup(double, [x], 1)  # another device's pool has no capture yet
+    assert entered == (["wait", "capture stream", "pool", "wait"] if expect_pool else [])
