@@ -20,6 +20,8 @@ import triton
 import triton.language as tl
 import triton.testing
 
+from benchmarks import measure
+
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
@@ -124,30 +126,51 @@ def launch(x, y, programs, rblock, warps, reverse, evict, tail, stages=1):
                                        STAGES=stages, num_warps=warps)
 
 
+def softmax_problem(m: int, n: int, quick: bool):
+    """x [m, n] bf16, an output buffer, the float64 softmax reference, the bytes a softmax moves, and the
+    copy ceiling in GB/s (nan on the CPU)."""
+    dev = "cpu" if quick else "cuda"
+    torch.manual_seed(0)
+    x = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
+    copy_gbs = float("nan") if quick else measure.copy_ceiling_gbs(dev, 2**30, 25, 100, tries=3)
+    return x, torch.empty_like(x), torch.softmax(x.double(), -1), 2 * x.numel() * x.element_size(), copy_gbs
+
+
+def measure_variants(runs, y, ref, nbytes: int, copy_gbs: float, quick: bool, width: int = 60) -> int:
+    """Run each (label, launch) into y: its error against ref and, on the GPU, its median ms and % of
+    copy; a variant that fails to compile or run is printed and counted. Returns the failures."""
+    failed = 0
+    for label, run in runs:
+        try:
+            y.zero_()
+            run()
+            err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
+            failed += not err <= 1e-2
+            if quick:
+                print(f"{label:{width}s} err {err:.2e}")
+                continue
+            ms = triton.testing.do_bench(run, warmup=10, rep=50, return_mode="median")
+            gbs = nbytes / ms / 1e6
+            print(f"{label:{width}s} {ms:8.4f} ms {gbs:6.0f} GB/s {100 * gbs / copy_gbs:5.1f}%  err {err:.2e}", flush=True)
+        except Exception as e:  # noqa: BLE001 - a failing variant is a result
+            failed += 1
+            print(f"{label:{width}s} ERROR {' '.join(str(e).split())[:90]}", flush=True)
+    return failed
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.probe_softmax_l2", description=__doc__.splitlines()[0])
     ap.add_argument("--interpret-check", action="store_true", help="numerics only, tiny shapes, on the CPU")
     ap.add_argument("--rows", type=int, default=512)
     args = ap.parse_args(argv)
     quick = args.interpret_check
-    dev = "cpu" if quick else "cuda"
     if not quick and not torch.cuda.is_available():
         print("probe_softmax_l2: no CUDA device")
         return 0
     sms = 4 if quick else torch.cuda.get_device_properties(0).multi_processor_count
     m, n, scale = (6, 2048, 64) if quick else (args.rows, 131072, 1)
-    torch.manual_seed(0)
-    x = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
-    y = torch.empty_like(x)
-    ref = torch.softmax(x.double(), -1)
-    nbytes = 2 * x.numel() * x.element_size()
-    copy_gbs = float("nan")
+    x, y, ref, nbytes, copy_gbs = softmax_problem(m, n, quick)
     if not quick:
-        src = torch.empty(2**30, dtype=torch.uint8, device=dev)
-        dst = torch.empty_like(src)
-        copy_gbs = max(2 * src.numel() / triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median") / 1e6
-                       for _ in range(3))
-        del src, dst
         print(f"{torch.cuda.get_device_name(0)} ({sms} SMs), triton {triton.__version__}, "
               f"copy {copy_gbs:.0f} GB/s, x [{m}, {n}] bf16")
     configs = []  # (programs per SM, block, warps, reverse, hints, tail, stages)
@@ -159,24 +182,10 @@ def main(argv=None) -> int:
     configs.append((1, 16384, 32, True, True, 32768, 1))
     for k, rb, nw in ((1, 16384, 32), (1, 8192, 32), (1, 8192, 16), (2, 8192, 16), (2, 4096, 16), (1, 32768, 32)):
         configs.append((k, rb, nw, True, True, 0, "prefetch"))
-    failed = 0
-    for k, rb, nw, rev, ev, tail, st in configs:
-        label = f"G={k}xSM R{rb} w{nw} rev={int(rev)} evict={int(ev)} tail={tail} stages={st}"
-        try:
-            y.zero_()
-            run = launch(x, y, sms * k, rb // scale, nw, rev, ev, tail // scale, st)
-            run()
-            err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
-            failed += not err <= 1e-2
-            if quick:
-                print(f"{label:60s} err {err:.2e}")
-                continue
-            ms = triton.testing.do_bench(run, warmup=10, rep=50, return_mode="median")
-            gbs = nbytes / ms / 1e6
-            print(f"{label:60s} {ms:8.4f} ms {gbs:6.0f} GB/s {100 * gbs / copy_gbs:5.1f}%  err {err:.2e}", flush=True)
-        except Exception as e:  # noqa: BLE001 - a failing variant is a result
-            failed += 1
-            print(f"{label:60s} ERROR {' '.join(str(e).split())[:90]}", flush=True)
+    runs = [(f"G={k}xSM R{rb} w{nw} rev={int(rev)} evict={int(ev)} tail={tail} stages={st}",
+             launch(x, y, sms * k, rb // scale, nw, rev, ev, tail // scale, st))
+            for k, rb, nw, rev, ev, tail, st in configs]
+    failed = measure_variants(runs, y, ref, nbytes, copy_gbs, quick)
     if not quick:
         ms = triton.testing.do_bench(lambda: torch.softmax(x, -1), return_mode="median")
         print(f"{'torch.softmax':60s} {ms:8.4f} ms {nbytes / ms / 1e6:6.0f} GB/s {100 * nbytes / ms / 1e6 / copy_gbs:5.1f}%")

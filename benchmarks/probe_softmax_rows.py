@@ -12,7 +12,8 @@ import argparse
 import torch
 import triton
 import triton.language as tl
-import triton.testing
+
+from benchmarks.probe_softmax_l2 import measure_variants, softmax_problem
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -59,21 +60,10 @@ def main(argv=None) -> int:
     if not quick and not torch.cuda.is_available():
         print("probe_softmax_rows: no CUDA device")
         return 0
-    dev = "cpu" if quick else "cuda"
     m, n = (10, 256) if quick else (8192, 8192)
     sms = 4 if quick else torch.cuda.get_device_properties(0).multi_processor_count
-    torch.manual_seed(0)
-    x = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
-    y = torch.empty_like(x)
-    ref = torch.softmax(x.double(), -1)
-    nbytes = 2 * x.numel() * x.element_size()
-    copy_gbs = float("nan")
+    x, y, ref, nbytes, copy_gbs = softmax_problem(m, n, quick)
     if not quick:
-        src = torch.empty(2**30, dtype=torch.uint8, device=dev)
-        dst = torch.empty_like(src)
-        copy_gbs = max(2 * src.numel() / triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median") / 1e6
-                       for _ in range(3))
-        del src, dst
         print(f"{torch.cuda.get_device_name(0)} ({sms} SMs), copy {copy_gbs:.0f} GB/s, x [{m}, {n}] bf16")
     runs = [(f"one row per program, {w} warps", lambda w=w: _one_row_per_program[(m,)](x, y, n, num_warps=w))
             for w in (4, 8, 16)]
@@ -83,22 +73,7 @@ def main(argv=None) -> int:
                 g = min(m, sms * per_sm)
                 runs.append((f"strided, {per_sm} per SM, {w} warps, prefetch={int(pf)}",
                              lambda g=g, w=w, pf=pf: _strided_rows[(g,)](x, y, m, n, PREFETCH=pf, num_warps=w)))
-    failed = 0
-    for label, run in runs:
-        try:
-            y.zero_()
-            run()
-            err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
-            failed += not err <= 1e-2
-            if quick:
-                print(f"{label:50s} err {err:.2e}")
-                continue
-            ms = triton.testing.do_bench(run, warmup=10, rep=50, return_mode="median")
-            gbs = nbytes / ms / 1e6
-            print(f"{label:50s} {ms:8.4f} ms {gbs:6.0f} GB/s {100 * gbs / copy_gbs:5.1f}%  err {err:.2e}", flush=True)
-        except Exception as e:  # noqa: BLE001 - a failing variant is a result
-            failed += 1
-            print(f"{label:50s} ERROR {' '.join(str(e).split())[:90]}", flush=True)
+    failed = measure_variants(runs, y, ref, nbytes, copy_gbs, quick, width=50)
     print(f"{failed} failed" if failed else "all ok")
     return 1 if failed else 0
 
