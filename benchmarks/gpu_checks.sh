@@ -7,11 +7,11 @@ set -u
 . benchmarks/gpu_batch_env.sh
 
 echo "== 1. every CUDA test but the CUDA-graph ones"
-timeout 420 python -m pytest -q tests -k "cuda or gpu" --deselect tests/test_cudagraphs_gpu.py $P > "$OUT/tests.txt" 2>&1
+timeout 420 python -m pytest -q tests -k "cuda or gpu" --ignore-glob='tests/test_cudagraphs_gpu*.py' $P > "$OUT/tests.txt" 2>&1
 tail -3 "$OUT/tests.txt"
 
 echo "== 2. CUDA graphs on the GPU (own process: a failed capture must not disturb the other tests)"
-timeout 90 python -m pytest -q tests/test_cudagraphs_gpu.py -m gpu -k cuda --tb=short $P > "$OUT/cudagraphs.txt" 2>&1
+timeout 90 python -m pytest -q tests/test_cudagraphs_gpu.py tests/test_cudagraphs_gpu_memory.py -m gpu -k cuda --tb=short $P > "$OUT/cudagraphs.txt" 2>&1
 tail -5 "$OUT/cudagraphs.txt"
 
 echo "== 3. dynamic vs static reductions (the persistent alternative for symbolic rows)"
