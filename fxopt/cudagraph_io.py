@@ -89,22 +89,26 @@ class Outputs:
 
     def materialize(self, args) -> tuple:
         """Outputs for this replay: copies, or lent storages for the lendable ones, then views over
-        them or over the caller's inputs."""
-        copies, todo, self._lent = [], [], []
+        them or over the caller's inputs. The views are built straight over each storage (no byte
+        view in between): a training step materializes a few hundred outputs per replay, ~5 us each
+        on the host (benchmarks/results/2026-12-04-h200-e.md)."""
+        storages, todo, fresh, self._lent = [], [], [], []
         for src, lendable, visible in zip(self.srcs, self.lendable, self.visible):
             if lendable:
                 storage = torch._C._construct_storage_from_data_pointer(src.data_ptr(), src.device, src.numel())
                 self._lent.append((StorageWeakRef(storage), visible))
-                copies.append(_view(storage, 0, torch.uint8, (src.numel(),), (1,)))
             else:
-                todo.append(len(copies))
-                copies.append(torch.empty(src.numel(), dtype=torch.uint8, device=src.device))
+                buf = torch.empty(src.numel(), dtype=torch.uint8, device=src.device)
+                todo.append(src)
+                fresh.append(buf)
+                storage = buf.untyped_storage()
+            storages.append(storage)
         if todo:
-            torch._foreach_copy_([copies[g] for g in todo], [self.srcs[g] for g in todo])
+            torch._foreach_copy_(fresh, todo)
         outs = []
         for kind, where, offset, dtype, shape, stride in self.specs:
             if kind == "copy":
-                outs.append(_view(copies[where].untyped_storage(), offset, dtype, shape, stride))
+                outs.append(_view(storages[where], offset, dtype, shape, stride))
             elif kind == "input":
                 arg = args[where]
                 storage = arg.untyped_storage()
