@@ -90,8 +90,8 @@ class Outputs:
     def materialize(self, args) -> tuple:
         """Outputs for this replay: copies, or lent storages for the lendable ones, then views over
         them or over the caller's inputs. The views are built straight over each storage (no byte
-        view in between): a training step materializes a few hundred outputs per replay, ~5 us each
-        on the host (benchmarks/results/2026-12-04-h200-e.md)."""
+        view in between): a training step materializes a few hundred outputs per replay, and 120 lent
+        outputs took 1.45 ms of host with a byte view each, 0.76 ms without (development CPU)."""
         storages, todo, fresh, self._lent = [], [], [], []
         for src, lendable, visible in zip(self.srcs, self.lendable, self.visible):
             if lendable:
