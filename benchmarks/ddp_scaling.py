@@ -295,8 +295,7 @@ def _empty(device):
 # ---------------------------------------------------------------- processes
 
 JOBS = {"losses": job_losses, "allreduce": job_allreduce, "throughput": job_throughput,
-        "throughput_n": job_throughput, "overlap": job_overlap,
-        "scaling": job_scaling}
+        "throughput_n": job_throughput, "overlap": job_overlap, "scaling": job_scaling}
 
 
 def _worker(rank, world, port, job_name, cfg, device, args, queue):
@@ -305,13 +304,14 @@ def _worker(rank, world, port, job_name, cfg, device, args, queue):
         torch._dynamo.config.optimize_ddp = args.optimize_ddp
         if device == "cuda":
             torch.cuda.set_device(0 if args.share_gpu else rank)
-        grouped = world > 1 or job_name == "scaling"  # scaling wraps in DDP even on one rank
+        grouped = world > 1 or job_name == "scaling" or callable(job_name)  # scaling jobs: DDP/FSDP2 on one rank too
         if grouped:
             nccl = device == "cuda" and not args.share_gpu  # NCCL refuses two ranks on one GPU
             dist.init_process_group("nccl" if nccl else "gloo", rank=rank, world_size=world,
                                     device_id=torch.device("cuda", rank) if nccl else None)
         try:
-            queue.put((rank, JOBS[job_name](rank, world, cfg, device, args)))
+            job = JOBS[job_name] if isinstance(job_name, str) else job_name  # or a module-level function
+            queue.put((rank, job(rank, world, cfg, device, args)))
         finally:
             if grouped:
                 dist.destroy_process_group()

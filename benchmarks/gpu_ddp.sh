@@ -3,7 +3,7 @@
 # machine has been lent for the first two or three calls of a session only, so the default run starts
 # with what is not measured yet: DDP scaling (one-GPU and two-GPU steps timed in turn) with CUDA graphs
 # under dynamo's split graphs, then with one graph, then DDP's python reducer. `bash benchmarks/gpu_ddp.sh
-# tests` runs the NCCL tests, the losses and the mode without graphs instead. From the repository root;
+# tests` runs the NCCL tests, the losses, the mode without graphs and FSDP2's scaling instead. From the repository root;
 # logs under $OUT. Copy the tables into benchmarks/results/ with the date and commit.
 set -u
 . benchmarks/gpu_batch_env.sh
@@ -28,6 +28,9 @@ if [ "${1:-}" = tests ]; then
         > "$OUT/ddp_losses_reducer.txt" 2>&1
     tail -6 "$OUT/ddp_losses_reducer.txt"
     scaling off ""
+    echo "== FSDP2 scaling (fully_shard per block, blocks compiled on their own)"
+    timeout 150 python -m benchmarks.fsdp_scaling --rounds 5 > "$OUT/fsdp_scaling.txt" 2>&1
+    grep -A4 "^| backend" "$OUT/fsdp_scaling.txt"; grep "^rank" "$OUT/fsdp_scaling.txt"; grep -i -m3 "error\|FAILED" "$OUT/fsdp_scaling.txt"
 else
     scaling ddp_optimizer --cudagraphs
     scaling off --cudagraphs

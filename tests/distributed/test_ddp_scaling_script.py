@@ -1,5 +1,6 @@
 """benchmarks/ddp_scaling.py, the two-GPU benchmark of issue 10, kept runnable without GPUs: its
-overlap arithmetic on synthetic profiler events, and its loss comparison on two gloo ranks."""
+overlap arithmetic on synthetic profiler events, and its loss comparison on two gloo ranks; and
+benchmarks/fsdp_scaling.py (FSDP2, each block compiled on its own) on two gloo ranks."""
 from types import SimpleNamespace
 
 import pytest
@@ -57,3 +58,14 @@ def test_scaling_part_times_plain_and_ddp_models_in_turn(capsys):
     assert code == 0, out
     row = next(ln for ln in out.splitlines() if ln.startswith("| eager"))
     assert row.endswith("| 2 |"), row  # two rounds, each a plain and a DDP timing
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
+def test_fsdp_scaling_times_plain_and_per_block_sharded_models_in_turn(capsys):
+    from benchmarks import fsdp_scaling
+    code = fsdp_scaling.main(["--device", "cpu", "--quick", "--backends", "eager", "--precision", "none",
+                              "--rounds", "2", "--steps", "1", "--timeout", "240"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    row = next(ln for ln in out.splitlines() if ln.startswith("| eager"))
+    assert row.endswith("| 2 |"), row  # two rounds, each a plain and an FSDP2 timing
