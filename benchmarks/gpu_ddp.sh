@@ -2,9 +2,10 @@
 # Issue 10 on a two-GPU machine (nvidia-h200-x2), in one device call of under 10 minutes. The two-GPU
 # machine has been lent for the first two or three calls of a session only, so the default run starts
 # with what is not measured yet: DDP scaling (one-GPU and two-GPU steps timed in turn) with CUDA graphs
-# under dynamo's split graphs, then with one graph, then DDP's python reducer. `bash benchmarks/gpu_ddp.sh
-# tests` runs the NCCL tests, the losses, the mode without graphs and FSDP2's scaling instead. From the repository root;
-# logs under $OUT. Copy the tables into benchmarks/results/ with the date and commit.
+# under dynamo's split graphs, under DDP's python reducer (its backward captured with its NCCL
+# all-reduces), then under one graph. `bash benchmarks/gpu_ddp.sh tests` runs the NCCL tests, the
+# losses, the mode without graphs and FSDP2's scaling instead. From the repository root; logs under
+# $OUT. Copy the tables into benchmarks/results/ with the date and commit.
 set -u
 . benchmarks/gpu_batch_env.sh
 # NVLink multicast off (the lent machines' KINDS.md): NCCL's NVLS and symmetric-memory multicast
@@ -33,6 +34,6 @@ if [ "${1:-}" = tests ]; then
     grep -A4 "^| backend" "$OUT/fsdp_scaling.txt"; grep "^rank" "$OUT/fsdp_scaling.txt"; grep -i -m3 "error\|FAILED" "$OUT/fsdp_scaling.txt"
 else
     scaling ddp_optimizer --cudagraphs
+    scaling python_reducer --cudagraphs
     scaling off --cudagraphs
-    scaling python_reducer ""
 fi

@@ -1,15 +1,16 @@
 """What a CUDA graph may be captured with, read before any call, and what a captured graph is keyed by:
-the refusal rules (random ops, collectives, CPU syncs, CPU inputs other than scalars), the inputs a
-graph writes in place, the input signature, and the bounded LRU cache of captured signatures
-(fxopt/cudagraphs.py)."""
+the refusal rules (random ops, collectives other than NCCL's functional ones, CPU syncs, CPU inputs
+other than scalars), the inputs a graph writes in place, the input signature, and the bounded LRU
+cache of captured signatures (fxopt/cudagraphs.py)."""
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
 
 import torch
 import torch.fx as fx
 
-from .analysis.op_classes import is_collective, is_cpu_scalar
+from .analysis.op_classes import is_collective, is_cpu_scalar, is_wait
 
 MAX_GRAPHS = 8  # captured signatures kept per compiled graph (least recently used evicted)
 aten = torch.ops.aten
@@ -34,8 +35,9 @@ def refusal_reason(gm: fx.GraphModule, target: str, profile: bool = False) -> st
             return (f"random op {n.target} ({n.name}): fxopt does not capture random ops yet (a seeded run "
                     f"would not repeat eager's numbers); dropout in training: model.eval() or p=0 avoids it")
         if is_collective(n):
-            return (f"collective {n.target} ({n.name}): fxopt does not capture communication into CUDA graphs "
-                    f"(the process group's streams and work objects live outside the graph)")
+            why = collective_refusal(n)
+            if why is not None:
+                return f"collective {n.target} ({n.name}): {why}"
         if (n.target in SYNC_OPS or torch.Tag.data_dependent_output in tags) and not _reads_cpu_scalar(n):
             return f"{n.target} ({n.name}) reads a GPU value on the CPU (a sync), which capture cannot record"
         if torch.Tag.dynamic_output_shape in tags:
@@ -47,6 +49,48 @@ def refusal_reason(gm: fx.GraphModule, target: str, profile: bool = False) -> st
             return (f"input {n.name} is a {val.device.type.upper()} tensor: its value would be frozen into "
                     f"the graph at capture")
     return None
+
+
+def collective_refusal(n: fx.Node) -> str | None:
+    """Why this collective cannot be captured (None: it can). A functional collective on a process group
+    whose CUDA backend is NCCL records its kernels into the graph being captured (NCCL's stream joins
+    the capture through the event it waits on; the warm-up calls set up the communicator first), and
+    a replay launches them in the graph's order, which is the program's order on every rank. Its wait
+    joins the capturing stream back, so it is captured only where the collective it waits for is in
+    the same graph. Gloo and other backends copy through the host, which a capture cannot record."""
+    if n.target.namespace != "_c10d_functional":
+        return ("fxopt captures torch.distributed._functional_collectives ops only (this one hands out a "
+                "work object the graph cannot hold)")
+    if is_wait(n):
+        src = n.args[0]
+        while isinstance(src, fx.Node) and src.target is operator.getitem:
+            src = src.args[0]
+        if isinstance(src, fx.Node) and is_collective(src) and not is_wait(src):
+            return None  # the collective itself is checked where it is issued
+        return "it waits on communication issued outside this graph, which a capture cannot wait for"
+    backend = process_group_backend(_group_name(n))
+    if backend != "ProcessGroupNCCL":
+        return (f"its process group runs {backend or 'a backend fxopt cannot find in this process'} for CUDA "
+                f"tensors; fxopt captures communication on NCCL only")
+    return None
+
+
+def _group_name(n: fx.Node):
+    names = [a.name for a in n.target._schema.arguments]
+    if "group_name" not in names:
+        return None
+    i = names.index("group_name")
+    return n.args[i] if i < len(n.args) else n.kwargs.get("group_name")
+
+
+def process_group_backend(group) -> str | None:
+    """The class name of the group's backend for CUDA tensors (ProcessGroupNCCL, ProcessGroupGloo, ...),
+    None where the group is not known in this process."""
+    try:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+        return type(_resolve_process_group(group)._get_backend(torch.device("cuda"))).__name__
+    except Exception:  # noqa: BLE001 (no such group here, no CUDA backend, or a torch without these)
+        return None
 
 
 def _reads_cpu_scalar(n: fx.Node) -> bool:

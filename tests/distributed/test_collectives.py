@@ -1,6 +1,7 @@
 """Collectives in compiled graphs (what DDP and FSDP2 put there), checked in one process with torch's
 "fake" process group: they stay ATen calls in their order with the reason shown, the input of an
-asynchronous collective stays alive (and unplanned over) until its wait, and CUDA graphs refuse them."""
+asynchronous collective stays alive (and unplanned over) until its wait, and CUDA graphs capture them
+only on NCCL (waits only with their collective in the same graph)."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -10,6 +11,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fxopt
 from fxopt.analysis.liveness import buffer_intervals
+from fxopt import cudagraph_checks
 from fxopt.cudagraphs import refusal_reason
 from fxopt.memory.validate import validate_plan
 
@@ -103,10 +105,40 @@ def test_applied_plan_never_reuses_a_gather_input_before_its_wait(fake_group):
         torch.testing.assert_close(got, want)
 
 
-def test_cuda_graphs_refuse_graphs_with_collectives(fake_group):
+def test_cuda_graphs_refuse_collectives_on_a_group_that_is_not_nccl(fake_group):
     gm = make_fx(_reduce_then_gather)(torch.randn(4, 8))
     reason = refusal_reason(gm, "cuda")
-    assert reason is not None and "collective" in reason
+    assert reason is not None and "collective" in reason and "FakeProcessGroup" in reason and "NCCL only" in reason
+
+
+def _on_cuda(gm):
+    """The graph as if traced on a GPU (its inputs fake CUDA tensors), which a CPU-only machine allows."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        for n in gm.graph.find_nodes(op="placeholder"):
+            n.meta["val"] = torch.empty(n.meta["val"].shape, device="cuda")
+    return gm
+
+
+def test_cuda_graphs_capture_functional_collectives_on_nccl_and_their_waits(fake_group, monkeypatch):
+    gm = _on_cuda(make_fx(_reduce_then_gather)(torch.randn(4, 8)))
+    seen = []
+
+    def backend_of(group):
+        seen.append(group)
+        return "ProcessGroupNCCL"
+    monkeypatch.setattr(cudagraph_checks, "process_group_backend", backend_of)
+    assert refusal_reason(gm, "cuda") is None
+    assert len(seen) == 2  # the gather and the reduce, each by its group; the waits by their collective
+
+
+def test_cuda_graphs_refuse_a_wait_on_communication_issued_outside_the_graph(fake_group, monkeypatch):
+    monkeypatch.setattr(cudagraph_checks, "process_group_backend", lambda group: "ProcessGroupNCCL")
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    graph.output(graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (x,)))
+    reason = refusal_reason(torch.fx.GraphModule(torch.nn.Module(), graph), "cuda")
+    assert reason is not None and "outside this graph" in reason
 
 
 def test_skipping_the_pass_keeps_each_wait_where_the_graph_put_it(fake_group):
