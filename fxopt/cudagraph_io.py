@@ -149,6 +149,7 @@ class Lending:
         self.outputs: "weakref.WeakSet[Outputs]" = weakref.WeakSet()
         self.retired: list = []
         self.captured = 0
+        _LENDINGS.add(self)
 
     def next_index(self) -> int:
         self.captured += 1
@@ -171,6 +172,16 @@ class Lending:
     def prune(self) -> None:
         """Let go of retired graphs whose lent tensors all died (their memory returns to the pool)."""
         self.retired = [c for c in self.retired if c.outputs.lent_alive()]
+
+
+_LENDINGS: "weakref.WeakSet[Lending]" = weakref.WeakSet()
+
+
+def lent_pointers() -> set[int]:
+    """Where any compiled callable's forward graphs lent tensors saved for a backward. A backward is
+    not always compiled with its forward: compiled autograd (DDP's python reducer) compiles it as a
+    graph of its own, apart from the forward's Lending, and it reads those tensors all the same."""
+    return {p for lending in list(_LENDINGS) for p in lending.pointers()}
 
 
 class Captured:

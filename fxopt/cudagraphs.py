@@ -41,7 +41,7 @@ from . import cudagraph_workspaces
 from .compile import choose_target
 from .cudagraph_checks import (MAX_GRAPHS, Refused, SignatureCache, mutated_inputs,
                                refusal_reason, saved_for_backward, signature)
-from .cudagraph_io import Captured, Entry, Lending, Outputs, static_buffer
+from .cudagraph_io import Captured, Entry, Lending, Outputs, lent_pointers, static_buffer
 from .cudagraph_recovery import release_generator, stop_routing
 from .options import Environment
 from .report import GraphReport
@@ -251,7 +251,7 @@ class GraphedCallable:
 
     def _capture(self, entry: Entry, args, device: int) -> Captured:
         tensors = entry.graph_inputs(args)
-        lent = self.lending.pointers() if entry.moved else set()  # a forward graph's memory: read in place
+        lent = lent_pointers() if entry.moved else set()  # a forward graph's memory: read in place
         copied = [i for i in tensors if i in entry.moved and args[i].data_ptr() not in lent]
         stale = sorted(self.mutated.intersection(copied))
         if stale:

@@ -277,3 +277,22 @@ def test_a_graph_dropped_while_its_output_lives_is_let_go_when_the_output_dies()
     del kept
     g([x])
     assert g.lending.retired == []
+
+
+def test_a_backward_compiled_apart_reads_what_the_forward_lent_in_place():
+    """Compiled autograd (DDP's python reducer) compiles the backward as a graph of its own, with a
+    Lending of its own: it must still read the forward's saved tensors where the forward's graph lent
+    them, not copy them into static buffers on every replay."""
+    w = torch.randn(8, 8)
+    fwd, _ = graphed(boxed(lambda x, w: (torch.tanh(x @ w), torch.sin(x) + 1)), FakeGraphs(), lend=frozenset({1}))
+    bwd, _ = graphed(boxed(lambda saved, g: saved * g), FakeGraphs())
+    assert fwd.lending is not bwd.lending
+    for step in range(6):
+        x, gy = torch.randn(4, 8), torch.randn(4, 8)
+        out, saved = fwd([x, w])
+        torch.testing.assert_close(bwd([saved, gy])[0], (torch.sin(x) + 1) * gy)
+        del out, saved
+    entry = next(iter(bwd.cache._items.values()))
+    assert 0 in entry.moved  # fresh tensors while the forward warmed up ...
+    assert [i for i, _ in entry.captured.direct] == [0] and [i for i, _, _ in entry.captured.copies] == [1]
+    assert bwd.captures == 1 and bwd.recaptures == 0  # ... then read in place, at the forward's lent address
