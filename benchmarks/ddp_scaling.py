@@ -42,6 +42,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 
+from . import scaling_cli
 from .ddp_report import overlap_of, print_table
 from .workloads_attention import GPTBlock
 
@@ -341,10 +342,7 @@ def run_ranks(job_name: str, world: int, cfg, device, args) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--world", type=int, default=0, help="ranks (default: every GPU; 2 on the CPU)")
-    p.add_argument("--blocks", type=int, default=4)
-    p.add_argument("--batch", type=int, default=8, help="per-GPU batch (sequences of 1024 tokens)")
+    scaling_cli.shape_args(p)
     p.add_argument("--steps", type=int, default=20, help="timed steps per backend")
     p.add_argument("--loss-steps", type=int, default=5)
     p.add_argument("--rounds", type=int, default=5, help="scaling part: one-GPU and N-GPU timings in turn")
@@ -365,13 +363,8 @@ def main(argv=None) -> int:
     p.add_argument("--profile-rank", type=int, default=0, help="the rank the overlap part profiles")
     p.add_argument("--share-gpu", action="store_true",
                    help="every rank on GPU 0 through gloo (checks results where only one GPU is lent)")
-    p.add_argument("--quick", action="store_true", help="tiny shapes (a CPU smoke test)")
     p.add_argument("--timeout", type=int, default=900)
-    args = p.parse_args(argv)
-    args.backends = args.backends.split(",")
-    args.precision = None if args.precision == "none" else args.precision
-    if args.device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    args = scaling_cli.parsed(p, argv)
     on_gpus = args.device == "cuda" and not args.share_gpu
     world = args.world or (torch.cuda.device_count() if on_gpus else 2)
     cfg = _shapes(args)

@@ -23,6 +23,7 @@ import sys
 import torch
 
 from . import ddp_scaling as ds
+from . import scaling_cli
 from .ddp_report import _print_scaling
 
 
@@ -73,23 +74,14 @@ def job_fsdp_scaling(rank, world, cfg, device, args) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--world", type=int, default=0, help="ranks (default: every GPU; 2 on the CPU)")
-    p.add_argument("--blocks", type=int, default=4)
-    p.add_argument("--batch", type=int, default=8, help="per-GPU batch (sequences of 1024 tokens)")
+    scaling_cli.shape_args(p)
     p.add_argument("--steps", type=int, default=20, help="timed steps per phase and round")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--precision", default="bf16", help="bf16, fp16 or none")
     p.add_argument("--backends", default="inductor,fxopt")
-    p.add_argument("--quick", action="store_true", help="tiny shapes (a CPU smoke test)")
     p.add_argument("--timeout", type=int, default=900)
-    args = p.parse_args(argv)
-    args.backends = args.backends.split(",")
-    args.precision = None if args.precision == "none" else args.precision
+    args = scaling_cli.parsed(p, argv)
     args.optimize_ddp, args.share_gpu = False, False  # what ds._worker reads
-    if args.device == "cpu":
-        import os
-        os.environ.setdefault("TRITON_INTERPRET", "1")
     world = args.world or (torch.cuda.device_count() if args.device == "cuda" else 2)
     if world < 2 and not args.world:  # --world 1: FSDP2's hooks and per-block compiles, no communication
         print(f"needs two ranks or more; {world} available", file=sys.stderr)

@@ -187,16 +187,16 @@ def _collectives(rank, device):
     return {"diff": max((g - w).abs().max().item() for g, w in zip(got, want))}
 
 
-def _worker(rank, port, job, device, queue):
+def _worker(rank, port, job, device, queue, world=WORLD):
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         if device == "cuda":  # one GPU a rank, NCCL, the real compiler; fp32 matmuls for the comparison
             torch.cuda.set_device(rank)
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-            dist.init_process_group("nccl", rank=rank, world_size=WORLD, device_id=torch.device("cuda", rank))
+            dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
         else:
             os.environ["TRITON_INTERPRET"] = "1"
-            dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+            dist.init_process_group("gloo", rank=rank, world_size=world)
         try:
             queue.put((rank, job(rank, device)))
         finally:
@@ -211,11 +211,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_on_two_ranks(job, device: str = "cpu") -> dict:
+def run_on_two_ranks(job, device: str = "cpu", world: int = WORLD) -> dict:
+    """job(rank, device) in one process per rank (`world` of them: one where one GPU is all there is)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, job, device, queue)) for r in range(WORLD)]
+    procs = [ctx.Process(target=_worker, args=(r, port, job, device, queue, world)) for r in range(world)]
     for p in procs:
         p.start()
     try:
