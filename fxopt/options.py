@@ -89,6 +89,9 @@ class Environment:
     # FXOPT_BACKWARD_WITH_FORWARD=0: a CUDA training step's backward graph compiles at its first backward
     # call (torch's default), its kernels in the foreground, not with the forward's in the background
     backward_with_forward: bool = True
+    # FXOPT_COMPILE_SWITCH_INTERVAL: the GIL switch interval (seconds) while kernels compile on threads
+    # beside the tracing main thread (codegen/gil_handoff.py); 0 leaves the interpreter's alone
+    compile_switch_interval: float = 2e-4
 
     @classmethod
     def read(cls) -> "Environment":
@@ -103,7 +106,21 @@ class Environment:
             static_launch=os.environ.get("FXOPT_STATIC_LAUNCH", "1") != "0",
             compile_workers=_worker_count(os.environ.get("FXOPT_COMPILE_WORKERS", "")),
             backward_with_forward=os.environ.get("FXOPT_BACKWARD_WITH_FORWARD", "1") != "0",
+            compile_switch_interval=_seconds("FXOPT_COMPILE_SWITCH_INTERVAL", 2e-4),
         )
+
+
+def _seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ValueError(f"fxopt: {name}={raw!r} is not a number of seconds; set it to 0 (off) or e.g. 0.0002")
+    return value
 
 
 def _worker_count(raw: str) -> int:

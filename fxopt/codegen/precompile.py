@@ -14,10 +14,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from ..errors import FxoptError
+from ..options import Environment
 from . import compile_pool
 from .compile_worker import warm_launcher
+from .gil_handoff import quick_handoff
 from .kernel import Kernel
 from .own_op_compiles import backward_compiles, own_op_compiles
+from .static_launch import static_refusal
 from .wrapper_text import KERNELS_END
 
 log = logging.getLogger("fxopt")
@@ -35,6 +38,7 @@ def precompile(gm, module, todo: list[Kernel], source: str, cache, workers: int,
     def warm(k: Kernel):
         if k.name in waits:
             waits[k.name]()
+        wait_for_keys()
         try:
             with _on(device):  # a pool thread starts on device 0: Triton compiles for the current device
                 getattr(module, k.name).warmup(*k.warmup_args(), grid=k.grid_tuple(), **k.options(),
@@ -56,13 +60,14 @@ def precompile(gm, module, todo: list[Kernel], source: str, cache, workers: int,
     tasks += [functools.partial(warm, k) for k in todo]
 
     def run_all():
-        if len(tasks) <= 1:
-            for task in tasks:
-                task()
-        else:
-            with ThreadPoolExecutor(max_workers=min(8, len(tasks))) as pool:
-                list(pool.map(lambda task: task(), tasks))
-        finish()
+        with quick_handoff():  # pool threads back from ptxas and MLIR beside a main thread still tracing
+            if len(tasks) <= 1:
+                for task in tasks:
+                    task()
+            else:
+                with ThreadPoolExecutor(max_workers=min(8, len(tasks))) as pool:
+                    list(pool.map(lambda task: task(), tasks))
+            finish()
 
     if background:
         return _background_pool().submit(run_all)
@@ -113,11 +118,15 @@ def _preload_own_op(fn, spec: str, device: int) -> None:
 
 
 def _preload(fn, spec: str, device: int) -> None:
-    """Compile one of an fxopt op's kernels for the specialisation its stand-in call asked for, and its
-    launcher; a failure is left to the op's first launch, which compiles as it would have anyway."""
+    """Compile one of an fxopt op's kernels for the specialisation its stand-in call asked for, and
+    Triton's launcher for it where torch's C launcher cannot take it (TMA descriptors); a failure is
+    left to the op's first launch, which compiles as it would have anyway."""
+    wait_for_keys()
     try:
-        with _on(device):
-            warm_launcher(fn.preload(spec))
+        with _on(device), quick_handoff():
+            kernel = fn.preload(spec)
+            if not (Environment.read().static_launch and static_refusal(kernel) is None):
+                warm_launcher(kernel)  # else torch's C launcher takes it: Triton's is never built
     except Exception as exc:
         log.debug("fxopt: precompiling %s failed (it compiles at its first launch): %s", fn.fn.__name__, exc)
 
@@ -168,7 +177,9 @@ def _compile_in_workers(gm, module, todo: list[Kernel], source: str, cache, work
     return {name: job.result for name, job in jobs.items()}, finish
 
 
-_keys_warmed = threading.Event()
+_keys_warmed = threading.Event()  # the threads below were started
+_keys_ready = threading.Event()  # ... and the keys are in Triton's caches
+KEYS_WAIT_S = 30.0  # a compile waits at most this long for the keys thread, then computes them itself
 
 
 def warm_compile_keys(example_inputs) -> None:
@@ -179,19 +190,42 @@ def warm_compile_keys(example_inputs) -> None:
     pool, every pool thread computed the key at once (Triton's lru_cache does not lock), each kernel's
     "compile" spending ~0.4 s there even on a cache hit; and the driver, built after the key on one
     thread, was still building when the graph's first stand-in call needed it, so the calling thread
-    built it a second time (benchmarks/results/2026-12-04-h200.md, 2026-12-04-h200-b.md)."""
+    built it a second time (benchmarks/results/2026-12-04-h200.md, 2026-12-04-h200-b.md).
+    Both threads run with a short GIL switch interval (codegen/gil_handoff.py): beside the tracing
+    main thread the key's 1 MiB reads each waited up to 5 ms for the GIL (2.4 s on the H200 host), so
+    the graph's compiles started before the keys were ready and computed them again; now they wait
+    for this thread (`wait_for_keys`)."""
     if _keys_warmed.is_set() or not any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs):
         return
     _keys_warmed.set()
     threading.Thread(target=_driver_ready, daemon=True, name="fxopt-compile-driver").start()
-    threading.Thread(target=_compute_keys, daemon=True, name="fxopt-compile-keys").start()
+    threading.Thread(target=_keys_thread, daemon=True, name="fxopt-compile-keys").start()
+
+
+def wait_for_keys() -> None:
+    """Before a compile: wait for the keys thread if one was started (a thread computing the key
+    itself repeats the hash: Triton's lru_cache does not lock)."""
+    if _keys_warmed.is_set():
+        _keys_ready.wait(KEYS_WAIT_S)
 
 
 def _driver_ready() -> None:
     try:
-        compile_pool.current_target()
+        with quick_handoff():  # the host compiler runs in a subprocess
+            compile_pool.current_target()
     except Exception as exc:  # no driver: the first compile says so, as it would have
         log.debug("fxopt: Triton's driver not warmed: %s", exc)
+
+
+def _keys_thread() -> None:
+    try:
+        with quick_handoff():
+            _compute_keys()
+            importlib.import_module("triton.compiler.code_generator")  # every compile's first import
+    except Exception as exc:  # a compile computes them, as it would have
+        log.debug("fxopt: Triton's keys not warmed: %s", exc)
+    finally:
+        _keys_ready.set()
 
 
 def _compute_keys(target: tuple | None = None) -> None:

@@ -109,6 +109,21 @@ def launch_attributes(compiled) -> str | None:
     return None
 
 
+def static_refusal(compiled) -> str | None:
+    """Why the C launcher could not launch `compiled` whatever its arguments are, or None: then
+    building Triton's own launcher for it ahead of the first launch (a host compiler run on triton
+    3.6) is wasted."""
+    if _LAUNCHER is None:
+        return "torch has no _StaticCudaLauncher"
+    if "cubin" not in (getattr(compiled, "asm", None) or {}):
+        return "no cubin"
+    why = launch_attributes(compiled)
+    if why:
+        return why
+    found = parameter_codes(compiled, len(getattr(getattr(compiled, "src", None), "signature", None) or ()))
+    return found if isinstance(found, str) else None
+
+
 def static_launcher_available() -> bool:
     """torch ships `_StaticCudaLauncher` (CUDA builds)."""
     return _LAUNCHER is not None

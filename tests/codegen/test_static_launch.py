@@ -149,3 +149,30 @@ def test_when_nothing_is_folded_the_arguments_pass_as_they_are(monkeypatch):
     plan.launch(2, 3, 1, 0, args)
     (_, grid, _, codes, passed, _), = fake.launched
     assert grid == (2, 3, 1) and codes.startswith("OOiilf") and passed[:6] == args
+
+
+def test_static_refusal_says_whether_tritons_launcher_is_needed_at_all(monkeypatch):
+    """The precompile pool builds Triton's launcher ahead only for kernels the C launcher refuses
+    whatever their arguments: descriptors, scratch, launch attributes; a real plain kernel passes."""
+    monkeypatch.setattr(static_launch, "_LAUNCHER", object())
+    assert static_launch.static_refusal(_offline(SIGNATURE, {"one": 1, "BLOCK": 64})) is None
+    assert "tensordesc" in static_launch.static_refusal(_fake({"d": "tensordesc<fp16[64, 64]>"}))
+    assert "global_scratch_size" in static_launch.static_refusal(_fake({"x": "*fp32"}, global_scratch_size=8))
+    assert static_launch.static_refusal(_fake({"x": "*fp32"}, num_ctas=2)) == "num_ctas 2"
+    assert static_launch.static_refusal(SimpleNamespace(asm={}, metadata=None)) == "no cubin"
+    monkeypatch.setattr(static_launch, "_LAUNCHER", None)
+    assert "no _StaticCudaLauncher" in static_launch.static_refusal(_fake({"x": "*fp32"}))
+
+
+@pytest.mark.parametrize("signature, static_env, built", [
+    ({"x": "*fp32"}, "1", False), ({"d": "tensordesc<fp16[64, 64]>"}, "1", True), ({"x": "*fp32"}, "0", True)])
+def test_precompile_builds_tritons_launcher_only_where_it_will_launch(monkeypatch, signature, static_env, built):
+    from fxopt.codegen import precompile
+
+    monkeypatch.setattr(static_launch, "_LAUNCHER", object())
+    monkeypatch.setenv("FXOPT_STATIC_LAUNCH", static_env)
+    kernel = _fake(signature)
+    warmed = []
+    monkeypatch.setattr(precompile, "warm_launcher", warmed.append)
+    precompile._preload(SimpleNamespace(preload=lambda spec: kernel, fn=axpb), "spec", 0)
+    assert warmed == ([kernel] if built else [])

@@ -1,0 +1,51 @@
+"""A shorter GIL switch interval while compile threads run beside a busy main thread.
+
+A thread that leaves the GIL for C work (hashing a file, waiting for ptxas or the host compiler)
+needs it back after each piece, and while the main thread runs Python (dynamo and aot_autograd
+tracing, fxopt's passes) it gets it only when the interpreter's switch interval runs out: 5 ms by
+default. Triton's per-process key hashes its ~500 MB shared library in 1 MiB reads, two hand-offs
+each: 0.33 s alone on the CI machine, 5.9 s beside a busy thread, 0.6 s with a 0.2 ms interval, the
+busy thread no slower (`python -m benchmarks.key_beside_tracing`). On the H200 host the key took 2.4 s
+of a GPT-2 training step's cold first call that way (benchmarks/results/2026-12-04-h200-f.md).
+
+The interval is process-wide, so it is set only while some compile phase runs (phases are counted,
+on any thread) and the previous value is put back after the last one ends, unless someone else
+changed it meanwhile. An interval already shorter is left alone. FXOPT_COMPILE_SWITCH_INTERVAL sets
+the value (seconds, default 0.0002; 0: leave the interpreter's interval alone).
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+
+from ..options import Environment
+
+_lock = threading.Lock()
+_active = 0
+_saved: float | None = None  # the interval before the first phase
+_set = 0.0  # the interval the phases run with
+
+
+@contextlib.contextmanager
+def quick_handoff():
+    """Run the block with the switch interval at most FXOPT_COMPILE_SWITCH_INTERVAL's (0.2 ms: 0.1 ms
+    gave the key thread little more and cost the busy thread time)."""
+    global _active, _saved, _set
+    with _lock:
+        if _active == 0:
+            _saved = sys.getswitchinterval()
+            wanted = Environment.read().compile_switch_interval
+            _set = wanted if 0 < wanted < _saved else _saved
+            if _set != _saved:
+                sys.setswitchinterval(_set)
+        _active += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _active -= 1
+            if _active == 0:
+                if abs(sys.getswitchinterval() - _set) < 2e-6:  # nobody else changed it (it keeps µs)
+                    sys.setswitchinterval(_saved)
+                _saved = None
