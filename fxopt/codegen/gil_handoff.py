@@ -8,6 +8,12 @@ each: 0.33 s alone on the CI machine, 5.9 s beside a busy thread, 0.6 s with a 0
 busy thread no slower (`python -m benchmarks.key_beside_tracing`). On the H200 host the key took 2.4 s
 of a GPT-2 training step's cold first call that way (benchmarks/results/2026-12-04-h200-f.md).
 
+Only for threads that mostly wait in C while the main thread's own work is not what the first call
+waits for: the keys and driver threads during tracing, and a foreground precompile (the main thread
+just waits for it). Where the main thread is the critical path and other threads run Python (kernel
+front ends compiling in the background while it compiles the backward graph), a short interval hands
+them more of the GIL and slowed that first call by 1.1 s.
+
 The interval is process-wide, so it is set only while some compile phase runs (phases are counted,
 on any thread) and the previous value is put back after the last one ends, unless someone else
 changed it meanwhile. An interval already shorter is left alone. FXOPT_COMPILE_SWITCH_INTERVAL sets

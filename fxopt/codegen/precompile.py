@@ -60,7 +60,10 @@ def precompile(gm, module, todo: list[Kernel], source: str, cache, workers: int,
     tasks += [functools.partial(warm, k) for k in todo]
 
     def run_all():
-        with quick_handoff():  # pool threads back from ptxas and MLIR beside a main thread still tracing
+        # in the foreground the main thread only waits, and pool threads back from ptxas and MLIR take the
+        # GIL sooner; in the background it compiles the backward graph, which a short interval starved
+        # (1.1 s more for a GPT-2 training step's first call, benchmarks/results/2026-12-04-h200-f.md)
+        with (contextlib.nullcontext() if background else quick_handoff()):
             if len(tasks) <= 1:
                 for task in tasks:
                     task()
@@ -123,7 +126,7 @@ def _preload(fn, spec: str, device: int) -> None:
     left to the op's first launch, which compiles as it would have anyway."""
     wait_for_keys()
     try:
-        with _on(device), quick_handoff():
+        with _on(device):
             kernel = fn.preload(spec)
             if not (Environment.read().static_launch and static_refusal(kernel) is None):
                 warm_launcher(kernel)  # else torch's C launcher takes it: Triton's is never built

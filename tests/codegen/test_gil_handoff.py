@@ -128,3 +128,23 @@ def test_key_beside_tracing_script_reports_each_mode(capsys, monkeypatch):
     rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if "|" in line][1:]
     assert [r[0].strip() for r in rows] == ["alone", "default", "quick_handoff"]
     assert all(float(r[1]) > 0 for r in rows)
+
+
+def test_a_foreground_precompile_compiles_with_the_short_interval_a_background_one_without():
+    """The main thread waits for a foreground precompile, so its compile threads get the GIL back sooner;
+    in the background the main thread compiles the backward graph and keeps the default interval."""
+    import types
+
+    import torch
+    import torch.fx as fx
+
+    seen = []
+    kernel = types.SimpleNamespace(name="k", source="", warmup_args=lambda: (), grid_tuple=lambda: (1,),
+                                   options=lambda: {}, constexprs={})
+    module = types.SimpleNamespace(k=types.SimpleNamespace(warmup=lambda *a, **kw: seen.append(sys.getswitchinterval())))
+    graph = fx.Graph()
+    graph.output(graph.placeholder("x"))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    assert precompile.precompile(gm, module, [kernel], "", None, 0) is None
+    precompile.precompile(gm, module, [kernel], "", None, 0, background=True).result(timeout=10)
+    assert seen == [pytest.approx(INTERVAL, abs=2e-6), pytest.approx(0.005, abs=2e-6)]
