@@ -4,9 +4,10 @@ A thread that leaves the GIL for C work (hashing a file, waiting for ptxas or th
 needs it back after each piece, and while the main thread runs Python (dynamo and aot_autograd
 tracing, fxopt's passes) it gets it only when the interpreter's switch interval runs out: 5 ms by
 default. Triton's per-process key hashes its ~500 MB shared library in 1 MiB reads, two hand-offs
-each: 0.33 s alone on the CI machine, 5.9 s beside a busy thread, 0.6 s with a 0.2 ms interval, the
-busy thread no slower (`python -m benchmarks.key_beside_tracing`). On the H200 host the key took 2.4 s
-of a GPT-2 training step's cold first call that way (benchmarks/results/2026-12-04-h200-f.md).
+each: 0.33 s alone on the CI machine, up to 5.9 s beside a busy thread, 0.66 s with a 0.2 ms interval
+and the busy thread no slower there (`python -m benchmarks.key_beside_tracing`; on the H200 host one
+sample: 2.45 -> 0.69 s, the busy thread 2.18 -> 3.49 s). On the H200 host the key took 2.4 s of a GPT-2
+training step's cold first call (benchmarks/results/2026-12-04-h200-f.md).
 
 Only for threads that mostly wait in C while the main thread's own work is not what the first call
 waits for: the keys and driver threads during tracing, and a foreground precompile (the main thread
