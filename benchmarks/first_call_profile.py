@@ -25,6 +25,7 @@ import traceback
 import torch
 
 from . import compile_stages, measure, workloads
+from .thread_sampler import MainThreadSampler
 
 
 # (module, function) pairs --timeline times; Triton's launcher build is named differently across versions
@@ -93,6 +94,8 @@ def main(argv=None) -> int:
     ap.add_argument("--imports", default="torch._inductor,torch.ao,torch.export",
                     help="comma-separated module prefixes whose first import is traced ('' for none)")
     ap.add_argument("--timeline", action="store_true", help="no profiler: when each compile step ran, per thread")
+    ap.add_argument("--sample-main", action="store_true",
+                    help="with --timeline: the main thread's most frequent stack in each 0.2 s of the call")
     args = ap.parse_args(argv)
     events: list = []
     stages: list = []
@@ -107,6 +110,7 @@ def main(argv=None) -> int:
     tracer = ImportTracer(tuple(p for p in args.imports.split(",") if p))
     sys.meta_path.insert(0, tracer)
     profile = cProfile.Profile()
+    sampler = MainThreadSampler().start() if args.timeline and args.sample_main else None
     with measure.grad_mode(w):
         t0 = time.perf_counter()
         if not args.timeline:
@@ -120,6 +124,10 @@ def main(argv=None) -> int:
         install_timeline(events)  # modules fxopt imported late (its own) are wrapped now, for a second look
         print_timeline(events, t0)
         print(compile_stages.table(stages))
+        if sampler is not None:
+            sampler.stop()
+            print("main thread, most frequent stack per 0.2 s (samples of it / all, innermost frame first):")
+            print("\n".join(sampler.slices(t0)))
         return 0
     out = io.StringIO()
     stats = pstats.Stats(profile, stream=out)

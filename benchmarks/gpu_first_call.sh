@@ -23,7 +23,7 @@ echo "== where fxopt's first call goes: compile steps per thread, Triton's stage
 for W in gpt_block_train gpt_block; do
     T=$(mktemp -d)
     FXOPT_LOG=info TORCHINDUCTOR_CACHE_DIR=$T/i TRITON_CACHE_DIR=$T/t FXOPT_CACHE_DIR=$T/f \
-        timeout 60 python -m benchmarks.first_call_profile $W --timeline > "$OUT/timeline_$W.txt" 2>&1
+        timeout 60 python -m benchmarks.first_call_profile $W --timeline --sample-main > "$OUT/timeline_$W.txt" 2>&1
     grep -h "first call of" "$OUT/timeline_$W.txt"
     grep -h "^kernel \|^total ms" "$OUT/timeline_$W.txt"
 done

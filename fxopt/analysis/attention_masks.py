@@ -67,6 +67,17 @@ def _keep_of_step(step: MaskStep, values, score_shape, node) -> torch.Tensor:
                            f"to the scores {list(score_shape)} ({e})") from None
 
 
+def over_scores(tensor: torch.Tensor, score_shape) -> torch.Tensor:
+    """`tensor` broadcast to the scores' query and key dims only: the batch and head dims keep the
+    mask's own sizes (usually 1). A RuntimeError if it does not broadcast to `score_shape`. Expanded to
+    the whole [batch, heads, q, k] a GPT-2 block's causal check built and compared 268M booleans at
+    compile time (B16 H16 T1024: ~0.4 s of its first call)."""
+    if torch.broadcast_shapes(tensor.shape, score_shape) != torch.Size(score_shape):
+        raise RuntimeError(f"shape {list(tensor.shape)} does not broadcast to {list(score_shape)}")
+    own = [1] * (len(score_shape) - tensor.dim()) + list(tensor.shape)
+    return tensor.reshape(own).expand(*own[:-2], *score_shape[-2:])
+
+
 def _keep(step: MaskStep, value, score_shape) -> torch.Tensor:
     tensor = torch.as_tensor(value).cpu()
     if step.kind == "fill":
@@ -74,8 +85,8 @@ def _keep(step: MaskStep, value, score_shape) -> torch.Tensor:
             raise NotAttention(f"masked scores are filled with {step.value:g}, not -inf or a value <= "
                                f"{MASKED_AT_MOST:g}: exp() would not drop them")
         masked = ~tensor.bool() if step.negate else tensor.bool()
-        return (~masked).expand(score_shape)
-    additive = tensor.float().expand(score_shape)
+        return over_scores(~masked, score_shape)
+    additive = over_scores(tensor.float(), score_shape)
     kept = additive == 0
     if not bool(((additive <= MASKED_AT_MOST) | kept).all()):
         raise NotAttention("a constant additive mask holds values other than 0 and -inf: not a causal mask "
@@ -95,7 +106,7 @@ def mask_facts(steps: list[MaskStep], values, score_shape, requires_grad) -> Mas
     symbolic = not all(isinstance(d, int) for d in score_shape[-2:])
     if not symbolic:
         score_shape = tuple(d if isinstance(d, int) else 1 for d in score_shape)
-    keep = torch.ones(() if symbolic else score_shape, dtype=torch.bool)
+    keep = torch.ones(() if symbolic else (1,) * (len(score_shape) - 2) + tuple(score_shape[-2:]), dtype=torch.bool)
     constant_steps = []
     for step in steps:
         if values.is_constant(step.tensor) and symbolic:
