@@ -113,15 +113,21 @@ def static_refusal(compiled) -> str | None:
     """Why the C launcher could not launch `compiled` whatever its arguments are, or None: then
     building Triton's own launcher for it ahead of the first launch (a host compiler run on triton
     3.6) is wasted."""
-    if _LAUNCHER is None:
-        return "torch has no _StaticCudaLauncher"
-    if "cubin" not in (getattr(compiled, "asm", None) or {}):
-        return "no cubin"
-    why = launch_attributes(compiled)
+    why = _kernel_refusal(compiled)
     if why:
         return why
     found = parameter_codes(compiled, len(getattr(getattr(compiled, "src", None), "signature", None) or ()))
     return found if isinstance(found, str) else None
+
+
+def _kernel_refusal(compiled) -> str | None:
+    """What refuses the kernel before its parameters are looked at: no C launcher, no cubin, launch
+    attributes."""
+    if _LAUNCHER is None:
+        return "torch has no _StaticCudaLauncher"
+    if "cubin" not in (getattr(compiled, "asm", None) or {}):
+        return "no cubin"
+    return launch_attributes(compiled)
 
 
 def static_launcher_available() -> bool:
@@ -131,12 +137,7 @@ def static_launcher_available() -> bool:
 
 def plan_static_launch(compiled, n_args: int, device: int) -> StaticLaunch | str:
     """A StaticLaunch for `compiled` on `device`, or why Triton's launcher has to keep it."""
-    if _LAUNCHER is None:
-        return "torch has no _StaticCudaLauncher"
-    asm = getattr(compiled, "asm", None)
-    if asm is None or "cubin" not in asm:
-        return "no cubin"
-    why = launch_attributes(compiled)
+    why = _kernel_refusal(compiled)
     if why:
         return why
     found = parameter_codes(compiled, n_args)
@@ -147,7 +148,7 @@ def plan_static_launch(compiled, n_args: int, device: int) -> StaticLaunch | str
     take = (lambda args: args) if keep == list(range(n_args)) else picker(tuple(keep))
     pick = (lambda args: take(args) + tail) if scratch else take
     meta = compiled.metadata
-    module, function, n_regs, n_spills = _load(asm["cubin"], meta.name, meta.shared, device)
+    module, function, n_regs, n_spills = _load(compiled.asm["cubin"], meta.name, meta.shared, device)
     return StaticLaunch(function, module, meta.num_warps, meta.shared, codes, pick, n_regs, n_spills)
 
 
