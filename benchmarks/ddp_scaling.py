@@ -343,11 +343,8 @@ def run_ranks(job_name: str, world: int, cfg, device, args) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     scaling_cli.shape_args(p)
-    p.add_argument("--steps", type=int, default=20, help="timed steps per backend")
+    scaling_cli.run_args(p, backends=",".join(BACKENDS))
     p.add_argument("--loss-steps", type=int, default=5)
-    p.add_argument("--rounds", type=int, default=5, help="scaling part: one-GPU and N-GPU timings in turn")
-    p.add_argument("--precision", default="bf16", help="throughput and overlap parts (bf16, fp16 or none)")
-    p.add_argument("--backends", default=",".join(BACKENDS))
     p.add_argument("--parts", default="losses,allreduce,throughput,overlap",
                    help="throughput: 1 GPU and N (separate processes, with peak memory); throughput_n: "
                         "N only; scaling: 1 GPU and N in turn in the same processes, medians of --rounds")
@@ -363,7 +360,6 @@ def main(argv=None) -> int:
     p.add_argument("--profile-rank", type=int, default=0, help="the rank the overlap part profiles")
     p.add_argument("--share-gpu", action="store_true",
                    help="every rank on GPU 0 through gloo (checks results where only one GPU is lent)")
-    p.add_argument("--timeout", type=int, default=900)
     args = scaling_cli.parsed(p, argv)
     on_gpus = args.device == "cuda" and not args.share_gpu
     world = args.world or (torch.cuda.device_count() if on_gpus else 2)

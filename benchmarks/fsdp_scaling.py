@@ -75,11 +75,7 @@ def job_fsdp_scaling(rank, world, cfg, device, args) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     scaling_cli.shape_args(p)
-    p.add_argument("--steps", type=int, default=20, help="timed steps per phase and round")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--precision", default="bf16", help="bf16, fp16 or none")
-    p.add_argument("--backends", default="inductor,fxopt")
-    p.add_argument("--timeout", type=int, default=900)
+    scaling_cli.run_args(p, backends="inductor,fxopt")
     args = scaling_cli.parsed(p, argv)
     args.optimize_ddp, args.share_gpu = False, False  # what ds._worker reads
     world = args.world or (torch.cuda.device_count() if args.device == "cuda" else 2)

@@ -1,5 +1,6 @@
 """The command-line options benchmarks.ddp_scaling and benchmarks.fsdp_scaling share: where they run
-(device, ranks), the model's size, and how their arguments are finished after parsing."""
+(device, ranks), the model's size, what they time and in which precision, and how their arguments are
+finished after parsing."""
 from __future__ import annotations
 
 import argparse
@@ -14,6 +15,15 @@ def shape_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--blocks", type=int, default=4)
     p.add_argument("--batch", type=int, default=8, help="per-GPU batch (sequences of 1024 tokens)")
     p.add_argument("--quick", action="store_true", help="tiny shapes (a CPU smoke test)")
+
+
+def run_args(p: argparse.ArgumentParser, backends: str) -> None:
+    """How long each tool times, in what precision, which backends, and how long it waits for its ranks."""
+    p.add_argument("--steps", type=int, default=20, help="timed steps per phase and round")
+    p.add_argument("--rounds", type=int, default=5, help="one-GPU and N-GPU timings in turn")
+    p.add_argument("--precision", default="bf16", help="bf16, fp16 or none")
+    p.add_argument("--backends", default=backends)
+    p.add_argument("--timeout", type=int, default=900)
 
 
 def parsed(p: argparse.ArgumentParser, argv) -> argparse.Namespace:
