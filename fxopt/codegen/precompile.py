@@ -16,7 +16,7 @@ import torch
 from ..errors import FxoptError
 from ..options import Environment
 from . import compile_pool
-from .compile_worker import warm_launcher
+from .compile_worker import preload, warm_launcher
 from .gil_handoff import quick_handoff
 from .kernel import Kernel
 from .own_op_compiles import backward_compiles, own_op_compiles
@@ -127,7 +127,7 @@ def _preload(fn, spec: str, device: int) -> None:
     wait_for_keys()
     try:
         with _on(device):
-            kernel = fn.preload(spec)
+            kernel = preload(fn, spec)  # a TMA kernel's launcher is built beside its compile
             if not (Environment.read().static_launch and static_refusal(kernel) is None):
                 warm_launcher(kernel)  # else torch's C launcher takes it: Triton's is never built
     except Exception as exc:
