@@ -14,6 +14,10 @@ if [ "${1:-}" = suite ]; then
     exit 0
 fi
 
+echo "== the attention kernel's launcher built after vs beside its compile (triton 3.6)"
+timeout 90 python -m benchmarks.launcher_ahead_cost --rounds 2 2>&1 | tail -5
+python -m pytest -q tests/codegen/test_launcher_ahead.py 2>&1 | tail -1
+
 echo "== runner: first call against Inductor's in the same run, steady state, peak memory"
 timeout 330 python -m benchmarks.run --workloads gpt_block_train,llama_block_train,gpt_block --backends inductor,fxopt \
     > "$OUT/runner.txt" 2>&1
