@@ -38,6 +38,13 @@ def restoring_triton_language():
                     setattr(space, name, value)
 
 
+# Triton's interpreter before 3.7 reads a tensor used as an index (a loop bound computed in the kernel)
+# with int() of a one-element array, which numpy 2.4 refuses: say what to install instead of failing there.
+_SIZE_ONE_TO_INT = "only 0-dimensional arrays can be converted to Python scalars"
+NUMPY_TOO_NEW = ("fxopt: this Triton's interpreter (before triton 3.7) converts one-element numpy arrays with "
+                 "int(), which numpy >= 2.4 refuses; to run kernels on the CPU install 'numpy<2.4' or triton >= 3.7")
+
+
 class GuardedKernel:
     """Launch as `kernel[grid](...)`; triton.language is restored after every launch."""
 
@@ -47,7 +54,12 @@ class GuardedKernel:
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             with restoring_triton_language():
-                return self.fn[grid](*args, **kwargs)
+                try:
+                    return self.fn[grid](*args, **kwargs)
+                except Exception as exc:
+                    if _SIZE_ONE_TO_INT in str(exc):
+                        raise RuntimeError(NUMPY_TOO_NEW) from exc
+                    raise
         return launch
 
     def __getattr__(self, name):

@@ -179,6 +179,16 @@ def _cast(c, x):
     return f"{x}.to({TL_DTYPE[c.out_dtype]})"
 
 
+def _bitwise_not(c, x: str) -> str:
+    """~x; on uint8 as x ^ 0xFF in uint8 (Triton 3.6's interpreter inverts through numpy with -1, which
+    numpy 2 refuses for unsigned arrays; the xor is the same bits everywhere)."""
+    if c.compute == torch.bool:
+        return f"({x} == 0)"
+    if c.compute == torch.uint8:
+        return f"({x} ^ tl.full([], 255, tl.uint8))"
+    return f"(~{x})"
+
+
 def _sign(x):
     return f"tl.where({x} > 0, 1, tl.where({x} < 0, -1, 0)).to({x}.dtype)"
 
@@ -242,7 +252,7 @@ LOWERINGS = {
     aten.isnan.default: lambda c, n, o: f"({o[0]} != {o[0]})",
     aten.isinf.default: lambda c, n, o: f"(tl.abs({o[0]}) == float(\"inf\"))",
     aten.logical_not.default: lambda c, n, o: f"({o[0]} == 0)",
-    aten.bitwise_not.default: lambda c, n, o: f"({o[0]} == 0)" if c.compute == torch.bool else f"(~{o[0]})",
+    aten.bitwise_not.default: lambda c, n, o: _bitwise_not(c, o[0]),
     aten.gelu.default: lambda c, n, o: _gelu(c, o[0], n.kwargs.get("approximate", "none")),
     aten.silu.default: lambda c, n, o: f"({o[0]} * {_sigmoid(c, o[0])})",
     aten.clone.default: lambda c, n, o: o[0],
