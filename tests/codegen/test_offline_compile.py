@@ -1,0 +1,128 @@
+"""Generated kernels compile for the GPU on a machine without one (codegen/offline_compile.py).
+
+The suite checks every generated kernel's numbers in Triton's interpreter, which accepts code the GPU
+compiler refuses, and generates the interpreter's variant of each kernel ("interpret": no libdevice, no
+inline PTX). Here the same fused groups are generated for "cuda" as well, for programs that reach each
+code path (libdevice and approximate math, integer ops, every reduction schedule, norm backwards with
+column sums, combined casts), written as the kernel files explain writes, and compiled for an H100/H200
+target with `--compile-for cuda:90`: Triton's real compiler and ptxas, no GPU. Numbers are not checked
+here (the interpreter and GPU tests do that).
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxopt
+import fxopt.compile as fxopt_compile
+
+triton = pytest.importorskip("triton")
+
+# one subprocess compiles every file: importing torch and fxopt once, Triton's compiler from the start
+COMPILE_ALL = textwrap.dedent("""\
+    import json, os, runpy, sys, traceback
+    os.environ["TRITON_INTERPRET"] = "0"
+    results = {}
+    for path in sys.argv[1:]:
+        sys.argv = [path, "--compile-for", "cuda:90"]
+        try:
+            runpy.run_path(path, run_name="__main__")
+            results[path] = "ok"
+        except Exception:
+            results[path] = traceback.format_exc()[-3000:]
+    print("RESULTS " + json.dumps(results))
+""")
+
+
+def pointwise_float(x, y):
+    return (torch.tanh(x) * torch.sigmoid(y) + torch.erf(x) - torch.log1p(y.abs()) + torch.fmod(x, 0.7)
+            + torch.atan2(x, y) + F.gelu(y) + F.gelu(x, approximate="tanh") + torch.rsqrt(y.abs() + 1)
+            + torch.pow(x.abs(), 1.7) + torch.round(x * 3) + torch.where(x > y, x.exp2(), y.expm1()))
+
+
+def pointwise_int(i, j):
+    return (i // j, i % j, i >> 1, i << 2, i & j, i | 3, ~i, i.abs(), torch.clamp(i, -3, 5), i.to(torch.float32) / j,
+            torch.maximum(i, j), torch.sign(i))
+
+
+def reductions(x):
+    return (torch.softmax(x, -1), x.sum(0), x.amax(-1), x.argmax(-1), torch.var_mean(x, -1), x.logsumexp(-1),
+            F.layer_norm(x, x.shape[-1:]), F.rms_norm(x, x.shape[-1:]))
+
+
+def long_rows(x):
+    return torch.softmax(x, -1), x.sum()
+
+
+PROGRAMS = [  # (name, fn, inputs, explain options)
+    ("float32 pointwise", pointwise_float, lambda: (torch.randn(8, 33), torch.randn(8, 33)), {}),
+    ("bf16 pointwise", pointwise_float,
+     lambda: (torch.randn(8, 33).bfloat16(), torch.randn(8, 33).bfloat16()), {}),
+    ("int32 pointwise", pointwise_int,
+     lambda: (torch.randint(-50, 50, (8, 33), dtype=torch.int32), torch.randint(1, 9, (8, 33), dtype=torch.int32)), {}),
+    ("uint8 pointwise", lambda a, b: (~(a ^ b), a & b, a | 3, torch.logical_not(a)),
+     lambda: (torch.randint(0, 255, (37,), dtype=torch.uint8), torch.randint(0, 255, (37,), dtype=torch.uint8)), {}),
+    ("row and column reductions", reductions, lambda: (torch.randn(16, 96),), {}),
+    ("long rows, one big sum", long_rows, lambda: (torch.randn(2, 40000),), {}),
+    ("norm backwards (column sums)",
+     lambda x, w, b: (F.layer_norm(x, x.shape[-1:], w, b).square().sum(), F.rms_norm(x, x.shape[-1:], w).sum()),
+     lambda: (torch.randn(64, 128, requires_grad=True), torch.randn(128, requires_grad=True),
+              torch.randn(128, requires_grad=True)), {}),
+    ("bf16 casts and matmuls", lambda x, w: F.silu(x @ w).softmax(-1),
+     lambda: (torch.randn(16, 32), torch.randn(32, 32)), {"precision": "bf16"}),
+]
+
+
+@pytest.fixture(scope="module")
+def cuda_kernel_files(tmp_path_factory):
+    """Each program's fused groups generated for "cuda" beside the interpreter's, as kernel files."""
+    folder = tmp_path_factory.mktemp("cuda_kernels")
+    made = []
+
+    def also_cuda(generate):
+        def both(gm, name, target, *args):
+            made.append(generate(gm, name, "cuda", *args))
+            return generate(gm, name, target, *args)
+        return both
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(fxopt_compile, "generate_pointwise_kernel", also_cuda(fxopt_compile.generate_pointwise_kernel))
+    patch.setattr(fxopt_compile, "generate_reduction_kernel", also_cuda(fxopt_compile.generate_reduction_kernel))
+    casts = fxopt_compile.generate_combined_casts_kernel  # one variant for both targets
+    patch.setattr(fxopt_compile, "generate_combined_casts_kernel", lambda *a: made.append(casts(*a)) or made[-1])
+    try:
+        for _, fn, inputs, options in PROGRAMS:
+            fxopt.explain(fn, *inputs(), **options)
+    finally:
+        patch.undo()
+    paths = []
+    for i, k in enumerate(made):
+        path = folder / f"{i:02d}_{k.name}.py"
+        path.write_text(fxopt_compile.standalone_source(k))
+        paths.append(str(path))
+    return folder, paths, made
+
+
+def test_cuda_variants_of_every_generated_kernel_compile_for_an_h200(cuda_kernel_files, tmp_path):
+    folder, paths, kernels = cuda_kernel_files
+    ops = {op.split(".")[1] for k in kernels for op in k.ops}
+    assert {"tanh", "erf", "gelu", "remainder", "bitwise_not", "sign", "amax", "rsqrt", "_to_copy"} <= ops, ops
+    assert any("libdevice." in k.source for k in kernels)  # the GPU variants, not the interpreter's
+    assert any(k.prologue is not None for k in kernels)  # a split reduction's partials kernel
+    assert any(k.name.startswith("cast_inputs") for k in kernels)  # bf16's combined parameter casts
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"),
+               PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", COMPILE_ALL, *paths], capture_output=True, text=True,
+                          timeout=900, env=env)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULTS ")]
+    assert lines, done.stderr[-3000:]
+    results = json.loads(lines[-1][len("RESULTS "):])
+    failed = {os.path.basename(p): r for p, r in results.items() if r != "ok"}
+    assert not failed, failed
+    cubins = list((tmp_path / "triton").rglob("*.cubin"))
+    assert len(cubins) >= len(paths), (len(cubins), len(paths))  # really compiled, each launch at least once
