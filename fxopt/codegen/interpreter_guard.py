@@ -66,11 +66,18 @@ class GuardedKernel:
         return getattr(self.fn, name)
 
 
+compile_only = None  # set inside offline_compile.compiling_launches (its CompileOnly)
+
+
 def launcher(kernel, grid: tuple, device, who: str):
     """`kernel[grid]` for how triton runs in this process, which is fixed when triton is imported:
     CPU tensors need the interpreter (launches guarded, as above), CUDA tensors the compiler. A
     mismatch is a clear error naming `who` instead of a failure deep inside triton."""
     interpreted = isinstance(kernel, InterpretedFunction)
+    if compile_only is not None:  # offline_compile.compiling_launches: compile for its target, no launch
+        if interpreted:
+            raise ValueError(f"{who}: compiling for a GPU needs triton imported with TRITON_INTERPRET=0")
+        return compile_only(kernel)[grid]
     if device.type == "cpu" and not interpreted:
         raise ValueError(f"{who}: cpu tensors run in the Triton interpreter, which needs TRITON_INTERPRET=1 "
                          "set before triton is imported")

@@ -126,3 +126,74 @@ def test_cuda_variants_of_every_generated_kernel_compile_for_an_h200(cuda_kernel
     assert not failed, failed
     cubins = list((tmp_path / "triton").rglob("*.cubin"))
     assert len(cubins) >= len(paths), (len(cubins), len(paths))  # really compiled, each launch at least once
+
+
+OWN_KERNELS = textwrap.dedent("""\
+    import json, os
+    import torch
+    from triton import knobs
+    from fxopt.codegen.offline_compile import compiling_launches
+    from fxopt.attention.flash_common import backward_config, forward_config
+    from fxopt.attention.flash_forward import flash_forward
+    from fxopt.attention.flash_backward import flash_backward
+    from fxopt.attention.flash_decode import flash_decode
+    from fxopt.losses.cross_entropy_kernels import GPU_BLOCK_V, cross_entropy_forward, cross_entropy_grad
+
+    compiled = []
+    knobs.compilation.listener = lambda **kw: compiled.append(getattr(kw["src"].fn, "__name__", "?"))
+    T = 256
+    with compiling_launches("cuda:90"):
+        for dtype, head_dim, kv_heads in [(torch.bfloat16, 64, 2), (torch.float16, 128, 1), (torch.float32, 64, 2)]:
+            q = torch.randn(1, 2, T, head_dim, dtype=dtype)
+            k, v = (torch.randn(1, kv_heads, T, head_dim, dtype=dtype) for _ in range(2))
+            for causal in (True, False):  # the GPU's configs, TMA where they pick it
+                cfg = forward_config(head_dim, causal, dtype, T, T, "cuda")
+                out, lse = flash_forward(q, k, v, scale=0.125, causal=causal, config=cfg)
+                flash_backward(torch.randn_like(q), q, k, v, out, lse, scale=0.125, causal=causal,
+                               config=backward_config(head_dim, causal, dtype, T, T, "cuda"))
+            mask = torch.randn(1, 1, T, T, dtype=dtype).expand(1, 2, T, T)
+            cfg = forward_config(head_dim, False, dtype, T, T, "cuda", has_mask=True)
+            out, lse = flash_forward(q, k, v, scale=0.125, causal=False, mask=mask, config=cfg)
+            flash_backward(torch.randn_like(q), q, k, v, out, lse, scale=0.125, causal=False, mask=mask,
+                           config=backward_config(head_dim, False, dtype, T, T, "cuda"))
+            flash_decode(q[:, :, :1], k, v, scale=0.125, causal=False, num_splits=4,
+                         config={"BLOCK_N": 64, "BLOCK_M": 64, "num_warps": 4, "num_stages": 3})
+        logits, target = torch.randn(64, 5000, dtype=torch.bfloat16), torch.randint(0, 5000, (64,))
+        for reduction in ("mean", "none"):
+            loss, stats = cross_entropy_forward(logits, target, -100, reduction, block_v=GPU_BLOCK_V)
+            cross_entropy_grad(logits, target, stats, torch.ones(loss.shape), -100, reduction, block_v=GPU_BLOCK_V)
+    print("COMPILED " + json.dumps(compiled))
+""")
+
+
+def test_fxopt_own_kernels_compile_for_an_h200_with_the_gpu_configs(tmp_path):
+    """Attention (pointer and TMA kernels, forward, backward, masked, decode) and cross-entropy with the
+    launch configs the GPU uses, compiled by this Triton for sm_90 (the GPU sessions check them on the
+    GPU machine's Triton; this checks CI's)."""
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "triton"),
+               PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", OWN_KERNELS], capture_output=True, text=True, timeout=900, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    compiled = json.loads(done.stdout.split("COMPILED ")[-1])
+    expected = {"_flash_forward_kernel", "_flash_forward_tma_kernel", "_dkdv_kernel", "_dq_kernel", "_delta_kernel",
+                "_dkdv_tma_kernel", "_dq_tma_kernel", "_split_partials_kernel", "_combine_splits_kernel",
+                "_forward_kernel", "_finish_kernel", "_backward_kernel"}
+    assert expected <= set(compiled), sorted(expected - set(compiled))
+    assert len(list((tmp_path / "triton").rglob("*.cubin"))) >= len(set(compiled))
+
+
+def test_compiling_needs_the_compiler_and_a_named_target():
+    """In this process Triton interprets (the suite's TRITON_INTERPRET=1): a compile-only launch says
+    what it needs instead of running the kernel; a target it cannot read is named."""
+    from fxopt.attention.flash_forward import flash_forward
+    from fxopt.codegen import interpreter_guard
+    from fxopt.codegen.offline_compile import compiling_launches, parse_target
+
+    q = torch.randn(1, 1, 16, 16)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=0"):
+        with compiling_launches("cuda:90"):
+            flash_forward(q, q, q, scale=0.25, causal=True)
+    assert interpreter_guard.compile_only is None  # put back after the error
+    assert parse_target("cuda:80") == ("cuda", 80, 32)
+    with pytest.raises(ValueError, match="cuda:90"):
+        parse_target("sm_90")
