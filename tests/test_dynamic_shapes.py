@@ -282,3 +282,29 @@ def test_gpu_gpt_block_many_sizes():
         first = first or backend.calls
         assert backend.calls == first
     _assert_no_narrowing(backend.report)
+
+
+def test_a_symbolic_row_kernel_file_runs_on_its_own(tmp_path):
+    """The kernel files explain and dumps write run on their own for symbolic sizes too: a norm
+    backward's row kernel with column sums over a symbolic row length picks its block per call
+    (`whole_row_block`, which the file must import)."""
+    import subprocess
+
+    def f(x, w, b):
+        return F.layer_norm(x, (x.shape[-1],), w, b)
+
+    g, backend = _compiled(f, keep_graphs=True)  # as explain: the kernel files are written
+    for n, m in [(37, 48), (5, 40)]:  # a symbolic row length too
+        args = [torch.randn(*shape, requires_grad=True) for shape in [(n, m), (m,), (m,)]]
+        dy = torch.randn(n, m)
+        for got, want in zip(torch.autograd.grad(g(*args), args, dy), torch.autograd.grad(f(*args), args, dy)):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    files = [k.standalone for k in backend.report.kernels if "whole_row_block(" in k.standalone]
+    assert files, [(k.name, k.schedule) for k in backend.report.kernels]
+    path = tmp_path / "kernel.py"
+    path.write_text(files[0])
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([os.path.join(os.path.dirname(__file__), ".."), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "output 0" in run.stdout

@@ -29,7 +29,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.language.extra import libdevice  # noqa: E402,F401
 
-from fxopt.codegen.wrapper_runtime import cdiv, next_power_of_2  # noqa: E402,F401
+from fxopt.codegen.wrapper_runtime import cdiv, next_power_of_2, whole_row_block  # noqa: E402,F401
 
 '''
 
