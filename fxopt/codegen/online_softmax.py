@@ -11,6 +11,7 @@ import torch
 import torch.fx as fx
 
 from ..analysis.reductions import reduction_info
+from .dtypes import TL_DTYPE, compute_dtype
 
 aten = torch.ops.aten
 
@@ -36,8 +37,11 @@ def find_online_pairs(reductions: list[fx.Node]) -> dict[fx.Node, fx.Node]:
 
 
 def online_init(s: fx.Node, m: fx.Node) -> list[str]:
-    return [f'acc_{m.name} = tl.full([XBLOCK, RBLOCK], float("-inf"), tl.float32)',
-            f"acc_{s.name} = tl.zeros([XBLOCK, RBLOCK], tl.float32)"]
+    """The running max and sum, in the max's compute dtype: float64 rows keep float64 accumulators (the
+    loop's updates are float64, and the GPU compiler refuses a loop variable that changes type)."""
+    acc = TL_DTYPE[compute_dtype(m.meta["val"].dtype)]
+    return [f'acc_{m.name} = tl.full([XBLOCK, RBLOCK], float("-inf"), {acc})',
+            f"acc_{s.name} = tl.zeros([XBLOCK, RBLOCK], {acc})"]
 
 
 def online_update(s: fx.Node, m: fx.Node, u_expr: str, exp) -> list[str]:

@@ -69,6 +69,7 @@ PROGRAMS = [  # (name, fn, inputs, explain options)
      lambda: (torch.randint(0, 255, (37,), dtype=torch.uint8), torch.randint(0, 255, (37,), dtype=torch.uint8)), {}),
     ("row and column reductions", reductions, lambda: (torch.randn(16, 96),), {}),
     ("long rows, one big sum", long_rows, lambda: (torch.randn(2, 40000),), {}),
+    ("float64 long rows", long_rows, lambda: (torch.randn(2, 40000, dtype=torch.float64),), {}),
     ("norm backwards (column sums)",
      lambda x, w, b: (F.layer_norm(x, x.shape[-1:], w, b).square().sum(), F.rms_norm(x, x.shape[-1:], w).sum()),
      lambda: (torch.randn(64, 128, requires_grad=True), torch.randn(128, requires_grad=True),
