@@ -57,3 +57,73 @@ def compiling_launches(target: str):
     finally:
         interpreter_guard.compile_only = None
         driver._active = saved
+
+
+def compile_files(paths: list[str], target: str = "cuda:90", timeout: float = 3600) -> dict[str, str]:
+    """Compile kernel files (`kernels/<name>.py`) for `target`: {path: "" if it compiled, else the
+    error}. One subprocess for all of them, with Triton's compiler (this process may be interpreting)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    parse_target(target)
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    done = subprocess.run([sys.executable, "-m", "fxopt.codegen.offline_compile", "--in-process", "--target", target,
+                           *paths], capture_output=True, text=True, timeout=timeout, env=env)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(_RESULTS)]
+    if not lines:
+        raise RuntimeError(f"fxopt: the offline compile process failed: {done.stderr[-3000:]}")
+    return json.loads(lines[-1][len(_RESULTS):])
+
+
+_RESULTS = "FXOPT_OFFLINE_COMPILE "
+
+
+def _compile_here(paths: list[str], target: str) -> dict[str, str]:
+    import runpy
+    import sys
+    import traceback
+
+    results = {}
+    for path in paths:
+        sys.argv = [path, "--compile-for", target]
+        try:
+            runpy.run_path(path, run_name="__main__")
+            results[path] = ""
+        except Exception:
+            results[path] = traceback.format_exc()[-3000:]
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m fxopt.codegen.offline_compile DIR_OR_FILE... [--target cuda:90]: compile every kernel
+    file (a dump's kernels/ folder) for a GPU without one; exit status 1 if any failed."""
+    import argparse
+    import glob
+    import json
+    import os
+
+    parser = argparse.ArgumentParser(prog="python -m fxopt.codegen.offline_compile", description=main.__doc__)
+    parser.add_argument("paths", nargs="+", help="kernel files, or folders of them")
+    parser.add_argument("--target", default="cuda:90")
+    parser.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    try:
+        parse_target(args.target)
+    except ValueError as exc:
+        parser.error(str(exc))
+    paths = [p for a in args.paths for p in (sorted(glob.glob(os.path.join(a, "*.py"))) if os.path.isdir(a) else [a])]
+    if args.in_process:
+        print(_RESULTS + json.dumps(_compile_here(paths, args.target)), flush=True)
+        return 0
+    results = compile_files(paths, args.target)
+    failed = {p: e for p, e in results.items() if e}
+    for path, error in failed.items():
+        print(f"FAILED {path}\n{error}")
+    print(f"{len(results) - len(failed)} of {len(results)} kernel files compiled for {args.target}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

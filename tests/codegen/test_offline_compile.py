@@ -20,23 +20,11 @@ import torch.nn.functional as F
 
 import fxopt
 import fxopt.compile as fxopt_compile
+from tests.cuda_variants import install
+from fxopt.codegen.offline_compile import compile_files
 
 triton = pytest.importorskip("triton")
 
-# one subprocess compiles every file: importing torch and fxopt once, Triton's compiler from the start
-COMPILE_ALL = textwrap.dedent("""\
-    import json, os, runpy, sys, traceback
-    os.environ["TRITON_INTERPRET"] = "0"
-    results = {}
-    for path in sys.argv[1:]:
-        sys.argv = [path, "--compile-for", "cuda:90"]
-        try:
-            runpy.run_path(path, run_name="__main__")
-            results[path] = "ok"
-        except Exception:
-            results[path] = traceback.format_exc()[-3000:]
-    print("RESULTS " + json.dumps(results))
-""")
 
 
 def pointwise_float(x, y):
@@ -84,18 +72,8 @@ def cuda_kernel_files(tmp_path_factory):
     """Each program's fused groups generated for "cuda" beside the interpreter's, as kernel files."""
     folder = tmp_path_factory.mktemp("cuda_kernels")
     made = []
-
-    def also_cuda(generate):
-        def both(gm, name, target, *args):
-            made.append(generate(gm, name, "cuda", *args))
-            return generate(gm, name, target, *args)
-        return both
-
     patch = pytest.MonkeyPatch()
-    patch.setattr(fxopt_compile, "generate_pointwise_kernel", also_cuda(fxopt_compile.generate_pointwise_kernel))
-    patch.setattr(fxopt_compile, "generate_reduction_kernel", also_cuda(fxopt_compile.generate_reduction_kernel))
-    casts = fxopt_compile.generate_combined_casts_kernel  # one variant for both targets
-    patch.setattr(fxopt_compile, "generate_combined_casts_kernel", lambda *a: made.append(casts(*a)) or made[-1])
+    install(made.append, patch.setattr)
     try:
         for _, fn, inputs, options in PROGRAMS:
             fxopt.explain(fn, *inputs(), **options)
@@ -109,21 +87,17 @@ def cuda_kernel_files(tmp_path_factory):
     return folder, paths, made
 
 
-def test_cuda_variants_of_every_generated_kernel_compile_for_an_h200(cuda_kernel_files, tmp_path):
+def test_cuda_variants_of_every_generated_kernel_compile_for_an_h200(cuda_kernel_files, tmp_path, monkeypatch):
     folder, paths, kernels = cuda_kernel_files
     ops = {op.split(".")[1] for k in kernels for op in k.ops}
     assert {"tanh", "erf", "gelu", "remainder", "bitwise_not", "sign", "amax", "rsqrt", "_to_copy"} <= ops, ops
     assert any("libdevice." in k.source for k in kernels)  # the GPU variants, not the interpreter's
     assert any(k.prologue is not None for k in kernels)  # a split reduction's partials kernel
     assert any(k.name.startswith("cast_inputs") for k in kernels)  # bf16's combined parameter casts
-    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"),
-               PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-c", COMPILE_ALL, *paths], capture_output=True, text=True,
-                          timeout=900, env=env)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULTS ")]
-    assert lines, done.stderr[-3000:]
-    results = json.loads(lines[-1][len("RESULTS "):])
-    failed = {os.path.basename(p): r for p, r in results.items() if r != "ok"}
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    results = compile_files(paths, "cuda:90", timeout=900)
+    assert set(results) == set(paths)
+    failed = {os.path.basename(p): error for p, error in results.items() if error}
     assert not failed, failed
     cubins = list((tmp_path / "triton").rglob("*.cubin"))
     assert len(cubins) >= len(paths), (len(cubins), len(paths))  # really compiled, each launch at least once
