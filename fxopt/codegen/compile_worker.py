@@ -90,13 +90,22 @@ def import_fxopt_kernels(root: str, modules: list[str]) -> None:
         importlib.import_module(name)
 
 
-def warm_launcher(kernel) -> None:
-    """Build Triton's launcher for the kernel too where this Triton compiles one per signature (a C
-    file through the host compiler, 0.3 s cold; triton 3.6 does, 3.9 does not), into the same cache."""
+def per_signature_launchers():
+    """Triton's CUDA driver module where it builds a C launcher per kernel signature (a C file through
+    the host compiler, 0.3 s cold: triton 3.6 does, 3.9 has one generic launcher), else None."""
     try:
         from triton.backends.nvidia import driver as nvidia_driver
+    except ImportError:
+        return None
+    return nvidia_driver if hasattr(nvidia_driver, "make_launcher") else None
 
-        if kernel is not None and hasattr(nvidia_driver, "compile_module_from_src"):
+
+def warm_launcher(kernel) -> None:
+    """Build Triton's launcher for the kernel too where this Triton builds one per signature, into the
+    same cache."""
+    try:
+        nvidia_driver = per_signature_launchers()
+        if kernel is not None and nvidia_driver is not None:
             nvidia_driver.CudaLauncher(kernel.src, kernel.metadata)
     except Exception:  # the parent builds it at the first launch, as without workers
         pass
@@ -111,18 +120,17 @@ def predicted_launcher_source(spec: str) -> str | None:
     takes descriptor-free kernels). A wrong guess costs a wasted build: Triton's own, keyed by its
     source, builds what it needs."""
     try:
-        from triton.backends.nvidia import driver as nvidia_driver
         from triton.runtime.driver import driver
 
-        make_launcher = getattr(nvidia_driver, "make_launcher", None)
+        nvidia_driver = per_signature_launchers()
         target = driver.active.get_current_target()
-        if make_launcher is None or target.backend != "cuda" or target.arch < 90:
+        if nvidia_driver is None or target.backend != "cuda" or target.arch < 90:
             return None
         signature = {name: _tuples(ty) for name, ty in json.loads(spec)["signature"].items()}
         descriptors = sum(isinstance(ty, str) and ty.startswith("tensordesc") for ty in signature.values())
         if not descriptors:
             return None
-        return make_launcher({}, signature, [{}] * descriptors)  # {}: "lowered to TMA"; only that is read
+        return nvidia_driver.make_launcher({}, signature, [{}] * descriptors)  # {}: "lowered to TMA"; only that is read
     except Exception:  # another Triton's internals: no build ahead
         return None
 
@@ -136,8 +144,7 @@ def build_launcher(source: str) -> None:
     """Build the launcher from `source` into Triton's cache, as CudaLauncher would (same key: the source
     and the platform), so Triton's own build for the compiled kernel finds it there."""
     try:
-        from triton.backends.nvidia import driver as nvidia_driver
-
+        nvidia_driver = per_signature_launchers()
         nvidia_driver.compile_module_from_src(src=source, name="__triton_launcher",
                                               library_dirs=nvidia_driver.library_dirs(),
                                               include_dirs=nvidia_driver.include_dirs,

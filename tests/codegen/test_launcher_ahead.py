@@ -18,7 +18,7 @@ from triton.runtime.driver import driver  # noqa: E402
 
 from fxopt.codegen import compile_worker  # noqa: E402
 
-PER_SIGNATURE = hasattr(nvidia_driver, "make_launcher")  # triton 3.6; 3.9 has one generic launcher
+PER_SIGNATURE = compile_worker.per_signature_launchers() is not None  # triton 3.6; 3.9: one generic launcher
 DESCRIPTOR_SPEC = json.dumps({"signature": {"q": "tensordesc<bf16[1, 1, 128, 64]>", "lse": "*fp32",
                                             "pair": ["i32", "i32"], "BLOCK": "constexpr"}})
 POINTER_SPEC = json.dumps({"signature": {"x": "*fp32", "n": "i32"}})
