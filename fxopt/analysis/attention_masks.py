@@ -26,6 +26,11 @@ class NotAttention(Exception):
     """The site cannot be fused; the message says why (shown in rep.attention)."""
 
 
+class NotACausalMask(NotAttention):
+    """A compile-time additive mask that holds finite non-zero values (a position bias such as ALiBi):
+    no fact to fold, but the kernel can read it like an input-dependent mask."""
+
+
 @dataclass
 class MaskStep:
     kind: str  # "fill": scores set to `value` where `cond` is True | "add": scores + `tensor`
@@ -89,8 +94,8 @@ def _keep(step: MaskStep, value, score_shape) -> torch.Tensor:
     additive = over_scores(tensor.float(), score_shape)
     kept = additive == 0
     if not bool(((additive <= MASKED_AT_MOST) | kept).all()):
-        raise NotAttention("a constant additive mask holds values other than 0 and -inf: not a causal mask "
-                           "(pass it as an input to have the kernel read it)")
+        raise NotACausalMask("a compile-time additive mask holds values other than 0 and -inf: not a causal "
+                             "mask, and not a node the kernel can read")
     return kept
 
 
@@ -123,12 +128,20 @@ def mask_facts(steps: list[MaskStep], values, score_shape, requires_grad) -> Mas
             facts.described = f"causal (from {_describe_buffers(facts.buffers)}, sliced to the length)"
             continue
         if values.is_constant(step.tensor):
-            keep = keep & _keep_of_step(step, values, score_shape, step.tensor)
-            constant_steps.append(step)
-        elif facts.runtime_mask is not None or facts.runtime_fill is not None:
-            raise NotAttention("more than one mask computed from the model's inputs")
+            try:
+                keep = keep & _keep_of_step(step, values, score_shape, step.tensor)
+                constant_steps.append(step)
+                continue
+            except NotACausalMask:
+                if not isinstance(step.tensor, fx.Node):
+                    raise
+                # a position bias (ALiBi, a relative-position table): read by the kernel, like a
+                # padding mask; the other constant steps may still make the site causal
+        if facts.runtime_mask is not None or facts.runtime_fill is not None:
+            raise NotAttention("more than one mask for the kernel to read (computed from the model's inputs, "
+                               "or a position bias)")
         elif step.after_scale:
-            raise NotAttention("the scale is applied after an input-dependent mask (the kernel adds the "
+            raise NotAttention("the scale is applied after a mask the kernel reads (the kernel adds the "
                                "mask to already-scaled scores)")
         elif step.kind == "add":
             if requires_grad(step.tensor):

@@ -1,0 +1,99 @@
+"""Position biases known at compile time (ALiBi as BLOOM and MPT write it, a relative-position table
+held in a buffer) are not causal facts: the fused kernel reads them like a padding mask, and a causal
+fill beside them still makes the site causal. A bias that needs a gradient stays unfused with the
+reason. Numerics against eager in float64; gradients of q, k, v against eager."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+import fxopt
+from tests.helpers import assert_close_to_reference, compile_fxopt, to64
+
+B, H, T, D = 2, 2, 12, 16
+
+
+def qkv(device, requires_grad=False):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(B, H, T, D, generator=g).to(device).requires_grad_(requires_grad) for _ in range(3)]
+
+
+def alibi_causal(q, k, v):
+    t = q.shape[-2]
+    slopes = torch.tensor([0.5, 0.25], device=q.device)[None, :, None, None]
+    pos = torch.arange(t, device=q.device)
+    bias = slopes * (pos[None, :] - pos[:, None]).to(q.dtype)
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + bias
+    s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    return s.softmax(-1) @ v
+
+
+class RelativeBias(nn.Module):
+    """A per-head bias table in a buffer (no gradient), added to the scaled scores."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("bias", torch.randn(1, H, T, T, generator=torch.Generator().manual_seed(5)))
+
+    def forward(self, q, k, v):
+        return torch.softmax(q @ k.transpose(-1, -2) * D ** -0.5 + self.bias, dim=-1) @ v
+
+
+class LearnedBias(nn.Module):
+    """T5's relative attention bias: an embedding looked up per position pair, so it needs a gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Embedding(2 * T, H)
+
+    def forward(self, q, k, v):
+        pos = torch.arange(T, device=q.device)
+        bias = self.table(pos[None, :] - pos[:, None] + T).permute(2, 0, 1)[None]
+        return torch.softmax(q @ k.transpose(-1, -2) + bias, dim=-1) @ v
+
+
+def sites(fn, *inputs):
+    rep = fxopt.explain(fn, *inputs)
+    return [s for s in rep.attention if s.fused], [s for s in rep.attention if not s.fused]
+
+
+def test_alibi_with_a_causal_fill_is_fused_causal_and_reads_the_bias(device):
+    q, k, v = qkv(device)
+    fused, unfused = sites(alibi_causal, q, k, v)
+    assert len(fused) == 1 and not unfused, [s.reason for s in unfused]
+    assert fused[0].causal
+    assert "read by the kernel" in fused[0].mask
+    assert_close_to_reference(compile_fxopt(alibi_causal)(q, k, v), alibi_causal(*map(to64, (q, k, v))),
+                              torch.float32)
+
+
+def test_alibi_gradients_equal_eager(device):
+    q, k, v = qkv(device, requires_grad=True)
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    weight = torch.randn(B, H, T, D, generator=torch.Generator().manual_seed(1)).to(device)
+    (compile_fxopt(alibi_causal)(q, k, v) * weight).sum().backward()
+    (alibi_causal(q64, k64, v64) * weight.double()).sum().backward()
+    for got, ref in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
+        assert_close_to_reference(got, ref, torch.float32)
+
+
+def test_a_bias_table_in_a_buffer_is_read_by_the_kernel(device):
+    model = RelativeBias().to(device)
+    q, k, v = qkv(device)
+    fused, unfused = sites(model, q, k, v)
+    assert len(fused) == 1 and not unfused and not fused[0].causal
+    ref = RelativeBias().to(device).double()
+    ref.bias.copy_(model.bias)
+    assert_close_to_reference(compile_fxopt(model)(q, k, v), ref(*map(to64, (q, k, v))), torch.float32)
+
+
+def test_a_learned_bias_stays_unfused_with_the_reason(device):
+    model = LearnedBias().to(device)
+    q, k, v = qkv(device)
+    fused, unfused = sites(model, q, k, v)
+    assert not fused and len(unfused) == 1
+    assert "requires grad" in unfused[0].reason, unfused[0].reason
+    out = compile_fxopt(model)(q, k, v)
+    assert_close_to_reference(out, model.double()(*map(to64, (q, k, v))), torch.float32)
