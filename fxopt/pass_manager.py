@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
+import torch
 import torch.fx as fx
 
 from .errors import VerifyError
@@ -68,6 +69,19 @@ class PassRecord:
     max_rel_error: float | None = None  # set by verify=True
 
 
+def snapshot(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of the graph whose tensors (parameters, buffers, constants) are shared, not copied.
+
+    The graph is what a snapshot is for; copying a constant tensor would double its memory, and a
+    compile runs under aot_autograd's fake mode, where cloning a real tensor's storage fails."""
+    memo = {}
+    for module in gm.modules():
+        for value in (*vars(module).values(), *module._parameters.values(), *module._buffers.values()):
+            if isinstance(value, torch.Tensor):
+                memo[id(value)] = value
+    return copy.deepcopy(gm, memo)
+
+
 def count_nodes(gm: fx.GraphModule) -> int:
     return sum(1 for n in gm.graph.nodes if n.op not in ("placeholder", "output"))
 
@@ -83,7 +97,7 @@ class PassManager:
         records: list[PassRecord] = []
         snapshots: dict[str, fx.GraphModule] = {}
         if ctx.options.keep_graphs:
-            snapshots["captured"] = copy.deepcopy(gm)
+            snapshots["captured"] = snapshot(gm)
         for p in self.passes:
             before = count_nodes(gm)
             start = time.perf_counter()
@@ -106,5 +120,5 @@ class PassManager:
                 record.max_rel_error = self.verifier(gm, p.name)
             records.append(record)
             if ctx.options.keep_graphs:
-                snapshots[p.name] = copy.deepcopy(gm)
+                snapshots[p.name] = snapshot(gm)
         return gm, records, snapshots

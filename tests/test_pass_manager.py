@@ -68,3 +68,18 @@ def test_records_time_and_node_counts():
     assert fuse.nodes_before == 3 and fuse.nodes_after == 1 and fuse.stats["groups"] == 1
     assert fuse.seconds > 0 and fuse.changed
     assert "self.fused" in fuse.text and "# f32[4] cpu" in fuse.text
+
+
+def test_snapshots_of_a_graph_with_a_constant_tensor_share_it():
+    """explain keeps a copy of the graph after every pass; a tensor constant (torch.tensor(...) in the
+    model) must not be cloned there: under aot_autograd's fake mode cloning its storage fails."""
+    def fn(x):
+        return x * torch.tensor([0.5, 0.25, 2.0]) + 1
+
+    x = torch.randn(4, 3)
+    rep = fxopt.explain(fn, x)
+    graph = rep.graphs[0]
+    constants = [getattr(gm, n.target) for gm in graph.snapshots.values() for n in gm.graph.nodes
+                 if n.op == "get_attr" and isinstance(getattr(gm, n.target), torch.Tensor)]
+    assert constants and len({c.data_ptr() for c in constants}) == 1
+    assert torch.equal(constants[0], torch.tensor([0.5, 0.25, 2.0]))
