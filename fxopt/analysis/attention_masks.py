@@ -99,6 +99,26 @@ def _keep(step: MaskStep, value, score_shape) -> torch.Tensor:
     return kept
 
 
+def _fill_read_by_the_kernel(constant_steps: list[MaskStep], keep: torch.Tensor, facts: MaskFacts) -> MaskStep:
+    """A compile-time fill that is not causal (a sliding window, a block-diagonal pattern): the kernel
+    reads it as an additive -inf mask. Equal to eager only where every row keeps a score (then a
+    finfo.min fill and -inf both vanish after exp()), and only for one fill node the kernel can read."""
+    step = constant_steps[0] if len(constant_steps) == 1 else None
+    if step is None or step.kind != "fill" or not isinstance(step.tensor, fx.Node):
+        raise NotAttention("a compile-time mask that is not causal (bottom-right aligned) and is not one fill "
+                           "the kernel can read")
+    if facts.runtime_mask is not None or facts.runtime_fill is not None:
+        raise NotAttention("more than one mask for the kernel to read (a compile-time fill that is not causal, "
+                           "and a mask computed from the model's inputs)")
+    if step.after_scale:
+        raise NotAttention("the scale is applied after a mask the kernel reads (the kernel adds the mask to "
+                           "already-scaled scores)")
+    if not bool(keep.any(-1).all()):
+        raise NotAttention("a compile-time mask that is not causal masks whole rows: eager's result there "
+                           "depends on the fill value")
+    return step
+
+
 def _describe_buffers(buffers) -> str:
     return ", ".join(b.name for b in buffers) or "built in the graph"
 
@@ -155,7 +175,9 @@ def mask_facts(steps: list[MaskStep], values, score_shape, requires_grad) -> Mas
     seq_q, seq_k = score_shape[-2], score_shape[-1]
     if not bool(keep.all()):
         if seq_q > seq_k or not bool((keep == causal_keep(seq_q, seq_k)).all()):
-            raise NotAttention("a compile-time mask that is not causal (bottom-right aligned)")
+            facts.runtime_fill = _fill_read_by_the_kernel(constant_steps, keep, facts)
+            facts.described = f"compile-time fill, as additive {list(score_shape)} read by the kernel"
+            return facts
         facts.causal = True
         buffers = [b for s in constant_steps if isinstance(s.tensor, fx.Node) for b in values.buffers_used(s.tensor)]
         facts.buffers = tuple(dict.fromkeys(buffers))

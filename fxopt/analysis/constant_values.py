@@ -8,6 +8,8 @@ A buffer can still be changed in place later; whoever relies on a buffer's value
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
@@ -25,6 +27,9 @@ _INPLACE_FUNCTIONS = frozenset({"setitem", "iadd", "isub", "imul", "itruediv", "
                                 "iand", "ior", "ixor", "ilshift", "irshift"})
 
 
+_OPERATOR_FUNCTIONS = frozenset(v for v in vars(operator).values() if callable(v))
+
+
 def call_name(node: fx.Node) -> str:
     return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
 
@@ -37,6 +42,8 @@ def _writes_in_place(node: fx.Node) -> bool:
         schema = getattr(node.target, "_schema", None)
         if schema is not None and schema.is_mutable:
             return True
+        if node.target in _OPERATOR_FUNCTIONS:  # operator.and_ / or_ / not_ make new values
+            return name in _INPLACE_FUNCTIONS
         return name in _INPLACE_FUNCTIONS or (name.endswith("_") and not name.endswith("__"))
     return False
 

@@ -97,3 +97,64 @@ def test_a_learned_bias_stays_unfused_with_the_reason(device):
     assert "requires grad" in unfused[0].reason, unfused[0].reason
     out = compile_fxopt(model)(q, k, v)
     assert_close_to_reference(out, model.double()(*map(to64, (q, k, v))), torch.float32)
+
+
+def sliding_window(q, k, v, window=4):
+    t = q.shape[-2]
+    keep = torch.ones(t, t, dtype=torch.bool, device=q.device).tril().triu(-window)
+    s = q @ k.transpose(-1, -2) * D ** -0.5
+    return torch.softmax(s.masked_fill(~keep, torch.finfo(s.dtype).min), dim=-1) @ v
+
+
+def block_diagonal_where(q, k, v):
+    t = q.shape[-2]
+    block = torch.arange(t, device=q.device) // 4
+    s = (q @ k.transpose(-1, -2)) / math.sqrt(D)
+    return torch.where(block[:, None] == block[None, :], s, float("-inf")).softmax(-1) @ v
+
+
+def test_non_causal_compile_time_fills_are_read_by_the_kernel(device):
+    """A sliding window (Mistral's band) and a block-diagonal pattern: every row keeps a score, so the
+    kernel reads the fill as an additive -inf mask, forward and backward equal to eager."""
+    for fn in (sliding_window, block_diagonal_where):
+        q, k, v = qkv(device, requires_grad=True)
+        fused, unfused = sites(fn, q, k, v)
+        assert len(fused) == 1 and not unfused, [s.reason for s in unfused]
+        assert not fused[0].causal and "read by the kernel" in fused[0].mask
+        q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+        out, ref = compile_fxopt(fn)(q, k, v), fn(q64, k64, v64)
+        assert_close_to_reference(out, ref, torch.float32)
+        out.sum().backward()
+        ref.sum().backward()
+        for got, want in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
+            assert_close_to_reference(got, want, torch.float32)
+
+
+def test_a_compile_time_fill_that_masks_whole_rows_stays_unfused(device):
+    def first_rows_masked(q, k, v):
+        t = q.shape[-2]
+        rows = torch.arange(t, device=q.device)[:, None] >= 2
+        keep = torch.ones(t, t, dtype=torch.bool, device=q.device).tril() & rows
+        s = q @ k.transpose(-1, -2) * D ** -0.5
+        return torch.softmax(s.masked_fill(~keep, torch.finfo(s.dtype).min), dim=-1) @ v
+
+    q, k, v = qkv(device)
+    fused, unfused = sites(first_rows_masked, q, k, v)
+    assert not fused and "whole rows" in unfused[0].reason, [s.reason for s in unfused]
+    out = compile_fxopt(first_rows_masked)(q, k, v)
+    assert_close_to_reference(out, first_rows_masked(*map(to64, (q, k, v))), torch.float32)
+
+
+def test_a_causal_mask_combined_with_and_is_still_a_compile_time_fact(device):
+    """`a & b` is operator.and_ in dynamo's graph: a new value, not an in-place write (its trailing
+    underscore once made the mask look written in place, so the site stayed unfused)."""
+    def causal_and(q, k, v):
+        t = q.shape[-2]
+        ones = torch.ones(t, t, dtype=torch.bool, device=q.device)
+        keep = ones.tril() & ones
+        return torch.softmax((q @ k.transpose(-1, -2) * D ** -0.5).masked_fill(~keep, float("-inf")), -1) @ v
+
+    q, k, v = qkv(device)
+    fused, unfused = sites(causal_and, q, k, v)
+    assert len(fused) == 1 and fused[0].causal, [s.reason for s in unfused]
+    assert_close_to_reference(compile_fxopt(causal_and)(q, k, v), causal_and(*map(to64, (q, k, v))), torch.float32)
