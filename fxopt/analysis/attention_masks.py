@@ -176,7 +176,8 @@ def mask_facts(steps: list[MaskStep], values, score_shape, requires_grad) -> Mas
     if not bool(keep.all()):
         if seq_q > seq_k or not bool((keep == causal_keep(seq_q, seq_k)).all()):
             facts.runtime_fill = _fill_read_by_the_kernel(constant_steps, keep, facts)
-            facts.described = f"compile-time fill, as additive {list(score_shape)} read by the kernel"
+            shape_of = list(facts.runtime_fill.tensor.meta["example_value"].shape)
+            facts.described = f"compile-time fill, as additive {shape_of} read by the kernel"
             return facts
         facts.causal = True
         buffers = [b for s in constant_steps if isinstance(s.tensor, fx.Node) for b in values.buffers_used(s.tensor)]
