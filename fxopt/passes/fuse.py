@@ -26,6 +26,7 @@ from ..analysis.op_classes import GATHERS, classify, is_view, kernel_unsupported
 from ..analysis.reductions import reduction_unsupported_reason
 from ..analysis.symbolic import sizes
 from ..pass_manager import PassContext, PassResult
+from .fuse_partitions import fuse_partitions
 
 FUSED_PREFIX = "fused"
 # Keep groups to dependent chains where torch lets us say so (torch >= 2.12); older partitioners also
@@ -134,7 +135,7 @@ class FusePointwise:
             for p in partitions:
                 fused_nodes |= {n.name for n in p.nodes}
                 stats["fused_ops"] += len(p.nodes)
-            gm = partitioner.fuse_partitions(partitions, prefix=f"{FUSED_PREFIX}{i}_")
+            gm = fuse_partitions(gm, partitions, prefix=f"{FUSED_PREFIX}{i}_")
             stats["groups"] += len(partitions)
         for node in list(gm.graph.nodes):
             if node.op == "call_module" and str(node.target).startswith(FUSED_PREFIX):

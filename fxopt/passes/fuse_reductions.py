@@ -41,6 +41,7 @@ from ..analysis.reductions import (COLUMN_SUM, dropped_shape, is_column_sum_of, 
 from ..pass_manager import PassContext, PassResult
 from .fuse import _NO_HORIZONTAL, FUSED_PREFIX, absorb_input_views
 from .recompute import RESERVED_FOR
+from .fuse_partitions import fuse_partitions
 
 REDUCTION_PREFIX = f"{FUSED_PREFIX}red"
 
@@ -146,7 +147,7 @@ class FuseReductions:
                         n.meta[COLUMN_SUM] = True
                 stats["reductions"] += sum(1 for n in p.nodes if reduction_info(n) is not None)
                 stats["fused_ops"] += len(p.nodes)
-            gm = partitioner.fuse_partitions(groups, prefix=f"{REDUCTION_PREFIX}{i}_")
+            gm = fuse_partitions(gm, groups, prefix=f"{REDUCTION_PREFIX}{i}_")
             stats["groups"] += len(groups)
         for node in list(gm.graph.nodes):
             if node.op == "call_module" and str(node.target).startswith(REDUCTION_PREFIX):

@@ -1,0 +1,66 @@
+"""fxopt's partition fusion gives the graph torch.fx's `fuse_by_partitions` gives (same nodes, same
+order), without rebuilding the graph; its in-place sort gives torch's stable topological order."""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+from torch.fx.passes.operator_support import OperatorSupportBase
+from torch.fx.passes.tools_common import stable_topological_sort
+
+from fxopt.passes.fuse_partitions import fuse_partitions, sort_in_place
+
+
+class _Pointwise(OperatorSupportBase):
+    def is_node_supported(self, submodules, node):
+        return node.op == "call_function" and node.target in (torch.sin, torch.cos, operator.mul, operator.add)
+
+
+def _model(x, y):
+    a = x.sin() * 2
+    b = a.cos() + y
+    m = torch.matmul(b, y)  # splits the pointwise chains into several groups
+    c = m.sin() + a
+    d = torch.matmul(c, x).cos() * b
+    return d, a
+
+
+def _order(gm):
+    return [(n.op, str(n.target), tuple(str(a) for a in n.args)) for n in gm.graph.nodes]
+
+
+def test_same_graph_as_torch_fuse_by_partitions():
+    ours, theirs = fx.symbolic_trace(_model), fx.symbolic_trace(_model)
+    for gm, fuse in ((ours, lambda p, gm: fuse_partitions(gm, p, prefix="fused_")),
+                     (theirs, lambda p, gm: CapabilityBasedPartitioner(gm, _Pointwise()).fuse_partitions(p))):
+        partitions = CapabilityBasedPartitioner(gm, _Pointwise(), allows_single_node_partition=True).propose_partitions()
+        assert len(partitions) >= 2
+        fuse(partitions, gm)
+    assert _order(ours) == _order(theirs)
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    ours.recompile()
+    for got, want in zip(ours(x, y), _model(x, y)):
+        torch.testing.assert_close(got, want)
+
+
+def test_sort_in_place_matches_torch_stable_sort_on_a_shuffled_graph():
+    def build():
+        gm = fx.symbolic_trace(_model)
+        nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+        nodes[-1].prepend(nodes[1])  # out of order: a user may now come before its input
+        nodes[0].prepend(nodes[-2])
+        return gm
+    ours, theirs = build(), build()
+    sort_in_place(ours.graph)
+    stable_topological_sort(theirs)
+    assert _order(ours) == _order(theirs)
+    ours.graph.lint()
+
+
+def test_sort_in_place_leaves_an_ordered_graph_alone():
+    gm = fx.symbolic_trace(_model)
+    before = list(gm.graph.nodes)
+    sort_in_place(gm.graph)
+    assert list(gm.graph.nodes) == before
