@@ -58,6 +58,27 @@ def _gradients(out, inputs, dout):
     return torch.autograd.grad(out, inputs, dout)
 
 
+def _alibi_slopes(heads: int, device) -> torch.Tensor:
+    """ALiBi's per-head slopes 2^(-8 h / H), h = 1..H (Press et al.; BLOOM and MPT use these)."""
+    return torch.pow(2.0, -8.0 * torch.arange(1, heads + 1, device=device) / heads)
+
+
+def _alibi_bias(q) -> torch.Tensor:
+    """[1, H, T, T] fp32: slope_h * (j - i), a causal ALiBi bias as model code builds it."""
+    T = q.size(-2)
+    pos = torch.arange(T, device=q.device)
+    return _alibi_slopes(q.size(1), q.device)[None, :, None, None] * (pos[None, :] - pos[:, None]).float()
+
+
+def _alibi_attention(q, k, v):
+    """Causal attention with ALiBi written by hand: a bias built in the function, then a causal fill."""
+    T = q.size(-2)
+    att = (q @ k.transpose(-2, -1)).float() * (1.0 / math.sqrt(q.size(-1))) + _alibi_bias(q)
+    future = torch.triu(torch.ones(T, T, dtype=torch.bool, device=q.device), diagonal=1)
+    att = torch.softmax(att.masked_fill(future, float("-inf")), dim=-1).to(q.dtype)
+    return att @ v
+
+
 def _causal_attention_fwd_bwd(q, k, v, dout):
     """Forward and backward of _causal_attention: (dq, dk, dv)."""
     return _gradients(_causal_attention(q, k, v), (q, k, v), dout)
@@ -71,6 +92,14 @@ def _sdpa_causal(q, k, v):
 
 def _sdpa_full(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, scale=1.0 / math.sqrt(q.size(-1)))
+
+
+def _sdpa_alibi(q, k, v):
+    """The same bias and causal mask as one float mask, which SDPA reads (no flash kernel takes it)."""
+    T = q.size(-2)
+    future = torch.triu(torch.ones(T, T, dtype=torch.bool, device=q.device), diagonal=1)
+    mask = _alibi_bias(q).masked_fill(future, float("-inf")).to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(q.size(-1)))
 
 
 def _sdpa_causal_fwd_bwd(q, k, v, dout):
@@ -119,6 +148,14 @@ def make_attn_causal(device, dtype, quick):
 def make_attn_full(device, dtype, quick):
     B, H, T, D = (1, 2, 64, 64) if quick else (4, 16, 4096, 128)
     return _full_attention, _qkv(device, dtype, B, H, T, T, D)
+
+
+@workload("attn_alibi", "causal attention fwd with an ALiBi bias built in the function (read by the kernel as a "
+          "[1, H, T, T] fp32 mask); B8 H16 T2048 D128; SDPA anchor takes bias and mask as one float mask",
+          kind="attention", flops=_causal_flops, anchor=_sdpa_alibi, rtol=5e-2, atol=5e-2)
+def make_attn_alibi(device, dtype, quick):
+    B, H, T, D = (1, 2, 64, 32) if quick else (8, 16, 2048, 128)
+    return _alibi_attention, _qkv(device, dtype, B, H, T, T, D)
 
 
 @workload("attn_causal_bwd", "causal attention fwd+bwd (dq, dk, dv) via autograd; B8 H16 T2048 D128; "
