@@ -99,6 +99,16 @@ def _keep(step: MaskStep, value, score_shape) -> torch.Tensor:
     return kept
 
 
+def _check_readable(step: MaskStep, facts: MaskFacts) -> None:
+    """The kernel reads one additive mask, added to the already-scaled scores."""
+    if facts.runtime_mask is not None or facts.runtime_fill is not None:
+        raise NotAttention("more than one mask for the kernel to read (computed from the model's inputs, a "
+                           "position bias, or a compile-time fill that is not causal)")
+    if step.after_scale:
+        raise NotAttention("the scale is applied after a mask the kernel reads (the kernel adds the mask to "
+                           "already-scaled scores)")
+
+
 def _fill_read_by_the_kernel(constant_steps: list[MaskStep], keep: torch.Tensor, facts: MaskFacts) -> MaskStep:
     """A compile-time fill that is not causal (a sliding window, a block-diagonal pattern): the kernel
     reads it as an additive -inf mask. Equal to eager only where every row keeps a score (then a
@@ -107,12 +117,7 @@ def _fill_read_by_the_kernel(constant_steps: list[MaskStep], keep: torch.Tensor,
     if step is None or step.kind != "fill" or not isinstance(step.tensor, fx.Node):
         raise NotAttention("a compile-time mask that is not causal (bottom-right aligned) and is not one fill "
                            "the kernel can read")
-    if facts.runtime_mask is not None or facts.runtime_fill is not None:
-        raise NotAttention("more than one mask for the kernel to read (a compile-time fill that is not causal, "
-                           "and a mask computed from the model's inputs)")
-    if step.after_scale:
-        raise NotAttention("the scale is applied after a mask the kernel reads (the kernel adds the mask to "
-                           "already-scaled scores)")
+    _check_readable(step, facts)
     if not bool(keep.any(-1).all()):
         raise NotAttention("a compile-time mask that is not causal masks whole rows: eager's result there "
                            "depends on the fill value")
@@ -157,13 +162,8 @@ def mask_facts(steps: list[MaskStep], values, score_shape, requires_grad) -> Mas
                     raise
                 # a position bias (ALiBi, a relative-position table): read by the kernel, like a
                 # padding mask; the other constant steps may still make the site causal
-        if facts.runtime_mask is not None or facts.runtime_fill is not None:
-            raise NotAttention("more than one mask for the kernel to read (computed from the model's inputs, "
-                               "or a position bias)")
-        elif step.after_scale:
-            raise NotAttention("the scale is applied after a mask the kernel reads (the kernel adds the "
-                               "mask to already-scaled scores)")
-        elif step.kind == "add":
+        _check_readable(step, facts)
+        if step.kind == "add":
             if requires_grad(step.tensor):
                 raise NotAttention("the additive mask requires grad (the kernel gives no mask gradient)")
             facts.runtime_mask = step.tensor
