@@ -29,7 +29,7 @@ from torch import Tensor
 from ..codegen.wrapper_runtime import cdiv, next_power_of_2
 from .flash_common import (
     LOG2E, backward_config, check_attention_inputs, check_device, dot_precision, key_ranges, launcher,
-    load_rows, load_tile, mask_arguments, mask_in_base2, query_ranges, resolve_config, store_rows, store_tile,
+    load_rows, load_tile, mask_arguments, add_mask, query_ranges, resolve_config, store_rows, store_tile,
     tile_ptrs, visible,
 )
 from .flash_backward_tma import flash_backward_tma
@@ -207,7 +207,7 @@ def _accumulate_dkdv(
         if HAS_MASK:
             bias_t = load_tile(tile_ptrs(mask_head, n0, cols, stride_mn, m0, rows, stride_mm), n0 + cols, seq_k,
                                m0 + rows, seq_q, EVEN_N, EVEN_QUERIES)
-            s_t += mask_in_base2(bias_t)
+            s_t = add_mask(s_t, bias_t)
         if MASK_CAUSAL or not EVEN_QUERIES:
             s_t = tl.where(visible(m0 + rows[None, :], n0 + cols[:, None], seq_q, seq_k, causal_shift, MASK_CAUSAL),
                            s_t, float("-inf"))
@@ -294,7 +294,7 @@ def _accumulate_dq(
         if HAS_MASK:
             bias = load_tile(tile_ptrs(mask_head, m0, rows, stride_mm, n0, cols, stride_mn), m0 + rows, seq_q,
                              n0 + cols, seq_k, EVEN_M, EVEN_KEYS)
-            s += mask_in_base2(bias)
+            s = add_mask(s, bias)
         if MASK_CAUSAL or not EVEN_KEYS:
             s = tl.where(visible(m0 + rows[:, None], n0 + cols[None, :], seq_q, seq_k, causal_shift, MASK_CAUSAL),
                          s, float("-inf"))

@@ -23,7 +23,10 @@ from ..codegen.wrapper_runtime import next_power_of_2
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # scores are kept in base 2: exp(x) = exp2(x * LOG2E)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
-MASK_FLOOR: tl.constexpr = tl.constexpr(-1e30)  # finite additive masks are clamped here (see mask_in_base2)  # log(x) = log2(x) * LN2, for the stored lse
+# A mask value at or below fp16's lowest (HF's finfo.min of every dtype) masks its key: the score becomes
+# MASKED_SCORE (see add_mask)
+MASK_DROPS_AT: tl.constexpr = tl.constexpr(-65504.0)
+MASKED_SCORE: tl.constexpr = tl.constexpr(-1024.0)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 HEAD_DIMS = (16, 256)
 MAX_GRID_AXIS_1 = 65535  # CUDA's limit on the grid's y axis, which carries batch * heads
@@ -210,14 +213,16 @@ def launcher(kernel, grid: tuple, device: torch.device):
 
 
 @triton.jit
-def mask_in_base2(bias):
-    """An additive mask tile in the kernels' base-2 score units. finfo(float32).min * log2(e) would
-    overflow to -inf, and a row masked everywhere with finfo.min would then differ from eager (where
-    s + finfo.min is finite and such a row is uniform): finite masks are clamped at -1e30 first (still
-    exp2 -> 0 beside any unmasked score). True -inf stays -inf, as in eager."""
+def add_mask(s, bias):
+    """Base-2 scores `s` plus an additive mask tile. A finite mask value at or below MASK_DROPS_AT makes
+    the score MASKED_SCORE whatever s was, as eager's `s + finfo.min` rounds to finfo.min: a row masked
+    everywhere is the uniform average of its keys. MASKED_SCORE is near enough to 0 for such a row's
+    stored log-sum-exp to keep log2(keys) (with scores near -1e30 it was lost to rounding and the
+    backward's exp2(s - lse) gave 1 instead of 1/keys), and far enough below real scores that those keys
+    weigh nothing in any row with a real score above -1000 (base-2 units). -inf stays -inf, as in eager."""
     b = bias.to(tl.float32)
-    b = tl.where(b < MASK_FLOOR, tl.where(b == float("-inf"), b, MASK_FLOOR), b)
-    return b * LOG2E
+    dropped = (b <= MASK_DROPS_AT) & (b != float("-inf"))
+    return tl.where(dropped, MASKED_SCORE, s + b * LOG2E)
 
 
 @triton.jit

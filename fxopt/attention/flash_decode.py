@@ -40,7 +40,7 @@ from torch import Tensor
 
 from ..codegen.wrapper_runtime import cdiv, next_power_of_2
 from .flash_common import (
-    check_attention_inputs, dot_precision, is_power_of_two, launcher, mask_arguments, mask_in_base2,
+    check_attention_inputs, dot_precision, is_power_of_two, launcher, mask_arguments, add_mask,
 )
 
 MAX_QUERY_ROWS = 16  # decode packs queries into a tile's rows; longer queries go to the main forward kernel
@@ -221,7 +221,7 @@ def _split_partials_kernel(
         s = tl.dot(q_tile, k_tile, input_precision=DOT_PRECISION) * qk_scale
         if HAS_MASK:
             bias = tl.load(m_ptrs, mask=row_ok[:, None] & key_ok[None, :], other=0.0)
-            s += mask_in_base2(bias)
+            s = add_mask(s, bias)
         visible = key_ok[None, :]
         if CAUSAL:
             visible = visible & (key[None, :] <= last_key[:, None])

@@ -21,7 +21,8 @@ Why it is shaped this way:
   (BLOCK_D) with masked loads.
 - An additive mask is loaded per tile through its strides (0 where it broadcasts). A row whose keys
   so far are all -inf is shifted by 0 instead of its max, so exp2 gives 0 rather than NaN; a row
-  masked everywhere ends with NaN output and lse = -inf, as softmax does in eager PyTorch.
+  masked everywhere with -inf ends with NaN output and lse = -inf, as softmax does in eager PyTorch,
+  and one masked everywhere with a finite fill (HF's finfo.min) is the uniform average (add_mask).
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from torch import Tensor
 
 from ..codegen.wrapper_runtime import cdiv, next_power_of_2
 from .flash_common import (
-    LN2, LOG2E, check_attention_inputs, dot_precision, forward_config, key_ranges, launcher, load_tile, mask_in_base2,
+    LN2, LOG2E, check_attention_inputs, dot_precision, forward_config, key_ranges, launcher, load_tile, add_mask,
     mask_arguments, resolve_config, store_rows, store_tile, tile_ptrs, visible,
 )
 from .flash_forward_tma import flash_forward_tma, tiles_fit, tma_applies
@@ -165,7 +166,7 @@ def _attend_key_blocks(
         if HAS_MASK:
             bias = load_tile(tile_ptrs(mask_head, m0, rows, stride_mm, n0, cols, stride_mn), m0 + rows, seq_q,
                              n0 + cols, seq_k, EVEN_M, EVEN_KEYS)
-            s += mask_in_base2(bias)
+            s = add_mask(s, bias)
         if MASK_CAUSAL or not EVEN_KEYS:
             s = tl.where(visible(m0 + rows[:, None], n0 + cols[None, :], seq_q, seq_k, causal_shift, MASK_CAUSAL),
                          s, float("-inf"))

@@ -6,6 +6,7 @@ separately, on the GPU, by the test marked `gpu`: run it as `TRITON_INTERPRET=0 
 (triton imported with TRITON_INTERPRET=1, conftest's default, builds its own library functions for
 the interpreter and cannot compile any kernel).
 """
+import math
 import os
 import subprocess
 import sys
@@ -73,8 +74,9 @@ def check_forward(q, k, v, *, causal, mask=None, scale=None, config=None):
     return out, lse
 
 
-def check_backward(q, k, v, *, causal, mask=None, dout=None, config=None):
-    """flash_backward's dq, dk, dv against float64 autograd of the reference."""
+def check_backward(q, k, v, *, causal, mask=None, dout=None, config=None, reference_mask=None):
+    """flash_backward's dq, dk, dv against float64 autograd of the reference (given `reference_mask`
+    in place of `mask`, where the kernels' meaning of a mask is written differently for eager)."""
     scale = q.shape[-1] ** -0.5
     out, lse = flash_forward(q, k, v, scale=scale, causal=causal, mask=mask)
     if dout is None:
@@ -82,7 +84,9 @@ def check_backward(q, k, v, *, causal, mask=None, dout=None, config=None):
     dq, dk, dv = flash_backward(dout, q, k, v, out, lse, scale=scale, causal=causal, mask=mask, config=config)
 
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref_out, _ = reference(*leaves, scale=scale, causal=causal, mask=None if mask is None else mask.double())
+    reference_mask = mask if reference_mask is None else reference_mask
+    ref_out, _ = reference(*leaves, scale=scale, causal=causal,
+                           mask=None if reference_mask is None else reference_mask.double())
     ref_out.backward(dout.double())
     for got, leaf, like in zip((dq, dk, dv), leaves, (q, k, v)):
         assert got.shape == like.shape and got.dtype == like.dtype and got.stride() == torch.empty_like(like).stride()
@@ -313,18 +317,23 @@ def test_rows_masked_everywhere_with_finfo_min_are_uniform_like_eager():
     out, lse = flash_forward(q, k, v, scale=0.25, causal=False, mask=mask)
     ref_out, ref_lse = reference(q.double(), k.double(), v.double(), scale=0.25, causal=False, mask=mask.double())
     assert_close(out, ref_out, OUT_TOL[torch.float32])  # rows 3 and 4: the mean of v, as eager
-    keep = (torch.arange(20) < 3) | (torch.arange(20) > 4)  # lse of a fully masked row is only "very negative"
+    keep = (torch.arange(20) < 3) | (torch.arange(20) > 4)
     torch.testing.assert_close(lse[:, :, keep].double(), ref_lse[:, :, keep], rtol=1e-5, atol=1e-4)
-    assert (lse[:, :, 3:5] < -1e29).all()
+    # a fully masked row's lse is its stand-in scores' (MASKED_SCORE, base 2) plus log(keys): eager's,
+    # finfo.min + log(20), rounds to finfo.min and would lose the log(keys) the backward needs
+    torch.testing.assert_close(lse[:, :, 3:5], torch.full_like(lse[:, :, 3:5], -1024 * math.log(2) + math.log(20)))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known limit: for a row masked everywhere with a finite finfo.min mask, lse = m + log(l) loses log(l) "
-    "to rounding (|m| ~ 1e30), so the backward's recomputed probabilities are 1 instead of 1/Tk in that "
-    "row; rows with at least one unmasked key are exact. HF padding rows get zero gradient in practice"))
-def test_backward_of_rows_masked_everywhere_with_finfo_min():
+@pytest.mark.parametrize("fill", [torch.finfo(torch.float32).min, torch.finfo(torch.bfloat16).min, -65504.0, -1e9])
+def test_backward_of_rows_masked_everywhere_is_the_uniform_rows_gradient(fill):
+    """A row masked everywhere averages its keys, as eager's does with finfo.min (s + finfo.min rounds
+    to finfo.min, even in float64); the kernels treat every finite fill at or below -65504 so. Its
+    gradients are eager's too (with the fill's scores near -1e30 the backward recomputed p = 1 instead
+    of 1/Tk there: every gradient of a left-padded batch whose loss reads the padding rows was off)."""
     q, k, v = make_qkv(1, 2, 2, 20, 20, 16, torch.float32, seed=9)
-    check_backward(q, k, v, causal=False, mask=_finfo_min_rows_mask())
+    mask = _finfo_min_rows_mask()
+    check_backward(q, k, v, causal=False, mask=mask.masked_fill(mask != 0, fill),
+                   reference_mask=mask.masked_fill(mask != 0, torch.finfo(torch.float32).min))
 
 
 def test_outputs_are_laid_out_like_the_inputs_so_model_reshapes_copy_nothing():

@@ -131,8 +131,9 @@ OWN_KERNELS = textwrap.dedent("""\
             out, lse = flash_forward(q, k, v, scale=0.125, causal=False, mask=mask, config=cfg)
             flash_backward(torch.randn_like(q), q, k, v, out, lse, scale=0.125, causal=False, mask=mask,
                            config=backward_config(head_dim, False, dtype, T, T, "cuda"))
-            flash_decode(q[:, :, :1], k, v, scale=0.125, causal=False, num_splits=4,
-                         config={"BLOCK_N": 64, "BLOCK_M": 64, "num_warps": 4, "num_stages": 3})
+            for decode_mask in (None, mask[:, :, :1]):
+                flash_decode(q[:, :, :1], k, v, scale=0.125, causal=False, num_splits=4, mask=decode_mask,
+                             config={"BLOCK_N": 64, "BLOCK_M": 64, "num_warps": 4, "num_stages": 3})
         logits, target = torch.randn(64, 5000, dtype=torch.bfloat16), torch.randint(0, 5000, (64,))
         for reduction in ("mean", "none"):
             loss, stats = cross_entropy_forward(logits, target, -100, reduction, block_v=GPU_BLOCK_V)
@@ -142,9 +143,9 @@ OWN_KERNELS = textwrap.dedent("""\
 
 
 def test_fxopt_own_kernels_compile_for_an_h200_with_the_gpu_configs(tmp_path):
-    """Attention (pointer and TMA kernels, forward, backward, masked, decode) and cross-entropy with the
-    launch configs the GPU uses, compiled by this Triton for sm_90 (the GPU sessions check them on the
-    GPU machine's Triton; this checks CI's)."""
+    """Attention (pointer and TMA kernels, forward, backward, masked, decode with and without a mask) and
+    cross-entropy with the launch configs the GPU uses, compiled by this Triton for sm_90 (the GPU
+    sessions check them on the GPU machine's Triton; this checks CI's)."""
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "triton"),
                PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, "-c", OWN_KERNELS], capture_output=True, text=True, timeout=900, env=env)

@@ -173,6 +173,23 @@ def test_llama_padding_mask_is_applied():
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
 
+def test_llama_left_padding_gradients_equal_eager_when_the_loss_reads_the_padding_rows():
+    """Padding rows are masked everywhere (finfo.min): their attention is the uniform average. A loss
+    that does not skip them (labels = ids, no -100) sends them gradient, which every parameter's
+    gradient then carries: those rows' backward must be eager's (it was off by about Tk)."""
+    torch.manual_seed(0)
+    config = LlamaConfig()
+    ref_model = LlamaForCausalLM(config)
+    model = copy.deepcopy(ref_model)
+    ids, attention_mask, _ = llama_batch(config)
+    attention_mask[1, :3] = 0  # left padding in the second row
+    ref_model(ids, attention_mask, labels=ids).backward()
+    torch.compile(model, backend="fxopt")(ids, attention_mask, labels=ids).backward()
+    ref = grads_of(ref_model)
+    for name, grad in grads_of(model).items():
+        torch.testing.assert_close(grad, ref[name], rtol=1e-3, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
 def test_mask_mutated_in_place_by_input_is_not_a_constant():
     B, H, T, D = 2, 2, 8, 16
     min_value = torch.finfo(torch.float32).min
