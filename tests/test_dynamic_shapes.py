@@ -304,7 +304,8 @@ def test_a_symbolic_row_kernel_file_runs_on_its_own(tmp_path):
     path = tmp_path / "kernel.py"
     path.write_text(files[0])
     env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([os.path.join(os.path.dirname(__file__), ".."), os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([os.path.join(os.path.dirname(__file__), ".."),
+                                           os.environ.get("PYTHONPATH", "")]))
     run = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "output 0" in run.stdout

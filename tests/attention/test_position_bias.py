@@ -9,15 +9,13 @@ import math
 import torch
 import torch.nn as nn
 
-import fxopt
+from tests.attention.test_match_spellings import B, D, H, T, fused_sites
+from tests.attention.test_match_spellings import qkv as shared_qkv
 from tests.helpers import assert_close_to_reference, compile_fxopt, to64
-
-B, H, T, D = 2, 2, 12, 16
 
 
 def qkv(device, requires_grad=False):
-    g = torch.Generator().manual_seed(0)
-    return [torch.randn(B, H, T, D, generator=g).to(device).requires_grad_(requires_grad) for _ in range(3)]
+    return [t.requires_grad_(requires_grad) for t in shared_qkv(device)]
 
 
 def alibi_causal(q, k, v):
@@ -55,8 +53,7 @@ class LearnedBias(nn.Module):
 
 
 def sites(fn, *inputs):
-    rep = fxopt.explain(fn, *inputs)
-    return [s for s in rep.attention if s.fused], [s for s in rep.attention if not s.fused]
+    return fused_sites(fn, *inputs)[:2]
 
 
 def test_alibi_with_a_causal_fill_is_fused_causal_and_reads_the_bias(device):

@@ -35,7 +35,8 @@ def test_same_graph_as_torch_fuse_by_partitions():
     ours, theirs = fx.symbolic_trace(_model), fx.symbolic_trace(_model)
     for gm, fuse in ((ours, lambda p, gm: fuse_partitions(gm, p, prefix="fused_")),
                      (theirs, lambda p, gm: CapabilityBasedPartitioner(gm, _Pointwise()).fuse_partitions(p))):
-        partitions = CapabilityBasedPartitioner(gm, _Pointwise(), allows_single_node_partition=True).propose_partitions()
+        partitioner = CapabilityBasedPartitioner(gm, _Pointwise(), allows_single_node_partition=True)
+        partitions = partitioner.propose_partitions()
         assert len(partitions) >= 2
         fuse(partitions, gm)
     assert _order(ours) == _order(theirs)
