@@ -4,7 +4,9 @@ A score chain applies masks in three spellings: `s.masked_fill(cond, v)`, `torch
 and `s + m`. Masks whose value is known at compile time (built from constants or module buffers) are
 evaluated and compared with the causal pattern; when they equal it, the kernel gets `causal=True` and
 reads no mask at all. A mask that depends on the model's inputs (a padding mask) becomes the kernel's
-additive mask operand. Anything else is refused with the reason, and the site stays unfused.
+additive mask operand. A compile-time bias linear in the key index (ALiBi) becomes per-head slopes the
+kernel computes the bias from (position_slopes.py). Anything else is refused with the reason, and the
+site stays unfused.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from .built_masks import built_causal
+from .position_slopes import linear_key_slopes
 from .sliced_masks import sliced_causal
 
 # A masked score must vanish after exp(): -inf does exactly; so does any value at or below fp16's
@@ -45,7 +48,8 @@ class MaskFacts:
     causal: bool = False
     runtime_mask: fx.Node | None = None  # additive mask the kernel loads
     runtime_fill: MaskStep | None = None  # an input-dependent -inf fill, rewritten as an additive mask
-    buffers: tuple = ()  # module buffers the causal fact was read from (guarded at run time)
+    buffers: tuple = ()  # module buffers the causal fact or the slopes were read from (guarded at run time)
+    key_slopes: torch.Tensor | None = None  # float64 [heads or 1]: a linear position bias (ALiBi) for the kernel
     described: str = "none"
 
 
@@ -124,6 +128,31 @@ def _fill_read_by_the_kernel(constant_steps: list[MaskStep], keep: torch.Tensor,
     return step
 
 
+def _slopes_of(step: MaskStep, values, score_shape, facts: MaskFacts, requires_grad):
+    """(slopes, keep) of a compile-time additive bias that is linear in the key index, or None (then the
+    kernel reads the bias as a tensor). Its masked entries must keep every key or be causal: any other
+    pattern stays with the tensor, which the kernel reads exactly."""
+    if step.kind != "add" or step.after_scale or facts.key_slopes is not None or requires_grad(step.tensor):
+        return None
+    if not getattr(values, "takes_new_constants", False):  # the slopes would be a new constant of the graph
+        return None
+    if not all(isinstance(d, int) for d in score_shape[-3:]):
+        return None
+    own = over_scores(torch.as_tensor(values.value(step.tensor)).cpu(), score_shape)
+    if own.dim() > 4:
+        return None
+    fitted = linear_key_slopes(own.reshape([1] * (4 - own.dim()) + list(own.shape)), MASKED_AT_MOST)
+    if fitted is None or fitted[0].shape[0] not in (1, score_shape[-3]):
+        return None
+    slopes, kept = fitted
+    keep = kept.all(1, keepdim=True).all(0, keepdim=True)
+    if not bool((kept == keep).all()):
+        return None
+    if not (bool(keep.all()) or bool((keep == causal_keep(*score_shape[-2:])).all())):
+        return None
+    return slopes, keep
+
+
 def _describe_buffers(buffers) -> str:
     return ", ".join(b.name for b in buffers) or "built in the graph"
 
@@ -160,6 +189,14 @@ def mask_facts(steps: list[MaskStep], values, score_shape, requires_grad) -> Mas
             except NotACausalMask:
                 if not isinstance(step.tensor, fx.Node):
                     raise
+                fitted = _slopes_of(step, values, score_shape, facts, requires_grad)
+                if fitted is not None:  # ALiBi: computed in the kernel from one slope per head
+                    facts.key_slopes, kept = fitted
+                    if not bool(kept.all()):
+                        keep = keep & kept.reshape(keep.shape)
+                        constant_steps.append(step)
+                    facts.buffers = tuple(dict.fromkeys(facts.buffers + tuple(values.buffers_used(step.tensor))))
+                    continue
                 # a position bias (ALiBi, a relative-position table): read by the kernel, like a
                 # padding mask; the other constant steps may still make the site causal
         _check_readable(step, facts)
@@ -178,13 +215,20 @@ def mask_facts(steps: list[MaskStep], values, score_shape, requires_grad) -> Mas
             facts.runtime_fill = _fill_read_by_the_kernel(constant_steps, keep, facts)
             shape_of = list(facts.runtime_fill.tensor.meta["example_value"].shape)
             facts.described = f"compile-time fill, as additive {shape_of} read by the kernel"
-            return facts
+            return _with_slopes_described(facts)
         facts.causal = True
         buffers = [b for s in constant_steps if isinstance(s.tensor, fx.Node) for b in values.buffers_used(s.tensor)]
-        facts.buffers = tuple(dict.fromkeys(buffers))
-        facts.described = f"causal (from {_describe_buffers(facts.buffers)})"
+        facts.buffers = tuple(dict.fromkeys(facts.buffers + tuple(buffers)))
+        facts.described = f"causal (from {_describe_buffers(buffers)})"
     if facts.runtime_mask is not None or facts.runtime_fill is not None:
         node = facts.runtime_mask if facts.runtime_mask is not None else facts.runtime_fill.tensor
         extra = f"additive {list(node.meta['example_value'].shape)} read by the kernel"
         facts.described = extra if not facts.causal else f"{facts.described} + {extra}"
+    return _with_slopes_described(facts)
+
+
+def _with_slopes_described(facts: MaskFacts) -> MaskFacts:
+    if facts.key_slopes is not None:
+        extra = f"position bias linear in the key index (ALiBi): {facts.key_slopes.numel()} slope(s) in the kernel"
+        facts.described = extra if facts.described == "none" else f"{facts.described} + {extra}"
     return facts

@@ -114,6 +114,9 @@ class ConstantValues:
         self.buffers = {n: v for n, v in values.items() if v is not None}
         self._constant: dict[fx.Node, bool] = {}
         self._value: dict[fx.Node, object] = {}
+        # whether a pass may give this graph new constants (buffers aot_autograd lifts to inputs): not a
+        # higher-order op's body, whose operands the op passes explicitly
+        self.takes_new_constants = True
 
     @classmethod
     def for_body(cls, body: fx.GraphModule, operands, outer: "ConstantValues") -> "ConstantValues":
@@ -121,6 +124,7 @@ class ConstantValues:
         the op's operands, so a body placeholder is a constant buffer when its operand is one of the outer
         graph, with the outer graph's input index (guards watch the outer input)."""
         values = cls(body, None)
+        values.takes_new_constants = False
         placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
         pairs = [(p, o) for p, o in zip(placeholders, operands) if isinstance(o, fx.Node)]
         values.index = {p: outer.index[o] for p, o in pairs if o in outer.index}

@@ -28,9 +28,9 @@ from torch import Tensor
 
 from ..codegen.wrapper_runtime import cdiv, next_power_of_2
 from .flash_common import (
-    LOG2E, backward_config, check_attention_inputs, check_device, dot_precision, key_ranges, launcher,
-    load_rows, load_tile, mask_arguments, add_mask, query_ranges, resolve_config, store_rows, store_tile,
-    tile_ptrs, visible,
+    LOG2E, add_key_slope, add_mask, backward_config, check_attention_inputs, check_device, check_key_slopes,
+    dot_precision, head_slope, key_ranges, launcher, load_rows, load_tile, mask_arguments, query_ranges,
+    resolve_config, store_rows, store_tile, tile_ptrs, visible,
 )
 from .flash_backward_tma import flash_backward_tma
 from .flash_forward_tma import tiles_fit, tma_applies, tma_readable
@@ -40,15 +40,16 @@ __all__ = ["flash_backward", "backward_config"]
 
 
 def flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, scale: float,
-                   causal: bool, mask: Tensor | None = None,
-                   config: dict | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                   causal: bool, mask: Tensor | None = None, config: dict | None = None,
+                   key_slopes: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv) of flash_forward's out, given dout (any strides) and the forward's out
     and lse; shapes, dtypes and memory order of q, k, v (`torch.empty_like`: the model's backward
     reshapes them to [B, T, H * D] without a copy). The mask gets no gradient. `config`:
     overrides of `backward_config`'s DKDV_BLOCK_M, DKDV_BLOCK_N, DQ_BLOCK_M, DQ_BLOCK_N, num_warps,
     num_stages and TMA (dK/dV and dQ through TMA descriptors where the inputs allow it,
-    flash_backward_tma.py; on by default for 16-bit inputs on sm90+)."""
-    use_tma, cfg = _backward_plan((dout, q, k, v, out, lse, mask), scale, causal, frozen(config))
+    flash_backward_tma.py; on by default for 16-bit inputs on sm90+; the pointer kernels serve `key_slopes`,
+    flash_forward's position bias)."""
+    use_tma, cfg = _backward_plan((dout, q, k, v, out, lse, mask, key_slopes), scale, causal, frozen(config))
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     block_d = next_power_of_2(head_dim)
@@ -56,8 +57,9 @@ def flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     delta = torch.empty_like(lse)
     shared = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, EVEN_D=head_dim == block_d,
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    attention = dict(CAUSAL=causal, HAS_MASK=mask is not None, DOT_PRECISION=dot_precision(q.dtype), **shared)
-    mask_args = mask_arguments(mask, q)
+    attention = dict(CAUSAL=causal, HAS_MASK=mask is not None, HAS_SLOPES=key_slopes is not None,
+                     DOT_PRECISION=dot_precision(q.dtype), **shared)
+    mask_args = (*mask_arguments(mask, q), q if key_slopes is None else key_slopes)
 
     block_m = cfg["DQ_BLOCK_M"]
     launcher(_delta_kernel, (cdiv(seq_q, block_m), batch * heads), q.device)(
@@ -87,12 +89,13 @@ def flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
 def _backward_plan(tensors: tuple, scale: float, causal: bool, config) -> tuple[bool, dict]:
     """(dK/dV and dQ through TMA descriptors?, the resolved config) for these inputs, after checking
     them; kept per layout (launch_plans.py), so callers must not change the config they get."""
-    dout, q, k, v, out, lse, mask = tensors
+    dout, q, k, v, out, lse, mask, key_slopes = tensors
     check_attention_inputs("flash_backward", q, k, v, mask, causal, scale)
+    check_key_slopes("flash_backward", q, key_slopes)
     _check_saved(dout, out, lse, q)
     defaults = backward_config(q.shape[-1], causal, q.dtype, q.shape[2], k.shape[2], q.device.type)
     cfg = resolve_config(None if config is None else dict(config), defaults, "flash_backward")
-    use_tma = (cfg.pop("TMA") and tma_applies(q, k, v, mask) and tma_readable(dout)
+    use_tma = (cfg.pop("TMA") and key_slopes is None and tma_applies(q, k, v, mask) and tma_readable(dout)
                and tiles_fit(q, k, cfg["DKDV_BLOCK_M"], cfg["DKDV_BLOCK_N"])
                and tiles_fit(q, k, cfg["DQ_BLOCK_M"], cfg["DQ_BLOCK_N"]))
     return use_tma, cfg
@@ -132,7 +135,7 @@ def _delta_kernel(Out, DOut, Delta, stride_ob, stride_oh, stride_om, stride_od,
 
 @triton.jit
 def _dkdv_kernel(
-        Q, K, V, Mask, stride_mb, stride_mh, stride_mm, stride_mn, DOut, Lse, Delta, DK, DV,
+        Q, K, V, Mask, stride_mb, stride_mh, stride_mm, stride_mn, Slopes, DOut, Lse, Delta, DK, DV,
         stride_qb, stride_qh, stride_qm, stride_qd,
         stride_kb, stride_kh, stride_kn, stride_kd,
         stride_vb, stride_vh, stride_vn, stride_vd,
@@ -141,8 +144,8 @@ def _dkdv_kernel(
         stride_dvb, stride_dvh, stride_dvn, stride_dvd,
         num_kv_heads, group_size, seq_q, seq_k, sm_scale, qk_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-        EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SLOPES: tl.constexpr, EVEN_M: tl.constexpr,
+        EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """dK and dV for BLOCK_N keys of one (batch, kv head), summed over the query heads of its group."""
     n0 = tl.program_id(0) * BLOCK_N
     bkv = tl.program_id(1)
@@ -164,21 +167,25 @@ def _dkdv_kernel(
         q_head = Q + batch * stride_qb + head * stride_qh
         do_head = DOut + batch * stride_dob + head * stride_doh
         mask_head = Mask + batch * stride_mb + head * stride_mh
+        slope = head_slope(Slopes, head, HAS_SLOPES)
         rows_head = (batch * num_kv_heads * group_size + head) * seq_q  # lse and delta are contiguous [B, H, Tq]
         if CAUSAL:
             dk, dv = _accumulate_dkdv(
                 dk, dv, k, v, q_head, do_head, mask_head, Lse + rows_head, Delta + rows_head, n0, first, mask_free_lo,
-                seq_q, seq_k, causal_shift, qk_scale, stride_qm, stride_qd, stride_dom, stride_dod, stride_mm,
-                stride_mn, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, True, EVEN_M, EVEN_N, EVEN_D, DOT_PRECISION)
+                seq_q, seq_k, causal_shift, qk_scale, slope, stride_qm, stride_qd, stride_dom, stride_dod, stride_mm,
+                stride_mn, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_SLOPES,
+                True, EVEN_M, EVEN_N, EVEN_D, DOT_PRECISION)
         dk, dv = _accumulate_dkdv(
             dk, dv, k, v, q_head, do_head, mask_head, Lse + rows_head, Delta + rows_head, n0, mask_free_lo, ragged_lo,
-            seq_q, seq_k, causal_shift, qk_scale, stride_qm, stride_qd, stride_dom, stride_dod, stride_mm,
-            stride_mn, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, False, True, EVEN_N, EVEN_D, DOT_PRECISION)
+            seq_q, seq_k, causal_shift, qk_scale, slope, stride_qm, stride_qd, stride_dom, stride_dod, stride_mm,
+            stride_mn, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_SLOPES,
+            False, True, EVEN_N, EVEN_D, DOT_PRECISION)
         if not EVEN_M:
             dk, dv = _accumulate_dkdv(
                 dk, dv, k, v, q_head, do_head, mask_head, Lse + rows_head, Delta + rows_head, n0, ragged_lo, seq_q,
-                seq_q, seq_k, causal_shift, qk_scale, stride_qm, stride_qd, stride_dom, stride_dod, stride_mm,
-                stride_mn, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, False, False, EVEN_N, EVEN_D, DOT_PRECISION)
+                seq_q, seq_k, causal_shift, qk_scale, slope, stride_qm, stride_qd, stride_dom, stride_dod, stride_mm,
+                stride_mn, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_SLOPES,
+                False, False, EVEN_N, EVEN_D, DOT_PRECISION)
 
     dk_ptrs = tile_ptrs(DK + batch * stride_dkb + kv_head * stride_dkh, n0, cols, stride_dkn, 0, dims, stride_dkd)
     store_tile(dk_ptrs, (dk * sm_scale).to(DK.dtype.element_ty), n0 + cols, seq_k, dims, HEAD_DIM, EVEN_N, EVEN_D)
@@ -189,9 +196,10 @@ def _dkdv_kernel(
 @triton.jit
 def _accumulate_dkdv(
         dk, dv, k, v, q_head, do_head, mask_head, lse_head, delta_head, n0, query_lo, query_hi,
-        seq_q, seq_k, causal_shift, qk_scale, stride_qm, stride_qd, stride_dom, stride_dod, stride_mm, stride_mn,
+        seq_q, seq_k, causal_shift, qk_scale, slope, stride_qm, stride_qd, stride_dom, stride_dod, stride_mm, stride_mn,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_MASK: tl.constexpr, MASK_CAUSAL: tl.constexpr, EVEN_QUERIES: tl.constexpr, EVEN_N: tl.constexpr,
+        HAS_MASK: tl.constexpr, HAS_SLOPES: tl.constexpr,
+        MASK_CAUSAL: tl.constexpr, EVEN_QUERIES: tl.constexpr, EVEN_N: tl.constexpr,
         EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """dK^T-side accumulation over query blocks [query_lo, query_hi) of one query head, in transposed
     tiles [keys, queries]. EVEN_QUERIES: every block lies inside the queries. Rows past the keys
@@ -204,6 +212,8 @@ def _accumulate_dkdv(
         q = load_tile(tile_ptrs(q_head, m0, rows, stride_qm, 0, dims, stride_qd), m0 + rows, seq_q, dims, HEAD_DIM,
                       EVEN_QUERIES, EVEN_D)
         s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
+        if HAS_SLOPES:
+            s_t = add_key_slope(s_t, slope, m0 + rows[None, :], n0 + cols[:, None], causal_shift)
         if HAS_MASK:
             bias_t = load_tile(tile_ptrs(mask_head, n0, cols, stride_mn, m0, rows, stride_mm), n0 + cols, seq_k,
                                m0 + rows, seq_q, EVEN_N, EVEN_QUERIES)
@@ -225,7 +235,7 @@ def _accumulate_dkdv(
 
 @triton.jit
 def _dq_kernel(
-        Q, K, V, Mask, stride_mb, stride_mh, stride_mm, stride_mn, DOut, Lse, Delta, DQ,
+        Q, K, V, Mask, stride_mb, stride_mh, stride_mm, stride_mn, Slopes, DOut, Lse, Delta, DQ,
         stride_qb, stride_qh, stride_qm, stride_qd,
         stride_kb, stride_kh, stride_kn, stride_kd,
         stride_vb, stride_vh, stride_vn, stride_vd,
@@ -233,8 +243,8 @@ def _dq_kernel(
         stride_dqb, stride_dqh, stride_dqm, stride_dqd,
         num_heads, group_size, seq_q, seq_k, sm_scale, qk_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-        EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SLOPES: tl.constexpr, EVEN_M: tl.constexpr,
+        EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """dQ for BLOCK_M query rows of one (batch, head)."""
     block_m = tl.program_id(0)
     if CAUSAL:  # heaviest query blocks first
@@ -258,18 +268,19 @@ def _dq_kernel(
     k_head = K + batch * stride_kb + kv_head * stride_kh
     v_head = V + batch * stride_vb + kv_head * stride_vh
     mask_head = Mask + batch * stride_mb + head * stride_mh
+    slope = head_slope(Slopes, head, HAS_SLOPES)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     mask_free_end, end = key_ranges(m0, seq_k, causal_shift, BLOCK_M, BLOCK_N, CAUSAL)
     dq = _accumulate_dq(
         dq, q, do, lse, delta, k_head, v_head, mask_head, m0, 0, mask_free_end, seq_q, seq_k, causal_shift, qk_scale,
-        stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
-        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, False, EVEN_M, True, EVEN_D, DOT_PRECISION)
+        slope, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_SLOPES, False, EVEN_M, True, EVEN_D, DOT_PRECISION)
     if CAUSAL or not EVEN_N:
         dq = _accumulate_dq(
             dq, q, do, lse, delta, k_head, v_head, mask_head, m0, mask_free_end, end, seq_q, seq_k, causal_shift,
-            qk_scale, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
-            HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, CAUSAL, EVEN_M, EVEN_N, EVEN_D, DOT_PRECISION)
+            qk_scale, slope, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+            HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_SLOPES, CAUSAL, EVEN_M, EVEN_N, EVEN_D, DOT_PRECISION)
 
     dq_ptrs = tile_ptrs(DQ + batch * stride_dqb + head * stride_dqh, m0, rows, stride_dqm, 0, dims, stride_dqd)
     store_tile(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), m0 + rows, seq_q, dims, HEAD_DIM, EVEN_M, EVEN_D)
@@ -278,10 +289,10 @@ def _dq_kernel(
 @triton.jit
 def _accumulate_dq(
         dq, q, do, lse, delta, k_head, v_head, mask_head, m0, key_lo, key_hi, seq_q, seq_k, causal_shift, qk_scale,
-        stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+        slope, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_MASK: tl.constexpr, MASK_CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_KEYS: tl.constexpr,
-        EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        HAS_MASK: tl.constexpr, HAS_SLOPES: tl.constexpr, MASK_CAUSAL: tl.constexpr, EVEN_M: tl.constexpr,
+        EVEN_KEYS: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """dQ accumulation over key blocks [key_lo, key_hi); lse is in base 2 here."""
     rows = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -291,6 +302,8 @@ def _accumulate_dq(
         k = load_tile(tile_ptrs(k_head, n0, cols, stride_kn, 0, dims, stride_kd), n0 + cols, seq_k, dims, HEAD_DIM,
                       EVEN_KEYS, EVEN_D)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if HAS_SLOPES:
+            s = add_key_slope(s, slope, m0 + rows[:, None], n0 + cols[None, :], causal_shift)
         if HAS_MASK:
             bias = load_tile(tile_ptrs(mask_head, m0, rows, stride_mm, n0, cols, stride_mn), m0 + rows, seq_q,
                              n0 + cols, seq_k, EVEN_M, EVEN_KEYS)

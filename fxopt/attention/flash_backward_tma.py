@@ -27,7 +27,8 @@ from .flash_forward_tma import descriptor, query_block_program
 __all__ = ["flash_backward_tma"]
 
 
-def flash_backward_tma(dout, q, k, v, lse, delta, *, scale: float, causal: bool, cfg: dict) -> tuple[Tensor, Tensor, Tensor]:
+def flash_backward_tma(dout, q, k, v, lse, delta, *, scale: float, causal: bool,
+                       cfg: dict) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) for inputs the TMA path accepts (the caller checked tma_applies and dout); `delta`
     already computed; cfg resolved (DKDV_/DQ_ blocks, num_warps, num_stages)."""
     batch, heads, seq_q, head_dim = q.shape

@@ -187,6 +187,18 @@ def check_attention_inputs(who: str, q, k, v, mask, causal: bool, scale) -> None
         check_device(who, q, mask=mask)
 
 
+def check_key_slopes(who: str, q: Tensor, key_slopes: Tensor | None) -> None:
+    """Per-head position-bias slopes (see add_key_slope): float32 [H] on q's device."""
+    if key_slopes is None:
+        return
+    if not isinstance(key_slopes, Tensor) or key_slopes.dtype != torch.float32 or key_slopes.dim() != 1 \
+            or key_slopes.shape[0] != q.shape[1]:
+        raise ValueError(f"{who}: key_slopes must be float32 [H] = [{q.shape[1]}], got "
+                         f"{getattr(key_slopes, 'dtype', type(key_slopes).__name__)} "
+                         f"{list(getattr(key_slopes, 'shape', []))}")
+    check_device(who, q, key_slopes=key_slopes)
+
+
 def check_device(who: str, q: Tensor, **others: Tensor) -> None:
     """Every tensor on q's device, which is a CUDA device or the CPU (the Triton interpreter)."""
     if q.device.type not in ("cpu", "cuda"):
@@ -223,6 +235,25 @@ def add_mask(s, bias):
     b = bias.to(tl.float32)
     dropped = (b <= MASK_DROPS_AT) & (b != float("-inf"))
     return tl.where(dropped, MASKED_SCORE, s + b * LOG2E)
+
+
+@triton.jit
+def head_slope(Slopes, head, HAS_SLOPES: tl.constexpr):
+    """The head's position-bias slope in base-2 units (0.0 without slopes)."""
+    if HAS_SLOPES:
+        slope = tl.load(Slopes + head) * LOG2E
+    else:
+        slope = 0.0
+    return slope
+
+
+@triton.jit
+def add_key_slope(s, slope, q_idx, k_idx, causal_shift):
+    """Base-2 scores plus a linear position bias (ALiBi): slope * (key - query - (Tk - Tq)). The bias a
+    model builds, slope * (j - i) plus any per-row constant, gives the same softmax; this form is 0 on
+    the (bottom-right) diagonal, so it stays as small, and as exact in float32, as the model's own.
+    q_idx and k_idx broadcast to the tile."""
+    return s + slope * (k_idx - q_idx - causal_shift).to(tl.float32)
 
 
 @triton.jit

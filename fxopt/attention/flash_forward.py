@@ -33,8 +33,9 @@ from torch import Tensor
 
 from ..codegen.wrapper_runtime import cdiv, next_power_of_2
 from .flash_common import (
-    LN2, LOG2E, check_attention_inputs, dot_precision, forward_config, key_ranges, launcher, load_tile, add_mask,
-    mask_arguments, resolve_config, store_rows, store_tile, tile_ptrs, visible,
+    LN2, LOG2E, add_key_slope, add_mask, check_attention_inputs, check_key_slopes, dot_precision, forward_config,
+    head_slope, key_ranges, launcher, load_tile, mask_arguments, resolve_config, store_rows, store_tile, tile_ptrs,
+    visible,
 )
 from .flash_forward_tma import flash_forward_tma, tiles_fit, tma_applies
 from .launch_plans import frozen, planned
@@ -43,7 +44,8 @@ __all__ = ["flash_forward", "forward_config"]
 
 
 def flash_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool, mask: Tensor | None = None,
-                  config: dict | None = None, lse: bool = True) -> tuple[Tensor, Tensor | None]:
+                  config: dict | None = None, lse: bool = True,
+                  key_slopes: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """Attention forward; returns (out, lse), or (out, None) with lse=False (inference: nothing reads
     the statistics, so they are neither allocated nor stored).
 
@@ -55,11 +57,13 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool
     default on CUDA devices for 16-bit inputs without a mask). out: [B, H, Tq, D] in q's dtype, laid out
     like q (`torch.empty_like(q)`: for q = x.view(B, T, H, D).transpose(1, 2) its memory is [B, T, H, D],
     so the model's `out.transpose(1, 2).reshape(B, T, H * D)` needs no copy); lse: float32 [B, H, Tq], contiguous,
-    the natural-log log-sum-exp of each row's scaled, masked scores.
+    the natural-log log-sum-exp of each row's scaled, masked scores. `key_slopes`: None or float32 [H], a
+    linear position bias (ALiBi) computed in the kernel: head h's scores get key_slopes[h] * (j - i - (Tk - Tq))
+    added before the mask (flash_common.add_key_slope).
     """
-    use_tma, cfg = _forward_plan((q, k, v, mask), scale, causal, frozen(config))
+    use_tma, cfg = _forward_plan((q, k, v, mask, key_slopes), scale, causal, frozen(config))
     if use_tma:
-        return flash_forward_tma(q, k, v, scale=scale, causal=causal, cfg=cfg, store_lse=lse)
+        return flash_forward_tma(q, k, v, scale=scale, causal=causal, cfg=cfg, store_lse=lse, key_slopes=key_slopes)
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
@@ -69,12 +73,13 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool
     stats = torch.empty(batch, heads, seq_q, device=q.device, dtype=torch.float32) if lse else None
     grid = (cdiv(seq_q, block_m), batch * heads)
     launcher(_flash_forward_kernel, grid, q.device)(
-        q, k, v, *mask_arguments(mask, q), out, out if stats is None else stats,
+        q, k, v, *mask_arguments(mask, q), q if key_slopes is None else key_slopes, out,
+        out if stats is None else stats,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E.value,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        CAUSAL=causal, HAS_MASK=mask is not None, EVEN_M=seq_q % block_m == 0, EVEN_N=seq_k % block_n == 0,
-        EVEN_D=head_dim == block_d, DOT_PRECISION=dot_precision(q.dtype), STORE_LSE=lse,
+        CAUSAL=causal, HAS_MASK=mask is not None, HAS_SLOPES=key_slopes is not None, EVEN_M=seq_q % block_m == 0,
+        EVEN_N=seq_k % block_n == 0, EVEN_D=head_dim == block_d, DOT_PRECISION=dot_precision(q.dtype), STORE_LSE=lse,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out, stats
 
@@ -83,8 +88,9 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool
 def _forward_plan(tensors: tuple, scale: float, causal: bool, config) -> tuple[bool, dict]:
     """(through TMA descriptors?, the resolved config) for these inputs, after checking them; kept per
     layout (launch_plans.py), so callers must not change the config they get."""
-    q, k, v, mask = tensors
+    q, k, v, mask, key_slopes = tensors
     check_attention_inputs("flash_forward", q, k, v, mask, causal, scale)
+    check_key_slopes("flash_forward", q, key_slopes)
     defaults = forward_config(q.shape[-1], causal, q.dtype, q.shape[2], k.shape[2], q.device.type,
                               has_mask=mask is not None)
     cfg = resolve_config(None if config is None else dict(config), defaults, "flash_forward")
@@ -95,15 +101,15 @@ def _forward_plan(tensors: tuple, scale: float, causal: bool, config) -> tuple[b
 
 @triton.jit
 def _flash_forward_kernel(
-        Q, K, V, Mask, stride_mb, stride_mh, stride_mm, stride_mn, Out, Lse,
+        Q, K, V, Mask, stride_mb, stride_mh, stride_mm, stride_mn, Slopes, Out, Lse,
         stride_qb, stride_qh, stride_qm, stride_qd,
         stride_kb, stride_kh, stride_kn, stride_kd,
         stride_vb, stride_vh, stride_vn, stride_vd,
         stride_ob, stride_oh, stride_om, stride_od,
         num_heads, group_size, seq_q, seq_k, qk_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-        EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, STORE_LSE: tl.constexpr):
+        CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SLOPES: tl.constexpr, EVEN_M: tl.constexpr,
+        EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, STORE_LSE: tl.constexpr):
     """BLOCK_M query rows of one (batch, head) against every key they may see: out rows and lse."""
     block_m = tl.program_id(0)
     if CAUSAL:  # heaviest query blocks first
@@ -123,6 +129,7 @@ def _flash_forward_kernel(
     k_head = K + batch * stride_kb + kv_head * stride_kh
     v_head = V + batch * stride_vb + kv_head * stride_vh
     mask_head = Mask + batch * stride_mb + head * stride_mh
+    slope = head_slope(Slopes, head, HAS_SLOPES)
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
@@ -130,13 +137,13 @@ def _flash_forward_kernel(
     mask_free_end, end = key_ranges(m0, seq_k, causal_shift, BLOCK_M, BLOCK_N, CAUSAL)
     acc, row_sum, row_max = _attend_key_blocks(
         acc, row_sum, row_max, q, k_head, v_head, mask_head, m0, 0, mask_free_end, seq_q, seq_k, causal_shift,
-        qk_scale, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
-        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, False, EVEN_M, True, EVEN_D, DOT_PRECISION)
+        qk_scale, slope, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_SLOPES, False, EVEN_M, True, EVEN_D, DOT_PRECISION)
     if CAUSAL or not EVEN_N:
         acc, row_sum, row_max = _attend_key_blocks(
             acc, row_sum, row_max, q, k_head, v_head, mask_head, m0, mask_free_end, end, seq_q, seq_k, causal_shift,
-            qk_scale, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
-            HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, CAUSAL, EVEN_M, EVEN_N, EVEN_D, DOT_PRECISION)
+            qk_scale, slope, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+            HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_SLOPES, CAUSAL, EVEN_M, EVEN_N, EVEN_D, DOT_PRECISION)
 
     out = acc / row_sum[:, None]
     out_ptrs = tile_ptrs(Out + batch * stride_ob + head * stride_oh, m0, rows, stride_om, 0, dims, stride_od)
@@ -149,10 +156,10 @@ def _flash_forward_kernel(
 @triton.jit
 def _attend_key_blocks(
         acc, row_sum, row_max, q, k_head, v_head, mask_head, m0, key_lo, key_hi, seq_q, seq_k, causal_shift,
-        qk_scale, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+        qk_scale, slope, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_MASK: tl.constexpr, MASK_CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_KEYS: tl.constexpr,
-        EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        HAS_MASK: tl.constexpr, HAS_SLOPES: tl.constexpr, MASK_CAUSAL: tl.constexpr, EVEN_M: tl.constexpr,
+        EVEN_KEYS: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """The online-softmax update over key blocks [key_lo, key_hi). EVEN_KEYS: every block lies
     inside the keys; with it and MASK_CAUSAL off the scores get no elementwise mask at all."""
     rows = tl.arange(0, BLOCK_M)
@@ -163,6 +170,8 @@ def _attend_key_blocks(
         k = load_tile(tile_ptrs(k_head, n0, cols, stride_kn, 0, dims, stride_kd), n0 + cols, seq_k, dims, HEAD_DIM,
                       EVEN_KEYS, EVEN_D)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if HAS_SLOPES:
+            s = add_key_slope(s, slope, m0 + rows[:, None], n0 + cols[None, :], causal_shift)
         if HAS_MASK:
             bias = load_tile(tile_ptrs(mask_head, m0, rows, stride_mm, n0, cols, stride_mn), m0 + rows, seq_q,
                              n0 + cols, seq_k, EVEN_M, EVEN_KEYS)

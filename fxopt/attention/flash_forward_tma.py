@@ -10,7 +10,8 @@ the tiles moved by the GPU's tensor memory accelerator instead of per-thread poi
   engine itself, so ragged lengths need no load or store masks (scores of the zero keys are still
   masked to -inf, as in the pointer kernel);
 - the score scale is folded into the exponent's fused multiply-add (exp2(s * c - max)) in the
-  mask-free loop instead of scaling the whole tile first.
+  mask-free loop instead of scaling the whole tile first (not with a position bias: `key_slopes`,
+  flash_common.add_key_slope, adds to the scaled scores).
 
 Descriptors are 4-D ([B, H, T, D] with the tensor's own strides), so the transposed views model code
 makes (`x.view(B, T, H, D).transpose(1, 2)`) are read in place. What TMA needs, `tma_applies` checks:
@@ -29,7 +30,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..codegen.wrapper_runtime import cdiv
-from .flash_common import LN2, key_ranges, launcher, store_rows, visible
+from .flash_common import LN2, add_key_slope, head_slope, key_ranges, launcher, store_rows, visible
 
 try:  # triton >= 3.4
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -80,9 +81,9 @@ _DESCRIPTOR_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TensorDesc
 
 
 def flash_forward_tma(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool, cfg: dict,
-                      store_lse: bool = True) -> tuple[Tensor, Tensor | None]:
+                      store_lse: bool = True, key_slopes: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """flash_forward's (out, lse) for inputs `tma_applies` accepted; cfg: BLOCK_M, BLOCK_N, num_warps,
-    num_stages (already resolved); without store_lse, (out, None)."""
+    num_stages (already resolved); without store_lse, (out, None); key_slopes as flash_forward's."""
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
@@ -91,9 +92,9 @@ def flash_forward_tma(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: 
     grid = (cdiv(seq_q, block_m), batch * heads)
     launcher(_flash_forward_tma_kernel, grid, q.device)(
         descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(out, block_m),
-        out if lse is None else lse,
+        out if lse is None else lse, out if key_slopes is None else key_slopes,
         heads, heads // kv_heads, seq_q, seq_k, scale * 1.4426950408889634,
-        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, HAS_SLOPES=key_slopes is not None,
         EVEN_M=seq_q % block_m == 0, EVEN_N=seq_k % block_n == 0, STORE_LSE=store_lse,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out, lse
@@ -101,12 +102,13 @@ def flash_forward_tma(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: 
 
 @triton.jit
 def _flash_forward_tma_kernel(
-        q_desc, k_desc, v_desc, o_desc, Lse, num_heads, group_size, seq_q, seq_k, qk_scale,
+        q_desc, k_desc, v_desc, o_desc, Lse, Slopes, num_heads, group_size, seq_q, seq_k, qk_scale,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-        EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, STORE_LSE: tl.constexpr):
+        HAS_SLOPES: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, STORE_LSE: tl.constexpr):
     """BLOCK_M query rows of one (batch, head) against every key they may see: out rows and lse."""
     bh, batch, head, kv_head, m0 = query_block_program(num_heads, group_size, BLOCK_M, CAUSAL)
     causal_shift = seq_k - seq_q
+    slope = head_slope(Slopes, head, HAS_SLOPES)
 
     q = q_desc.load([batch, head, m0, 0]).reshape(BLOCK_M, HEAD_DIM)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -115,11 +117,11 @@ def _flash_forward_tma_kernel(
     mask_free_end, end = key_ranges(m0, seq_k, causal_shift, BLOCK_M, BLOCK_N, CAUSAL)
     acc, row_sum, row_max = _tma_key_blocks(
         acc, row_sum, row_max, q, k_desc, v_desc, batch, kv_head, m0, 0, mask_free_end, seq_q, seq_k,
-        causal_shift, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, False, False)
+        causal_shift, qk_scale, slope, HEAD_DIM, BLOCK_M, BLOCK_N, False, False, HAS_SLOPES)
     if CAUSAL or not EVEN_N:
         acc, row_sum, row_max = _tma_key_blocks(
             acc, row_sum, row_max, q, k_desc, v_desc, batch, kv_head, m0, mask_free_end, end, seq_q, seq_k,
-            causal_shift, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL)
+            causal_shift, qk_scale, slope, HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL, HAS_SLOPES)
 
     out = (acc / row_sum[:, None]).to(o_desc.dtype)
     o_desc.store([batch, head, m0, 0], out.reshape(1, 1, BLOCK_M, HEAD_DIM))
@@ -144,8 +146,8 @@ def query_block_program(num_heads, group_size, BLOCK_M: tl.constexpr, CAUSAL: tl
 @triton.jit
 def _tma_key_blocks(
         acc, row_sum, row_max, q, k_desc, v_desc, batch, kv_head, m0, key_lo, key_hi, seq_q, seq_k,
-        causal_shift, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        MASKED: tl.constexpr, MASK_CAUSAL: tl.constexpr):
+        causal_shift, qk_scale, slope, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        MASKED: tl.constexpr, MASK_CAUSAL: tl.constexpr, HAS_SLOPES: tl.constexpr):
     """The online-softmax update over key blocks [key_lo, key_hi); MASKED blocks get the elementwise
     causal / ragged-end mask, the others none."""
     rows = tl.arange(0, BLOCK_M)
@@ -154,7 +156,14 @@ def _tma_key_blocks(
         n0 = tl.multiple_of(n0, BLOCK_N)
         k = k_desc.load([batch, kv_head, n0, 0]).reshape(BLOCK_N, HEAD_DIM)
         s = tl.dot(q, tl.trans(k))
-        if MASKED:
+        if HAS_SLOPES:
+            s = add_key_slope(s * qk_scale, slope, m0 + rows[:, None], n0 + cols[None, :], causal_shift)
+            if MASKED:
+                s = tl.where(visible(m0 + rows[:, None], n0 + cols[None, :], seq_q, seq_k, causal_shift,
+                                     MASK_CAUSAL), s, float("-inf"))
+            new_max = tl.maximum(row_max, tl.max(s, 1))
+            p = tl.exp2(s - new_max[:, None])
+        elif MASKED:
             s = tl.where(visible(m0 + rows[:, None], n0 + cols[None, :], seq_q, seq_k, causal_shift, MASK_CAUSAL),
                          s * qk_scale, float("-inf"))
             new_max = tl.maximum(row_max, tl.max(s, 1))

@@ -16,7 +16,9 @@ broadcastable to [B, H, Tq, Tk]; causal is aligned bottom-right; `scale` None me
 tensors of each call (SDPA's default: what a graph with a symbolic head dim computes); `scale_by`, a 0-d
 tensor, multiplies the scale by its value to `scale_power` (a float attribute dynamo made an input). A head dim
 outside the kernels' range (possible only when it is symbolic: the matcher checks static ones) runs
-the reference, logged once. Returns (out [B, H, Tq, D] in q's
+the reference, logged once. `key_slopes`, None or float32 [H]: a linear position bias (ALiBi) the
+kernels compute, slopes[h] * (j - i - (Tk - Tq)) added to head h's scaled scores before the mask (the
+decode kernel and the reference read it as an added mask instead). Returns (out [B, H, Tq, D] in q's
 dtype, lse [B, H, Tq] float32: the natural-log log-sum-exp of each row, saved for the backward).
 
 Layouts: out and each gradient are laid out like their input (`torch.empty_like`: q = x.view(B, T, H,
@@ -106,26 +108,29 @@ def _full_mask(mask: Optional[Tensor], q: Tensor, k: Tensor) -> Optional[Tensor]
 
 
 def run_flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: Optional[float],
-                        causal: bool, scale_by: Optional[Tensor] = None,
-                        scale_power: int = 1) -> tuple[Tensor, Tensor]:
+                        causal: bool, scale_by: Optional[Tensor] = None, scale_power: int = 1,
+                        key_slopes: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """The op's implementation; wrappers call it directly (codegen/direct_calls.py)."""
-    return flash_attention_impl(q, k, v, mask, scale, causal, scale_by, scale_power)
+    return flash_attention_impl(q, k, v, mask, scale, causal, scale_by, scale_power, key_slopes)
 
 
 def flash_attention_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: Optional[float],
                          causal: bool, scale_by: Optional[Tensor] = None, scale_power: int = 1,
-                         need_lse: bool = True) -> tuple[Tensor, Optional[Tensor]]:
+                         key_slopes: Optional[Tensor] = None, need_lse: bool = True) -> tuple[Tensor, Optional[Tensor]]:
     """run_flash_attention; need_lse=False (a wrapper whose graph never reads the statistics:
     inference) returns (out, None) without allocating or storing them."""
     scale = _scale_of(q, scale, scale_by, scale_power)
     if not _kernels_take(q) or not 0 < scale < math.inf:  # (a runtime scale may be anything)
+        mask = reference.with_key_slopes(mask, key_slopes, q.shape[2], k.shape[2])
         out, lse = reference.attention(q, k, v, scale=scale, causal=causal, mask=mask)
         return _laid_out_like(out, q), lse.contiguous() if need_lse else None
     from .flash_decode import decode_applies, flash_decode
     from .flash_forward import flash_forward
     mask = _full_mask(mask, q, k)
     if not decode_applies(q.shape[2], k.shape[2]):  # out already laid out like q
-        return _triton_call(q, flash_forward, q, k, v, scale=scale, causal=causal, mask=mask, lse=need_lse)
+        return _triton_call(q, flash_forward, q, k, v, scale=scale, causal=causal, mask=mask, lse=need_lse,
+                            key_slopes=key_slopes)
+    mask = _full_mask(reference.with_key_slopes(mask, key_slopes, q.shape[2], k.shape[2]), q, k)  # <= 16 rows
     out, lse = _triton_call(q, flash_decode, q, k, v, scale=scale, causal=causal, mask=mask, lse=need_lse)
     return _laid_out_like(out, q), lse
 
@@ -134,22 +139,23 @@ flash_attention = torch.library.custom_op("fxopt::flash_attention", mutates_args
 
 
 @flash_attention.register_fake
-def _(q, k, v, mask, scale, causal, scale_by=None, scale_power=1):
+def _(q, k, v, mask, scale, causal, scale_by=None, scale_power=1, key_slopes=None):
     b, h, tq, _ = q.shape
     return torch.empty_like(q), q.new_empty(b, h, tq, dtype=torch.float32)
 
 
 def run_flash_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                                  mask: Optional[Tensor], scale: Optional[float], causal: bool,
-                                 scale_by: Optional[Tensor] = None,
-                                 scale_power: int = 1) -> tuple[Tensor, Tensor, Tensor]:
+                                 scale_by: Optional[Tensor] = None, scale_power: int = 1,
+                                 key_slopes: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     scale = _scale_of(q, scale, scale_by, scale_power)
     if not _kernels_take(q) or not 0 < scale < math.inf:
+        mask = reference.with_key_slopes(mask, key_slopes, q.shape[2], k.shape[2])
         dq, dk, dv = reference.attention_backward(dout, q, k, v, scale=scale, causal=causal, mask=mask)
         return _laid_out_like(dq, q), _laid_out_like(dk, k), _laid_out_like(dv, v)
     from .flash_backward import flash_backward
     return _triton_call(q, flash_backward, dout, q, k, v, out, lse, scale=scale, causal=causal,
-                        mask=_full_mask(mask, q, k))
+                        mask=_full_mask(mask, q, k), key_slopes=key_slopes)
 
 
 flash_attention_backward = torch.library.custom_op("fxopt::flash_attention_backward",
@@ -157,29 +163,29 @@ flash_attention_backward = torch.library.custom_op("fxopt::flash_attention_backw
 
 
 @flash_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, mask, scale, causal, scale_by=None, scale_power=1):
+def _(dout, q, k, v, out, lse, mask, scale, causal, scale_by=None, scale_power=1, key_slopes=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # as the kernels write them
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, scale, causal, scale_by, scale_power = inputs
+    q, k, v, mask, scale, causal, scale_by, scale_power, key_slopes = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, mask, scale_by)
+    ctx.save_for_backward(q, k, v, out, lse, mask, scale_by, key_slopes)
     ctx.scale, ctx.causal, ctx.scale_power = scale, causal, scale_power
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, mask, scale_by = ctx.saved_tensors
+    q, k, v, out, lse, mask, scale_by, key_slopes = ctx.saved_tensors
     dq, dk, dv = flash_attention_backward(dout, q, k, v, out, lse, mask, ctx.scale, ctx.causal, scale_by,
-                                          ctx.scale_power)
-    return dq, dk, dv, None, None, None, None, None
+                                          ctx.scale_power, key_slopes)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 flash_attention.register_autograd(_backward, setup_context=_setup_context)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, scale: Optional[float], causal: bool = False,
-              mask: Optional[Tensor] = None) -> Tensor:
+              mask: Optional[Tensor] = None, key_slopes: Optional[Tensor] = None) -> Tensor:
     """The fused op's output alone: what the matcher's replacement computes."""
-    return flash_attention(q, k, v, mask, scale, causal)[0]
+    return flash_attention(q, k, v, mask, scale, causal, key_slopes=key_slopes)[0]

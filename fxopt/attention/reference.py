@@ -19,6 +19,22 @@ def causal_keep(seq_q: int, seq_k: int, device) -> torch.Tensor:
     return torch.ones(seq_q, seq_k, dtype=torch.bool, device=device).tril(seq_k - seq_q)
 
 
+def key_slope_bias(key_slopes: torch.Tensor, seq_q: int, seq_k: int) -> torch.Tensor:
+    """The linear position bias (ALiBi) the kernels compute from per-head slopes, as a [1, H, Tq, Tk]
+    float32 additive mask: slopes[h] * (j - i - (Tk - Tq))."""
+    rows = torch.arange(seq_q, device=key_slopes.device)[:, None] + (seq_k - seq_q)
+    offsets = (torch.arange(seq_k, device=key_slopes.device)[None, :] - rows).float()
+    return (key_slopes.float()[:, None, None] * offsets)[None]
+
+
+def with_key_slopes(mask, key_slopes, seq_q: int, seq_k: int):
+    """`mask` with the slopes' bias added (what the kernels that take no slopes read instead)."""
+    if key_slopes is None:
+        return mask
+    bias = key_slope_bias(key_slopes, seq_q, seq_k)
+    return bias if mask is None else bias + mask.float()
+
+
 def scores(q, k, *, scale, causal, mask) -> torch.Tensor:
     """scale * q k^T (+ mask), float32, with causal positions at -inf."""
     s = torch.matmul(q.float(), expand_kv(k, q.shape[1]).float().transpose(-2, -1)) * scale

@@ -34,8 +34,8 @@ FUSED_OP = flash_attention._opoverload  # torch.ops.fxopt.flash_attention.defaul
 
 @dataclass
 class InputGuard:
-    """A compile-time fact about a module buffer (its value, e.g. a causal tril), checked on every call
-    (see backend.py) before anything runs.
+    """A compile-time fact about a module buffer (its value, e.g. a causal tril or ALiBi slopes), checked on
+    every call (see backend.py) before anything runs.
 
     Unchanged version and address: nothing to check. Otherwise the value is compared with the
     snapshot: on the CPU with torch.equal (a clear FxoptError when it differs); on a GPU on the device,
@@ -61,14 +61,14 @@ class InputGuard:
             if not torch.equal(tensor.detach().cpu(), self.snapshot):
                 from ..errors import FxoptError
                 raise FxoptError(f"fxopt: buffer '{self.name}' changed after compilation; attention at node "
-                                 f"'{self.site}' was compiled as causal from its old value. Fix: call "
-                                 "torch._dynamo.reset() and compile again after changing it")
+                                 f"'{self.site}' was compiled from its old value (a causal mask or position-bias "
+                                 "slopes). Fix: call torch._dynamo.reset() and compile again after changing it")
         else:
             if self._on_device is None or self._on_device.device != tensor.device:
                 self._on_device = self.snapshot.to(tensor.device)
             torch._assert_async((tensor.detach() == self._on_device).all(),
                                 f"fxopt: buffer '{self.name}' changed after compilation (attention at node "
-                                f"'{self.site}' was compiled as causal from its old value)")
+                                f"'{self.site}' was compiled from its old value)")
         self.version, self.snapshot_ptr = tensor._version, tensor.data_ptr()
 
     def __post_init__(self):
@@ -93,6 +93,23 @@ def _runtime_mask(graph: fx.Graph, facts: MaskFacts) -> fx.Node | None:
     return graph.call_function(torch.where, (step.tensor, hit, miss))
 
 
+def _slopes_constant(gm: fx.GraphModule, m: Match) -> fx.Node | None:
+    """The site's per-head position-bias slopes, float32 [H] on q's device, as a `torch.tensor` of their
+    values in the graph (aot_autograd makes it a constant of the ATen graph); None without slopes."""
+    slopes = m.facts.key_slopes
+    if slopes is None:
+        return None
+    heads = shape(m.q)[-3] if len(shape(m.q)) == 4 else shape(m.q)[0]  # rank 3: [B * H, T, D] runs as heads
+    values = slopes.to(torch.float32).expand(heads).tolist()
+    like = meta(m.q)
+    node = gm.graph.call_function(torch.tensor, (values,), {"dtype": torch.float32, "device": like.device})
+    fake_mode = getattr(like, "fake_mode", None)
+    if fake_mode is not None:
+        with fake_mode:
+            node.meta["example_value"] = torch.tensor(values, dtype=torch.float32, device=like.device)
+    return node
+
+
 def rewrite(gm: fx.GraphModule, m: Match) -> fx.Node:
     """Insert the fused op before the P @ V matmul and hand it that matmul's uses."""
     graph = gm.graph
@@ -107,7 +124,9 @@ def rewrite(gm: fx.GraphModule, m: Match) -> fx.Node:
             if mask is not None:
                 mask = _call(graph, "unsqueeze", mask, 0) if len(shape(mask) or ()) == 3 else mask
         runtime = (m.scale_by, m.scale_power) if m.scale_by is not None else ()
-        fused = graph.call_function(FUSED_OP, (q, k, v, mask, m.scale, bool(m.facts.causal), *runtime))
+        slopes = _slopes_constant(gm, m)
+        fused = graph.call_function(FUSED_OP, (q, k, v, mask, m.scale, bool(m.facts.causal), *runtime),
+                                    {"key_slopes": slopes} if slopes is not None else {})
         out = graph.call_function(operator.getitem, (fused, 0))
         if rank == 3:
             out = _call(graph, "squeeze", out, 0)

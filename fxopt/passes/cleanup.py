@@ -6,6 +6,7 @@
     a = aten.mul.Tensor(x, y); b = aten.mul.Tensor(x, y)   ->   b's uses read a
     t = aten.permute.default(w, [1, 0]); u = aten.permute.default(t, [1, 0])   ->   u's uses read w
     c = aten.copy.default(new_empty_strided(...), g)   ->   c = aten.clone.default(g, contiguous)
+    c = aten.lift_fresh_copy.default(_tensor_constant0)  (uses read the constant: nothing writes it)
 
 The last is how autograd writes a Linear's weight gradient and input gradient (t(t(w))): every view
 the wrapper keeps costs a dispatcher call per training step, and a chain of views that ends where it
@@ -67,6 +68,10 @@ def _is_noop(node: fx.Node) -> bool:
     if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
         return False
     t = node.target
+    if t is aten.lift_fresh_copy.default:
+        # a `torch.tensor(...)` constant (attention's position-bias slopes): a graph aot_autograd
+        # functionalised writes no intermediate, so only a returned copy must stay a copy
+        return node.args[0].op == "get_attr" and not any(u.op == "output" for u in node.users)
     if t in VIEWS:
         return _same_meta(node, node.args[0])
     if t in (prims.convert_element_type.default, aten._to_copy.default, aten.clone.default):
