@@ -150,8 +150,8 @@ def make_attn_full(device, dtype, quick):
     return _full_attention, _qkv(device, dtype, B, H, T, T, D)
 
 
-@workload("attn_alibi", "causal attention fwd with an ALiBi bias built in the function (read by the kernel as a "
-          "[1, H, T, T] fp32 mask); B8 H16 T2048 D128; SDPA anchor takes bias and mask as one float mask",
+@workload("attn_alibi", "causal attention fwd with an ALiBi bias built in the function (computed by fxopt's "
+          "kernel from per-head slopes); B8 H16 T2048 D128; SDPA anchor takes bias and mask as one float mask",
           kind="attention", flops=_causal_flops, anchor=_sdpa_alibi, rtol=5e-2, atol=5e-2)
 def make_attn_alibi(device, dtype, quick):
     B, H, T, D = (1, 2, 64, 32) if quick else (8, 16, 2048, 128)
