@@ -47,8 +47,8 @@ def flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     reshapes them to [B, T, H * D] without a copy). The mask gets no gradient. `config`:
     overrides of `backward_config`'s DKDV_BLOCK_M, DKDV_BLOCK_N, DQ_BLOCK_M, DQ_BLOCK_N, num_warps,
     num_stages and TMA (dK/dV and dQ through TMA descriptors where the inputs allow it,
-    flash_backward_tma.py; on by default for 16-bit inputs on sm90+; the pointer kernels serve `key_slopes`,
-    flash_forward's position bias)."""
+    flash_backward_tma.py; on by default for 16-bit inputs on sm90+). `key_slopes`: flash_forward's position
+    bias (ALiBi), recomputed here."""
     use_tma, cfg = _backward_plan((dout, q, k, v, out, lse, mask, key_slopes), scale, causal, frozen(config))
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
@@ -66,7 +66,7 @@ def flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
         out, dout, delta, *out.stride(), *dout.stride(), heads, seq_q,
         BLOCK_M=block_m, EVEN_M=seq_q % block_m == 0, **shared)
     if use_tma:
-        return flash_backward_tma(dout, q, k, v, lse, delta, scale=scale, causal=causal, cfg=cfg)
+        return flash_backward_tma(dout, q, k, v, lse, delta, scale=scale, causal=causal, cfg=cfg, key_slopes=key_slopes)
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))  # each laid out like its input
 
     block_m, block_n = cfg["DKDV_BLOCK_M"], cfg["DKDV_BLOCK_N"]
@@ -95,7 +95,7 @@ def _backward_plan(tensors: tuple, scale: float, causal: bool, config) -> tuple[
     _check_saved(dout, out, lse, q)
     defaults = backward_config(q.shape[-1], causal, q.dtype, q.shape[2], k.shape[2], q.device.type)
     cfg = resolve_config(None if config is None else dict(config), defaults, "flash_backward")
-    use_tma = (cfg.pop("TMA") and key_slopes is None and tma_applies(q, k, v, mask) and tma_readable(dout)
+    use_tma = (cfg.pop("TMA") and tma_applies(q, k, v, mask) and tma_readable(dout)
                and tiles_fit(q, k, cfg["DKDV_BLOCK_M"], cfg["DKDV_BLOCK_N"])
                and tiles_fit(q, k, cfg["DQ_BLOCK_M"], cfg["DQ_BLOCK_N"]))
     return use_tma, cfg

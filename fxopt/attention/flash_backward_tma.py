@@ -21,32 +21,34 @@ import triton.language as tl
 from torch import Tensor
 
 from ..codegen.wrapper_runtime import cdiv
-from .flash_common import LOG2E, key_ranges, launcher, load_rows, query_ranges, visible
+from .flash_common import LOG2E, add_key_slope, head_slope, key_ranges, launcher, load_rows, query_ranges, visible
 from .flash_forward_tma import descriptor, query_block_program
 
 __all__ = ["flash_backward_tma"]
 
 
-def flash_backward_tma(dout, q, k, v, lse, delta, *, scale: float, causal: bool,
-                       cfg: dict) -> tuple[Tensor, Tensor, Tensor]:
+def flash_backward_tma(dout, q, k, v, lse, delta, *, scale: float, causal: bool, cfg: dict,
+                       key_slopes: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) for inputs the TMA path accepts (the caller checked tma_applies and dout); `delta`
-    already computed; cfg resolved (DKDV_/DQ_ blocks, num_warps, num_stages)."""
+    already computed; cfg resolved (DKDV_/DQ_ blocks, num_warps, num_stages); key_slopes as flash_backward's."""
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
-    shared = dict(HEAD_DIM=head_dim, CAUSAL=causal, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    shared = dict(HEAD_DIM=head_dim, CAUSAL=causal, HAS_SLOPES=key_slopes is not None, num_warps=cfg["num_warps"],
+                  num_stages=cfg["num_stages"])
+    slopes = lse if key_slopes is None else key_slopes  # (unread without slopes)
 
     block_m, block_n = cfg["DKDV_BLOCK_M"], cfg["DKDV_BLOCK_N"]
     launcher(_dkdv_tma_kernel, (cdiv(seq_k, block_n), batch * kv_heads), q.device)(
         descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(dout, block_m),
-        descriptor(dk, block_n), descriptor(dv, block_n), lse, delta,
+        descriptor(dk, block_n), descriptor(dv, block_n), lse, delta, slopes,
         kv_heads, heads // kv_heads, seq_q, seq_k, scale, scale * LOG2E.value,
         BLOCK_M=block_m, BLOCK_N=block_n, EVEN_M=seq_q % block_m == 0, **shared)
 
     block_m, block_n = cfg["DQ_BLOCK_M"], cfg["DQ_BLOCK_N"]
     launcher(_dq_tma_kernel, (cdiv(seq_q, block_m), batch * heads), q.device)(
         descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(dout, block_m),
-        descriptor(dq, block_m), lse, delta,
+        descriptor(dq, block_m), lse, delta, slopes,
         heads, heads // kv_heads, seq_q, seq_k, scale, scale * LOG2E.value,
         BLOCK_M=block_m, BLOCK_N=block_n, EVEN_N=seq_k % block_n == 0, **shared)
     return dq, dk, dv
@@ -54,10 +56,10 @@ def flash_backward_tma(dout, q, k, v, lse, delta, *, scale: float, causal: bool,
 
 @triton.jit
 def _dkdv_tma_kernel(
-        q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta,
+        q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, Slopes,
         num_kv_heads, group_size, seq_q, seq_k, sm_scale, qk_scale,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-        EVEN_M: tl.constexpr):
+        HAS_SLOPES: tl.constexpr, EVEN_M: tl.constexpr):
     """dK and dV for BLOCK_N keys of one (batch, kv head), summed over the query heads of its group."""
     n0 = tl.program_id(0) * BLOCK_N
     bkv = tl.program_id(1)
@@ -72,25 +74,27 @@ def _dkdv_tma_kernel(
     for g in range(group_size):
         head = kv_head * group_size + g
         rows_head = (batch * num_kv_heads * group_size + head).to(tl.int64) * seq_q  # lse, delta: [B, H, Tq]
+        slope = head_slope(Slopes, head, HAS_SLOPES)
         if CAUSAL:
             dk, dv = _accumulate_dkdv_tma(dk, dv, k, v, q_desc, do_desc, Lse + rows_head, Delta + rows_head, batch,
-                                          head, n0, first, mask_free_lo, seq_q, seq_k, causal_shift, qk_scale,
-                                          HEAD_DIM, BLOCK_M, BLOCK_N, True, True)
+                                          head, n0, first, mask_free_lo, seq_q, seq_k, causal_shift, qk_scale, slope,
+                                          HEAD_DIM, BLOCK_M, BLOCK_N, True, True, HAS_SLOPES)
         dk, dv = _accumulate_dkdv_tma(dk, dv, k, v, q_desc, do_desc, Lse + rows_head, Delta + rows_head, batch,
-                                      head, n0, mask_free_lo, ragged_lo, seq_q, seq_k, causal_shift, qk_scale,
-                                      HEAD_DIM, BLOCK_M, BLOCK_N, False, False)
+                                      head, n0, mask_free_lo, ragged_lo, seq_q, seq_k, causal_shift, qk_scale, slope,
+                                      HEAD_DIM, BLOCK_M, BLOCK_N, False, False, HAS_SLOPES)
         if not EVEN_M:
             dk, dv = _accumulate_dkdv_tma(dk, dv, k, v, q_desc, do_desc, Lse + rows_head, Delta + rows_head, batch,
-                                          head, n0, ragged_lo, seq_q, seq_q, seq_k, causal_shift, qk_scale,
-                                          HEAD_DIM, BLOCK_M, BLOCK_N, True, False)
+                                          head, n0, ragged_lo, seq_q, seq_q, seq_k, causal_shift, qk_scale, slope,
+                                          HEAD_DIM, BLOCK_M, BLOCK_N, True, False, HAS_SLOPES)
     dk_desc.store([batch, kv_head, n0, 0], (dk * sm_scale).to(dk_desc.dtype).reshape(1, 1, BLOCK_N, HEAD_DIM))
     dv_desc.store([batch, kv_head, n0, 0], dv.to(dv_desc.dtype).reshape(1, 1, BLOCK_N, HEAD_DIM))
 
 
 @triton.jit
 def _accumulate_dkdv_tma(dk, dv, k, v, q_desc, do_desc, lse_head, delta_head, batch, head, n0, query_lo, query_hi,
-                         seq_q, seq_k, causal_shift, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, MASKED: tl.constexpr, MASK_CAUSAL: tl.constexpr):
+                         seq_q, seq_k, causal_shift, qk_scale, slope, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, MASKED: tl.constexpr, MASK_CAUSAL: tl.constexpr,
+                         HAS_SLOPES: tl.constexpr):
     """Over query blocks [query_lo, query_hi) of one query head, in transposed tiles [keys, queries]."""
     rows = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -98,6 +102,8 @@ def _accumulate_dkdv_tma(dk, dv, k, v, q_desc, do_desc, lse_head, delta_head, ba
         m0 = tl.multiple_of(m0, BLOCK_M)
         q = q_desc.load([batch, head, m0, 0]).reshape(BLOCK_M, HEAD_DIM)
         s_t = tl.dot(k, tl.trans(q)) * qk_scale
+        if HAS_SLOPES:
+            s_t = add_key_slope(s_t, slope, m0 + rows[None, :], n0 + cols[:, None], causal_shift)
         if MASKED:
             s_t = tl.where(visible(m0 + rows[None, :], n0 + cols[:, None], seq_q, seq_k, causal_shift, MASK_CAUSAL),
                            s_t, float("-inf"))
@@ -114,10 +120,10 @@ def _accumulate_dkdv_tma(dk, dv, k, v, q_desc, do_desc, lse_head, delta_head, ba
 
 @triton.jit
 def _dq_tma_kernel(
-        q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta,
+        q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, Slopes,
         num_heads, group_size, seq_q, seq_k, sm_scale, qk_scale,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-        EVEN_N: tl.constexpr):
+        HAS_SLOPES: tl.constexpr, EVEN_N: tl.constexpr):
     """dQ for BLOCK_M query rows of one (batch, head)."""
     bh, batch, head, kv_head, m0 = query_block_program(num_heads, group_size, BLOCK_M, CAUSAL)
     rows = tl.arange(0, BLOCK_M)
@@ -128,19 +134,22 @@ def _dq_tma_kernel(
     lse = load_rows(Lse + row_ptrs, m0 + rows, seq_q, False) * LOG2E
     delta = load_rows(Delta + row_ptrs, m0 + rows, seq_q, False)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    slope = head_slope(Slopes, head, HAS_SLOPES)
     mask_free_end, end = key_ranges(m0, seq_k, causal_shift, BLOCK_M, BLOCK_N, CAUSAL)
     dq = _accumulate_dq_tma(dq, q, do, lse, delta, k_desc, v_desc, batch, kv_head, m0, 0, mask_free_end, seq_q, seq_k,
-                            causal_shift, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, False, False)
+                            causal_shift, qk_scale, slope, HEAD_DIM, BLOCK_M, BLOCK_N, False, False, HAS_SLOPES)
     if CAUSAL or not EVEN_N:
         dq = _accumulate_dq_tma(dq, q, do, lse, delta, k_desc, v_desc, batch, kv_head, m0, mask_free_end, end, seq_q,
-                                seq_k, causal_shift, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL)
+                                seq_k, causal_shift, qk_scale, slope, HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL,
+                                HAS_SLOPES)
     dq_desc.store([batch, head, m0, 0], (dq * sm_scale).to(dq_desc.dtype).reshape(1, 1, BLOCK_M, HEAD_DIM))
 
 
 @triton.jit
 def _accumulate_dq_tma(dq, q, do, lse, delta, k_desc, v_desc, batch, kv_head, m0, key_lo, key_hi, seq_q, seq_k,
-                       causal_shift, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       MASKED: tl.constexpr, MASK_CAUSAL: tl.constexpr):
+                       causal_shift, qk_scale, slope, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, MASKED: tl.constexpr, MASK_CAUSAL: tl.constexpr,
+                       HAS_SLOPES: tl.constexpr):
     """dQ over key blocks [key_lo, key_hi); lse is in base 2 here."""
     rows = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -148,6 +157,8 @@ def _accumulate_dq_tma(dq, q, do, lse, delta, k_desc, v_desc, batch, kv_head, m0
         n0 = tl.multiple_of(n0, BLOCK_N)
         k = k_desc.load([batch, kv_head, n0, 0]).reshape(BLOCK_N, HEAD_DIM)
         s = tl.dot(q, tl.trans(k)) * qk_scale
+        if HAS_SLOPES:
+            s = add_key_slope(s, slope, m0 + rows[:, None], n0 + cols[None, :], causal_shift)
         if MASKED:
             s = tl.where(visible(m0 + rows[:, None], n0 + cols[None, :], seq_q, seq_k, causal_shift, MASK_CAUSAL),
                          s, float("-inf"))

@@ -25,7 +25,8 @@ from fxopt.attention.flash_forward import flash_forward
 from fxopt.attention.op import flash_attention
 from fxopt.attention.reference import key_slope_bias
 from fxopt.errors import FxoptError
-from tests.attention.test_flash_forward_tma import TMA, _count_calls
+from fxopt.attention import flash_backward_tma as tma_backward_module
+from tests.attention.test_flash_forward_tma import TMA, TMA_BACKWARD, _count_calls
 from tests.attention.test_flash_kernels import GRAD_TOL, OUT_TOL, assert_close, make_qkv, padding_mask, reference
 from tests.attention.test_match_spellings import B, D, H, T, fused_sites, qkv
 from tests.helpers import assert_close_to_reference, compile_fxopt, to64
@@ -45,7 +46,8 @@ def bias64(slopes, seq_q, seq_k):
     return bias.to(slopes.device)
 
 
-def check_with_slopes(q, k, v, slopes, *, causal, mask=None, config=None, backward=True, lse_tol=(1e-5, 1e-4)):
+def check_with_slopes(q, k, v, slopes, *, causal, mask=None, config=None, backward=True, lse_tol=(1e-5, 1e-4),
+                      backward_config=None):
     """flash_forward / flash_backward with key_slopes against float64 autograd of the reference."""
     scale = q.shape[-1] ** -0.5
     out, lse = flash_forward(q, k, v, scale=scale, causal=causal, mask=mask, config=config, key_slopes=slopes)
@@ -57,7 +59,8 @@ def check_with_slopes(q, k, v, slopes, *, causal, mask=None, config=None, backwa
     if not backward:
         return
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(7)).to(q.device, q.dtype)
-    grads = flash_backward(dout, q, k, v, out, lse, scale=scale, causal=causal, mask=mask, key_slopes=slopes)
+    grads = flash_backward(dout, q, k, v, out, lse, scale=scale, causal=causal, mask=mask, key_slopes=slopes,
+                           config=backward_config)
     ref_out.backward(dout.double())
     for got, leaf in zip(grads, leaves):
         assert_close(got, leaf.grad, GRAD_TOL[q.dtype])
@@ -92,6 +95,15 @@ def test_tma_forward_with_slopes_float16(monkeypatch):
                              tma_module.flash_forward_tma)
     q, k, v = make_qkv(2, 4, 2, 40, 56, 32, torch.float16, transposed=True, seed=9)
     check_with_slopes(q, k, v, alibi_slopes(4), causal=True, config=TMA, backward=False)
+    assert len(tma_calls) == 1
+
+
+def test_tma_backward_with_slopes_float16(monkeypatch):
+    """The TMA backward recomputes the bias in its dK/dV and dQ kernels."""
+    tma_calls = _count_calls(monkeypatch, "fxopt.attention.flash_backward.flash_backward_tma",
+                             tma_backward_module.flash_backward_tma)
+    q, k, v = make_qkv(1, 4, 2, 40, 56, 32, torch.float16, transposed=True, seed=10)
+    check_with_slopes(q, k, v, alibi_slopes(4), causal=True, backward_config=TMA_BACKWARD)
     assert len(tma_calls) == 1
 
 
