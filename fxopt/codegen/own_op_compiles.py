@@ -85,14 +85,21 @@ def _saves_statistics(n: fx.Node) -> bool:
 def _inputs_stand(n: fx.Node) -> bool:
     """Whether stand-ins can take the place of `n`'s inputs: CUDA tensors of static sizes, none a runtime
     scalar (scale_by: its value picks the path)."""
-    tensors = [a.meta.get("val") for a in n.all_input_nodes]
+    tensors = [_value(a) for a in n.all_input_nodes]
     if not all(isinstance(t, torch.Tensor) and t.is_cuda and t.dim() > 0 for t in tensors):
         return False
     return not any(isinstance(s, torch.SymInt) for t in tensors for s in (*t.shape, *t.stride()))
 
 
 def _node_values(arg):
-    return fx.node.map_arg(arg, lambda a: a.meta.get("val"))
+    return fx.node.map_arg(arg, _value)
+
+
+def _value(node: fx.Node):
+    """A node's value: its meta's, or for a constant (attention's ALiBi slopes) the tensor itself."""
+    if "val" not in node.meta and node.op == "get_attr":
+        return getattr(node.graph.owning_module, node.target, None)
+    return node.meta.get("val")
 
 
 def _stand_in_call(name: str, callee: str, args, kwargs, out_val) -> list[tuple[object, str]]:
