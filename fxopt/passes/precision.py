@@ -33,14 +33,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-from torch._dispatch.python import enable_python_dispatcher
-from torch._subclasses.fake_tensor import FakeTensor
 
 from ..analysis.precision_policy import FP32, LOW, category_of, feeds_reduction, policy_with
 from ..analysis.torch_ops import dtype, op_of
 from ..pass_manager import PassContext, PassResult
 from ..report import CastRecord
 from .attention import FUSED_OP
+from .example_values import fake_mode, fill_missing_values, run_on_fakes
 
 LOW_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 LABELS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -58,26 +57,6 @@ def _value_dtypes(value):
 
 def _node_dtypes(node: fx.Node):
     return _value_dtypes(node.meta.get("example_value"))
-
-
-def _fake_mode(gm: fx.GraphModule):
-    """The fake mode dynamo traced in: new values are computed in it, never on real data."""
-    for node in gm.graph.nodes:
-        value = node.meta.get("example_value")
-        if isinstance(value, FakeTensor):
-            return value.fake_mode
-    return None
-
-
-def _run_on_fakes(node: fx.Node, mode):
-    """The node's value computed from its inputs' example values (what dynamo recorded, re-done), the
-    way dynamo computes them: under the Python dispatcher, so composite ops (F.linear) decompose with
-    symbolic sizes instead of asking C++ for a concrete numel()."""
-    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["example_value"])
-    with mode, enable_python_dispatcher():
-        if node.op == "call_method":
-            return getattr(args[0], node.target)(*args[1:], **kwargs)
-        return node.target(*args, **kwargs)
 
 
 @contextlib.contextmanager
@@ -122,7 +101,7 @@ class _Casts:
         if (value, to) not in self.made:
             with self.graph.inserting_before(before):
                 cast = self.graph.call_method("to", (value, to))
-            cast.meta["example_value"] = _run_on_fakes(cast, self.mode)
+            cast.meta["example_value"] = run_on_fakes(cast, self.mode)
             self.records.append(CastRecord(cast.name, LABELS[dtype(value)], LABELS[to], reason))
             self.made[(value, to)] = cast
         return self.made[(value, to)]
@@ -146,11 +125,11 @@ class MixedPrecision:
         return cls(LOW_DTYPES[options.precision], policy_with(options.precision_policy))
 
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-        mode = _fake_mode(gm)
+        mode = fake_mode(gm)
         if mode is None:
             return PassResult(gm, False, {})
         graph = gm.graph
-        _fill_missing_values(graph, mode)
+        fill_missing_values(graph, mode)
         original = {n: _node_dtypes(n) for n in graph.nodes}
         casts = _Casts(graph, mode, ctx.casts)
         stats = Counter()
@@ -198,7 +177,7 @@ class MixedPrecision:
         recorded = node.meta.get("example_value")
         try:
             with _meta_errors_unlogged():
-                node.meta["example_value"] = _run_on_fakes(node, casts.mode)
+                node.meta["example_value"] = run_on_fakes(node, casts.mode)
             return 0
         except Exception as exc:  # the op's own dtype check, raised on fake tensors
             why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -207,7 +186,7 @@ class MixedPrecision:
             if value in original and _node_dtypes(value) != original[value]:
                 node.replace_input_with(value, casts.to(value, original[value], node, reason))
         try:
-            node.meta["example_value"] = _run_on_fakes(node, casts.mode)
+            node.meta["example_value"] = run_on_fakes(node, casts.mode)
         except Exception:  # not a dtype question: every input back to its recorded dtype, dynamo's value
             if recorded is None or not _restore_recorded(node, recorded_inputs, original, casts, reason):
                 raise
@@ -245,13 +224,6 @@ def _uncast(value: fx.Node, want: torch.dtype, original: dict) -> fx.Node | None
         return None
     source = value.args[0]
     return source if isinstance(source, fx.Node) and _node_dtypes(source) == want else None
-
-
-def _fill_missing_values(graph: fx.Graph, mode) -> None:
-    """Nodes an earlier pass inserted (the fused attention op) get their example values."""
-    for node in graph.nodes:
-        if node.op in ("call_function", "call_method") and "example_value" not in node.meta:
-            node.meta["example_value"] = _run_on_fakes(node, mode)
 
 
 @dataclass

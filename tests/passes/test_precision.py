@@ -196,14 +196,14 @@ def test_op_that_cannot_be_rerun_on_fakes_keeps_its_recorded_value(monkeypatch):
     sizes: the op gets its inputs back in their recorded dtypes and keeps dynamo's value, no crash."""
     from fxopt.passes import precision
 
-    rerun = precision._run_on_fakes
+    rerun = precision.run_on_fakes
 
     def refuse_flip(node, mode):
         if node.target is torch.flip:
             raise RuntimeError("Cannot call numel() on tensor with symbolic sizes/strides")
         return rerun(node, mode)
 
-    monkeypatch.setattr(precision, "_run_on_fakes", refuse_flip)
+    monkeypatch.setattr(precision, "run_on_fakes", refuse_flip)
     fn = lambda x, w: torch.flip(x @ w, [0]) * 2  # noqa: E731
     gm, ctx = precision_graph(fn, x, w)
     flip = only(gm, lambda n: n.target is torch.flip)
@@ -218,7 +218,7 @@ def test_policy_op_that_cannot_be_rerun_reads_its_original_fp32_inputs(monkeypat
     back to the original fp32 values themselves, not through bf16 and back, and the compile works."""
     from fxopt.passes import precision
 
-    rerun = precision._run_on_fakes
+    rerun = precision.run_on_fakes
     linear = torch.nn.Linear(16, 16).eval()
 
     def refuse_linear(node, mode):
@@ -226,7 +226,7 @@ def test_policy_op_that_cannot_be_rerun_reads_its_original_fp32_inputs(monkeypat
             raise RuntimeError("Cannot call numel() on tensor with symbolic sizes/strides")
         return rerun(node, mode)
 
-    monkeypatch.setattr(precision, "_run_on_fakes", refuse_linear)
+    monkeypatch.setattr(precision, "run_on_fakes", refuse_linear)
     fn = lambda x: torch.relu(linear(x))  # noqa: E731
     with torch.no_grad():
         gm, ctx = precision_graph(fn, x)
