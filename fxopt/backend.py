@@ -15,7 +15,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from . import pipeline
 from .codegen import compile_pool
-from .codegen.precompile import warm_compile_keys
+from .codegen.precompile import start_own_op_compiles, warm_compile_keys
 from .aot import aot_compile
 from .compile import compile_aten_graph
 from .cudagraphs import graphed_compiler
@@ -59,6 +59,8 @@ def compile_dynamo_graph(gm: fx.GraphModule, example_inputs, options: Options, r
         report.attention.extend(ctx.attention)
         report.casts.extend(ctx.casts)
         report.pre_autograd_notes.extend(ctx.notes)
+    if env.own_ops_early and not env.compile_workers:
+        start_own_op_compiles(gm, example_inputs)  # attention's kernels compile while aot_autograd traces
     gm, cached_casts = lift_parameter_casts(gm, ctx)  # inference in bf16/fp16: parameters are cast once, not per call
     # the casts' fake values, not real tensors: aot_autograd would give a real tensor it has not seen
     # symbolic sizes, and a symbolic graph is not fused

@@ -89,6 +89,9 @@ class Environment:
     # FXOPT_BACKWARD_WITH_FORWARD=0: a CUDA training step's backward graph compiles at its first backward
     # call (torch's default), its kernels in the foreground, not with the forward's in the background
     backward_with_forward: bool = True
+    # FXOPT_OWN_OPS_EARLY=0: the fused ops' kernels (attention, cross-entropy) start compiling with the
+    # ATen graph's precompile, not as soon as the pre-autograd passes made the ops (codegen/own_op_compiles.py)
+    own_ops_early: bool = True
     # FXOPT_COMPILE_SWITCH_INTERVAL: the GIL switch interval (seconds) while kernels compile on threads
     # beside the tracing main thread (codegen/gil_handoff.py); 0 leaves the interpreter's alone
     compile_switch_interval: float = 2e-4
@@ -106,6 +109,7 @@ class Environment:
             static_launch=os.environ.get("FXOPT_STATIC_LAUNCH", "1") != "0",
             compile_workers=_worker_count(os.environ.get("FXOPT_COMPILE_WORKERS", "")),
             backward_with_forward=os.environ.get("FXOPT_BACKWARD_WITH_FORWARD", "1") != "0",
+            own_ops_early=os.environ.get("FXOPT_OWN_OPS_EARLY", "1") != "0",
             compile_switch_interval=_seconds("FXOPT_COMPILE_SWITCH_INTERVAL", 2e-4),
         )
 

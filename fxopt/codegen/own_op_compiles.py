@@ -65,16 +65,48 @@ def backward_compiles(gm: fx.GraphModule) -> list[tuple[object, str]]:
             continue
         if not isinstance(n.meta.get("val"), (tuple, list)):
             continue
-        callee, out_names, grads = _BACKWARDS[forward]
-        fwd = inspect.signature(getattr(direct_calls, forward)).bind(
-            *_node_values(n.args), **_node_values(n.kwargs)).arguments
-        values = {**fwd, **dict(zip(out_names, n.meta["val"]))}
-        values.update({grad: values[of] for grad, of in grads.items()})
-        params = inspect.signature(getattr(direct_calls, callee)).parameters
-        kwargs = {name: values[name] for name in params if name in values}
-        grads_out = [t for t in fwd.values() if isinstance(t, torch.Tensor)]  # at most one per input
-        found.extend(_stand_in_call(f"{n.name} (backward, predicted)", callee, (), kwargs, grads_out))
+        found.extend(_backward_stand_in_call(n.name, forward, _node_values(n.args), _node_values(n.kwargs),
+                                             n.meta["val"]))
     return found
+
+
+def _backward_stand_in_call(name: str, forward: str, args, kwargs, outputs) -> list[tuple[object, str]]:
+    """The backward op's stand-in call for a forward op called with `args`/`kwargs` that gave `outputs`."""
+    callee, out_names, grads = _BACKWARDS[forward]
+    fwd = inspect.signature(getattr(direct_calls, forward)).bind(*args, **kwargs).arguments
+    values = {**fwd, **dict(zip(out_names, outputs))}
+    values.update({grad: values[of] for grad, of in grads.items()})
+    params = inspect.signature(getattr(direct_calls, callee)).parameters
+    call_kwargs = {p: values[p] for p in params if p in values}
+    grads_out = [t for t in fwd.values() if isinstance(t, torch.Tensor)]  # at most one per input
+    return _stand_in_call(f"{name} (backward, predicted)", callee, (), call_kwargs, grads_out)
+
+
+def before_autograd_compiles(gm: fx.GraphModule, training: bool) -> list[tuple[object, str]]:
+    """The compiles the fused ops of a torch-level graph (after the pre-autograd passes, before
+    aot_autograd) will ask for: as own_op_compiles and backward_compiles on the ATen graphs, from the
+    values dynamo recorded. aot_autograd and the post-grad passes take a GPT-2 block's first call
+    about half a second; its attention kernel's compile can run meanwhile. `training`: the forward
+    keeps its statistics and the backward follows (inference makes no statistics at all)."""
+    found = []
+    for n in gm.graph.nodes:
+        name = own_op_callee(n) if n.op == "call_function" else None
+        if name is None or not _inputs_stand(n, _example):
+            continue
+        forward = _FORWARD_OF.get(name, name) if training else name
+        args, kwargs = fx.node.map_arg(n.args, _example), fx.node.map_arg(n.kwargs, _example)
+        outputs = n.meta.get("example_value")
+        found.extend(_stand_in_call(n.name, forward, args, kwargs, outputs))
+        if training and forward in _BACKWARDS and isinstance(outputs, (tuple, list)):
+            found.extend(_backward_stand_in_call(n.name, forward, args, kwargs, outputs))
+    return found
+
+
+_FORWARD_OF = {"flash_attention_out_only": "flash_attention"}  # training keeps the statistics
+
+
+def _example(node: fx.Node):
+    return node.meta.get("example_value")
 
 
 def _saves_statistics(n: fx.Node) -> bool:
@@ -82,10 +114,10 @@ def _saves_statistics(n: fx.Node) -> bool:
                for u in n.users)
 
 
-def _inputs_stand(n: fx.Node) -> bool:
+def _inputs_stand(n: fx.Node, value=None) -> bool:
     """Whether stand-ins can take the place of `n`'s inputs: CUDA tensors of static sizes, none a runtime
     scalar (scale_by: its value picks the path)."""
-    tensors = [_value(a) for a in n.all_input_nodes]
+    tensors = [(value or _value)(a) for a in n.all_input_nodes]
     if not all(isinstance(t, torch.Tensor) and t.is_cuda and t.dim() > 0 for t in tensors):
         return False
     return not any(isinstance(s, torch.SymInt) for t in tensors for s in (*t.shape, *t.stride()))

@@ -19,7 +19,7 @@ from . import compile_pool
 from .compile_worker import preload, warm_launcher
 from .gil_handoff import quick_handoff
 from .kernel import Kernel
-from .own_op_compiles import backward_compiles, own_op_compiles
+from .own_op_compiles import backward_compiles, before_autograd_compiles, own_op_compiles
 from .static_launch import static_refusal
 from .wrapper_text import KERNELS_END
 
@@ -101,6 +101,25 @@ def _compile_ahead(fn, spec: str, device: int) -> None:
         if (fn, spec) not in _ahead:
             _ahead[fn, spec] = future = _ahead_pool().submit(_preload, fn, spec, device)
             future.add_done_callback(lambda _: _forget(fn, spec, future))
+
+
+def start_own_op_compiles(gm, example_inputs) -> int:
+    """Start compiling the kernels of a torch-level graph's fused ops (attention, cross-entropy) before
+    aot_autograd traces it, on the pool of the predicted backward compiles: the ATen graph's precompile
+    then waits for them (`_preload_own_op`) instead of starting them after aot_autograd, the post-grad
+    passes and codegen. Returns how many started (0 for CPU graphs)."""
+    cuda = [t for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda]
+    if not cuda:
+        return 0
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in cuda)
+    try:
+        found = before_autograd_compiles(gm, training)
+    except Exception as exc:  # the ATen graph's precompile asks for them, as it would have
+        log.debug("fxopt: no early own-op compiles: %s", exc)
+        return 0
+    for fn, spec in found:
+        _compile_ahead(fn, spec, cuda[0].device.index or 0)
+    return len(found)
 
 
 def _forget(fn, spec: str, future) -> None:

@@ -25,6 +25,7 @@ from ..attention.op import flash_attention
 from ..pass_manager import PassContext, PassResult
 from ..report import AttentionSite
 from .attention_match import Match, is_candidate, match_sdpa, match_site
+from .example_values import fake_mode, fill_missing_values
 from .graph_edit import erase_unused
 
 _log = logging.getLogger("fxopt.attention")
@@ -185,6 +186,18 @@ def _sites_in_subgraphs(gm: fx.GraphModule, matched: set[str]) -> list[Attention
     return sites
 
 
+def _fill_example_values(gm: fx.GraphModule) -> None:
+    """Dynamo's example values for the nodes the rewrite inserted (the fused op, k's transpose): the
+    fused op's kernels start compiling from them before aot_autograd (codegen/own_op_compiles.py)."""
+    mode = fake_mode(gm)
+    if mode is None:
+        return
+    try:
+        fill_missing_values(gm.graph, mode)
+    except Exception as exc:  # noqa: BLE001 (the values only let compiles start early; precision fills its own)
+        _log.debug("fxopt attention: no example values for the fused nodes: %s", exc)
+
+
 class FuseAttention:
     """Pre-autograd pass: hand-written attention and SDPA calls -> torch.ops.fxopt.flash_attention, in
     the graph and inside its torch.utils.checkpoint regions."""
@@ -202,6 +215,8 @@ class FuseAttention:
             fused += n
             matched.add(name)
         ctx.attention.extend(_sites_in_subgraphs(gm, matched))
+        if fused:
+            _fill_example_values(gm)
         return PassResult(gm, fused > 0, {"fused": fused, "unfused": sum(not s.fused for s in ctx.attention)})
 
     def _fuse_in(self, gm: fx.GraphModule, values: ConstantValues, ctx: PassContext, prefix: str) -> int:

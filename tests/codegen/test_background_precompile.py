@@ -198,3 +198,48 @@ def test_pool_threads_compile_for_the_graphs_gpu_not_device_0(monkeypatch):
     module = types.SimpleNamespace(a=record, b=record)
     precompile_module.precompile(gm, module, [_kernel("a"), _kernel("b")], "", None, 0, background=True).result(10)
     assert seen == [1, 1]
+
+
+def _torch_level_attention_graph():
+    """A torch-level graph (before aot_autograd) with the fused op as the attention pass leaves it: only
+    its output 0 is read, values in dynamo's `example_value`."""
+    gm, (q, k, v, out, lse) = _attention_graph(save_lse=False)
+    gm.graph.eliminate_dead_code()  # (the unread getitem of the statistics)
+    for node in gm.graph.nodes:
+        node.meta["example_value"] = node.meta.pop("val", None)
+    return gm, (q, k, v, out, lse)
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+def test_fused_ops_compile_from_the_torch_level_graph(monkeypatch, training):
+    """Before aot_autograd: inference asks for the forward without statistics; training for the forward
+    with them and the predicted backward, on the values dynamo recorded."""
+    from fxopt.codegen import own_op_compiles
+
+    calls = []
+    monkeypatch.setattr(own_op_compiles, "_stand_in_call",
+                        lambda name, callee, args, kwargs, out_val: calls.append((callee, args, kwargs)) or [])
+    gm, (q, k, v, out, lse) = _torch_level_attention_graph()
+    own_op_compiles.before_autograd_compiles(gm, training)
+    callees = [c[0] for c in calls]
+    assert callees == (["flash_attention", "flash_attention_backward"] if training else ["flash_attention_out_only"])
+    assert calls[0][1][:3] == (q, k, v)
+    if training:
+        assert calls[1][2]["out"] is out and calls[1][2]["lse"] is lse and calls[1][2]["dout"] is out
+
+
+def test_early_compiles_start_for_cuda_graphs_only(monkeypatch):
+    """CPU graphs start nothing; a CUDA graph whose inputs require grad asks for the training compiles."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    started = []
+    monkeypatch.setattr(precompile_module, "before_autograd_compiles", lambda gm, training: [("fn", f"{training}")])
+    monkeypatch.setattr(precompile_module, "_compile_ahead", lambda fn, spec, device: started.append((fn, spec)))
+    gm = _empty_graph()
+    assert precompile_module.start_own_op_compiles(gm, [torch.ones(2)]) == 0 and not started
+    with FakeTensorMode():
+        weight = torch.empty(2, device="cuda").requires_grad_()
+    assert precompile_module.start_own_op_compiles(gm, [weight]) == 1
+    with torch.no_grad():
+        precompile_module.start_own_op_compiles(gm, [weight])
+    assert started == [("fn", "True"), ("fn", "False")]
