@@ -219,7 +219,7 @@ def mask_facts(steps: list[MaskStep], values, score_shape, requires_grad) -> Mas
         facts.causal = True
         buffers = [b for s in constant_steps if isinstance(s.tensor, fx.Node) for b in values.buffers_used(s.tensor)]
         facts.buffers = tuple(dict.fromkeys(facts.buffers + tuple(buffers)))
-        facts.described = f"causal (from {_describe_buffers(buffers)})"
+        facts.described = f"causal (from {_describe_buffers(dict.fromkeys(buffers))})"
     if facts.runtime_mask is not None or facts.runtime_fill is not None:
         node = facts.runtime_mask if facts.runtime_mask is not None else facts.runtime_fill.tensor
         extra = f"additive {list(node.meta['example_value'].shape)} read by the kernel"
