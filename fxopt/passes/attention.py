@@ -96,19 +96,14 @@ def _runtime_mask(graph: fx.Graph, facts: MaskFacts) -> fx.Node | None:
 
 def _slopes_constant(gm: fx.GraphModule, m: Match) -> fx.Node | None:
     """The site's per-head position-bias slopes, float32 [H] on q's device, as a `torch.tensor` of their
-    values in the graph (aot_autograd makes it a constant of the ATen graph); None without slopes."""
+    values in the graph (aot_autograd makes it a constant of the ATen graph; its example value comes with
+    the other inserted nodes', `_fill_example_values`); None without slopes."""
     slopes = m.facts.key_slopes
     if slopes is None:
         return None
     heads = shape(m.q)[-3] if len(shape(m.q)) == 4 else shape(m.q)[0]  # rank 3: [B * H, T, D] runs as heads
     values = slopes.to(torch.float32).expand(heads).tolist()
-    like = meta(m.q)
-    node = gm.graph.call_function(torch.tensor, (values,), {"dtype": torch.float32, "device": like.device})
-    fake_mode = getattr(like, "fake_mode", None)
-    if fake_mode is not None:
-        with fake_mode:
-            node.meta["example_value"] = torch.tensor(values, dtype=torch.float32, device=like.device)
-    return node
+    return gm.graph.call_function(torch.tensor, (values,), {"dtype": torch.float32, "device": meta(m.q).device})
 
 
 def rewrite(gm: fx.GraphModule, m: Match) -> fx.Node:
