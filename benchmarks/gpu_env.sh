@@ -4,6 +4,6 @@
 site=${TMPDIR:-/tmp}/fxopt-site
 mkdir -p "$site/fxopt-0.1.0.dist-info"
 printf 'Metadata-Version: 2.1\nName: fxopt\nVersion: 0.1.0\n' > "$site/fxopt-0.1.0.dist-info/METADATA"
-printf '[torch_dynamo_backends]\nfxopt = fxopt.backend:fxopt_backend\n' > "$site/fxopt-0.1.0.dist-info/entry_points.txt"
+printf '[torch_dynamo_backends]\nfxopt = fxopt.entry_point:fxopt_backend\n' > "$site/fxopt-0.1.0.dist-info/entry_points.txt"
 export PYTHONPATH="$PWD:$site${PYTHONPATH:+:$PYTHONPATH}"
 export FXOPT_CACHE_DIR=${FXOPT_CACHE_DIR:-${TMPDIR:-/tmp}/fxopt-cache}

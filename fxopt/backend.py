@@ -15,7 +15,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from . import pipeline
 from .codegen import compile_pool
-from .codegen.precompile import start_own_op_compiles, warm_compile_keys
+from .codegen.precompile import start_own_op_compiles, warm_before_tracing, warm_compile_keys
 from .aot import aot_compile
 from .compile import compile_aten_graph
 from .cudagraphs import graphed_compiler
@@ -133,8 +133,10 @@ def fxopt_backend(gm: fx.GraphModule, example_inputs, **options):
 
 
 def backend(**options):
-    """A configured backend: torch.compile(model, backend=fxopt.backend(precision="bf16"))."""
+    """A configured backend: torch.compile(model, backend=fxopt.backend(precision="bf16")). Triton's
+    one-time set-up starts now, while dynamo traces (codegen/precompile.warm_before_tracing)."""
     opts = Options.from_kwargs(**options)
+    warm_before_tracing()
 
     def fxopt_configured(gm: fx.GraphModule, example_inputs):
         return compile_dynamo_graph(gm, example_inputs, opts)

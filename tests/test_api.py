@@ -34,7 +34,7 @@ def test_bad_precision_value_is_rejected():
 
 def test_entry_point_is_registered():
     eps = importlib.metadata.entry_points(group="torch_dynamo_backends")
-    assert any(ep.name == "fxopt" and ep.value == "fxopt.backend:fxopt_backend" for ep in eps)
+    assert any(ep.name == "fxopt" and ep.value == "fxopt.entry_point:fxopt_backend" for ep in eps)
 
 
 def test_backend_string_compiles_and_matches_eager():

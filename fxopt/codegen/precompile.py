@@ -7,6 +7,7 @@ import contextlib
 import functools
 import importlib
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -47,6 +48,7 @@ def precompile(gm, module, todo: list[Kernel], source: str, cache, workers: int,
             raise FxoptError(f"fxopt: Triton could not compile kernel {k.name}: {exc}\n{k.source}") from exc
 
     waits, finish, own_ops, ahead = {}, lambda: None, [], []
+    wait_for_driver()  # the stand-in calls below reach Triton's driver
     if workers:
         waits, finish = _compile_in_workers(gm, module, todo, source, cache, workers)
     else:
@@ -112,6 +114,7 @@ def start_own_op_compiles(gm, example_inputs) -> int:
     if not cuda:
         return 0
     training = torch.is_grad_enabled() and any(t.requires_grad for t in cuda)
+    wait_for_driver()
     try:
         found = before_autograd_compiles(gm, training)
     except Exception as exc:  # the ATen graph's precompile asks for them, as it would have
@@ -201,6 +204,8 @@ def _compile_in_workers(gm, module, todo: list[Kernel], source: str, cache, work
 
 _keys_warmed = threading.Event()  # the threads below were started
 _keys_ready = threading.Event()  # ... and the keys are in Triton's caches
+_driver_done = threading.Event()  # ... and Triton's driver is built
+_warm_lock = threading.Lock()
 KEYS_WAIT_S = 30.0  # a compile waits at most this long for the keys thread, then computes them itself
 
 
@@ -216,10 +221,29 @@ def warm_compile_keys(example_inputs) -> None:
     Both threads run with a short GIL switch interval (codegen/gil_handoff.py): beside the tracing
     main thread the key's 1 MiB reads each waited up to 5 ms for the GIL (2.4 s on the H200 host), so
     the graph's compiles started before the keys were ready and computed them again; now they wait
-    for this thread (`wait_for_keys`)."""
-    if _keys_warmed.is_set() or not any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs):
-        return
-    _keys_warmed.set()
+    for this thread (`wait_for_keys`). Usually started earlier, by `warm_before_tracing`."""
+    if any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs):
+        _start_warm_threads()
+
+
+def warm_before_tracing() -> bool:
+    """Start warm_compile_keys' threads when torch.compile is handed fxopt's backend (`fxopt.backend()`,
+    or the entry point `backend="fxopt"` loads), before dynamo traces, if this process can compile for
+    a GPU: started at the graph's arrival, the driver's build and the keys were not ready when the
+    first stand-in call needed them, which then built the driver again on the main thread (0.3 s of
+    a GPT-2 block's 2.3 s first call, benchmarks/results/2026-12-05-h200-b.md). On a machine with a
+    GPU that compiles only CPU graphs this costs one thread's half second of CPU, once per process."""
+    if os.environ.get("TRITON_INTERPRET", "0") == "1" or not torch.cuda.is_available():
+        return False
+    _start_warm_threads()
+    return True
+
+
+def _start_warm_threads() -> None:
+    with _warm_lock:
+        if _keys_warmed.is_set():
+            return
+        _keys_warmed.set()
     threading.Thread(target=_driver_ready, daemon=True, name="fxopt-compile-driver").start()
     threading.Thread(target=_keys_thread, daemon=True, name="fxopt-compile-keys").start()
 
@@ -231,12 +255,21 @@ def wait_for_keys() -> None:
         _keys_ready.wait(KEYS_WAIT_S)
 
 
+def wait_for_driver() -> None:
+    """Before a stand-in call (it reaches Triton's driver): wait for the driver thread if one was
+    started, instead of building the driver a second time (Triton's lazy driver does not lock)."""
+    if _keys_warmed.is_set():
+        _driver_done.wait(KEYS_WAIT_S)
+
+
 def _driver_ready() -> None:
     try:
         with quick_handoff():  # the host compiler runs in a subprocess
             compile_pool.current_target()
     except Exception as exc:  # no driver: the first compile says so, as it would have
         log.debug("fxopt: Triton's driver not warmed: %s", exc)
+    finally:
+        _driver_done.set()
 
 
 def _keys_thread() -> None:
