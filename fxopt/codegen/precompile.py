@@ -229,10 +229,11 @@ def warm_compile_keys(example_inputs) -> None:
 def warm_before_tracing() -> bool:
     """Start warm_compile_keys' threads when torch.compile is handed fxopt's backend (`fxopt.backend()`,
     or the entry point `backend="fxopt"` loads), before dynamo traces, if this process can compile for
-    a GPU: started at the graph's arrival, the driver's build and the keys were not ready when the
-    first stand-in call needed them, which then built the driver again on the main thread (0.3 s of
-    a GPT-2 block's 2.3 s first call, benchmarks/results/2026-12-05-h200-b.md). On a machine with a
-    GPU that compiles only CPU graphs this costs one thread's half second of CPU, once per process."""
+    a GPU: started at the graph's arrival they had ~0.5 s less to finish before the first stand-in
+    call and compile needed them. Measured on an H100 (GPT-2 block inference, three cold first calls
+    each, benchmarks/results/2026-12-05-h100.md): 2.44-2.91 s against 2.51-3.01 s started late, inside
+    the noise. On a machine with a GPU that compiles only CPU graphs this costs one thread's half
+    second of CPU, once per process."""
     if os.environ.get("TRITON_INTERPRET", "0") == "1" or not torch.cuda.is_available():
         return False
     _start_warm_threads()
