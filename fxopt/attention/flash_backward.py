@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..codegen.jit_keys import settle as settle_cache_keys
 from ..codegen.wrapper_runtime import cdiv, next_power_of_2
 from .flash_common import (
     LOG2E, add_key_slope, add_mask, backward_config, check_attention_inputs, check_device, check_key_slopes,
@@ -318,3 +319,6 @@ def _accumulate_dq(
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     return dq
+
+
+settle_cache_keys(globals())  # each kernel's Triton key the same in every process (codegen/jit_keys.py)

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..codegen.jit_keys import settle as settle_cache_keys
 from ..codegen.wrapper_runtime import cdiv
 from .flash_common import LOG2E, add_key_slope, head_slope, key_ranges, launcher, load_rows, query_ranges, visible
 from .flash_forward_tma import descriptor, query_block_program
@@ -168,3 +169,6 @@ def _accumulate_dq_tma(dq, q, do, lse, delta, k_desc, v_desc, batch, kv_head, m0
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq)
     return dq
+
+
+settle_cache_keys(globals())  # each kernel's Triton key the same in every process (codegen/jit_keys.py)

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..codegen.jit_keys import settle as settle_cache_keys
 from ..codegen.interpreter_guard import launcher as launch_guarded
 from ..codegen.wrapper_runtime import next_power_of_2
 
@@ -359,3 +360,6 @@ def query_ranges(n0, seq_q, causal_shift, BLOCK_M: tl.constexpr, BLOCK_N: tl.con
         mask_free_lo = 0
     ragged_lo = tl.maximum(mask_free_lo, seq_q // BLOCK_M * BLOCK_M)
     return first, mask_free_lo, ragged_lo
+
+
+settle_cache_keys(globals())  # each kernel's Triton key the same in every process (codegen/jit_keys.py)

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..codegen.jit_keys import settle as settle_cache_keys
 from ..codegen.wrapper_runtime import cdiv, next_power_of_2
 from .flash_common import (
     check_attention_inputs, dot_precision, is_power_of_two, launcher, mask_arguments, add_mask,
@@ -285,3 +286,6 @@ def _combine_splits_kernel(part_acc, part_max, part_sum, out, lse, splits,
     tl.store(out + row * HEAD_DIM + dims, (acc / run_sum).to(out.dtype.element_ty), mask=dim_ok)
     if STORE_LSE:
         tl.store(lse + row, (run_max + tl.log2(run_sum)) * LN2)
+
+
+settle_cache_keys(globals())  # each kernel's Triton key the same in every process (codegen/jit_keys.py)

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..codegen.jit_keys import settle as settle_cache_keys
 from ..codegen.wrapper_runtime import cdiv, next_power_of_2
 from .flash_common import (
     LN2, LOG2E, add_key_slope, add_mask, check_attention_inputs, check_key_slopes, dot_precision, forward_config,
@@ -191,3 +192,6 @@ def _attend_key_blocks(
         acc = tl.dot(p.to(v.dtype), v, acc * rescale[:, None], input_precision=DOT_PRECISION)
         row_max = new_max
     return acc, row_sum, row_max
+
+
+settle_cache_keys(globals())  # each kernel's Triton key the same in every process (codegen/jit_keys.py)

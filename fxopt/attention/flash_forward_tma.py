@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..codegen.jit_keys import settle as settle_cache_keys
 from ..codegen.wrapper_runtime import cdiv
 from .flash_common import LN2, add_key_slope, head_slope, key_ranges, launcher, store_rows, visible
 
@@ -177,3 +178,6 @@ def _tma_key_blocks(
         acc = tl.dot(p.to(v.dtype), v, acc * rescale[:, None])
         row_max = new_max
     return acc, row_sum, row_max
+
+
+settle_cache_keys(globals())  # each kernel's Triton key the same in every process (codegen/jit_keys.py)

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..codegen.jit_keys import settle as settle_cache_keys
 from ..codegen.interpreter_guard import launcher
 from ..codegen.wrapper_runtime import next_power_of_2
 
@@ -200,3 +201,6 @@ def _backward_kernel(Logits, Target, Stats, GradLoss, Grad, stride_row, stride_g
             tl.store(grad + offs, g.to(Grad.dtype.element_ty))
         else:
             tl.store(grad + offs, g.to(Grad.dtype.element_ty), mask=offs < n_cols)
+
+
+settle_cache_keys(globals())  # each kernel's Triton key the same in every process (codegen/jit_keys.py)
