@@ -9,6 +9,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -74,10 +76,9 @@ def test_settle_hashes_callees_before_callers(tmp_path):
     assert got == {"outer_constants": ["SCALE"], "callees": ["inner"], "inner_callees": []}
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="this process runs Triton's compiler")
 def test_settle_is_a_no_op_under_the_interpreter():
     from fxopt.attention import flash_common
-
-    assert os.environ.get("TRITON_INTERPRET") == "1"
     from fxopt.codegen.jit_keys import settle
 
     settle(vars(flash_common))  # interpreted functions: nothing to hash, nothing raised
