@@ -130,7 +130,8 @@ def _seconds(name: str, default: float) -> float:
 def _worker_count(raw: str) -> int:
     """FXOPT_COMPILE_WORKERS, else 0. Off by default: on the H200 host the workers did not shorten a
     cold first call (GPT-2 and Llama blocks, training) and lengthened inference by 3-4 s, waiting
-    for the attention workers' torch import (benchmarks/results/2026-12-04-h200.md)."""
+    for the attention workers' torch import (benchmarks/results/2026-12-04-h200.md); on an H100 host,
+    with every kernel found in their cache, first calls were 2.5-4 s longer (2026-12-05-h100-b.md)."""
     if not raw.strip():
         return 0
     if not raw.strip().isdigit():
