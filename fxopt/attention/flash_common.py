@@ -18,8 +18,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..codegen.jit_keys import settle as settle_cache_keys
 from ..codegen.interpreter_guard import launcher as launch_guarded
+from ..codegen.jit_keys import settle as settle_cache_keys
 from ..codegen.wrapper_runtime import next_power_of_2
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # scores are kept in base 2: exp(x) = exp2(x * LOG2E)

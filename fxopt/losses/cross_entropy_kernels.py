@@ -34,8 +34,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..codegen.jit_keys import settle as settle_cache_keys
 from ..codegen.interpreter_guard import launcher
+from ..codegen.jit_keys import settle as settle_cache_keys
 from ..codegen.wrapper_runtime import next_power_of_2
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
