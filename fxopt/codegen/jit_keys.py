@@ -20,44 +20,34 @@ from __future__ import annotations
 
 import ast
 
+from triton.runtime.jit import JITFunction
+
 __all__ = ["settle", "callees"]
 
 
-def _jit_function_type():
-    from triton.runtime.jit import JITFunction
-
-    return JITFunction
-
-
-def callees(fn) -> list:
+def callees(fn: JITFunction) -> list[JITFunction]:
     """The @triton.jit functions `fn`'s body calls by a global name, in the order they appear."""
-    jit_type = _jit_function_type()
-    found, seen = [], set()
+    found: list[JITFunction] = []
     for node in ast.walk(fn.parse()):
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
             value = fn.__globals__.get(node.id)
-            if isinstance(value, jit_type) and value is not fn and id(value) not in seen:
-                seen.add(id(value))
+            if isinstance(value, JITFunction) and value is not fn and all(value is not f for f in found):
                 found.append(value)
     return found
 
 
 def settle(namespace: dict) -> None:
     """Compute the cache key of each JITFunction defined in the module whose globals are `namespace`,
-    each after the keys of every function it calls (depth first; a call cycle is left to Triton)."""
-    jit_type = _jit_function_type()
-    module = namespace.get("__name__")
-    done: set[int] = set()
+    each after the keys of every function it calls (depth first; a call cycle is left to Triton).
+    A function whose key is already computed (`hash` set) is left as it is."""
 
-    def visit(fn, path: frozenset) -> None:
-        if id(fn) in done or id(fn) in path or fn.hash is not None:
-            done.add(id(fn))
+    def visit(fn: JITFunction, path: frozenset) -> None:
+        if fn.hash is not None or id(fn) in path:
             return
         for callee in callees(fn):
             visit(callee, path | {id(fn)})
         fn.cache_key  # noqa: B018 - the property computes and keeps the key
-        done.add(id(fn))
 
     for value in list(namespace.values()):
-        if isinstance(value, jit_type) and value.__module__ == module:
+        if isinstance(value, JITFunction) and value.__module__ == namespace.get("__name__"):
             visit(value, frozenset())
