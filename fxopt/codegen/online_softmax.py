@@ -45,12 +45,14 @@ def online_init(s: fx.Node, m: fx.Node) -> list[str]:
 
 
 def online_update(s: fx.Node, m: fx.Node, u_expr: str, exp) -> list[str]:
-    """Per-lane update with the block u_expr; `exp(x)` spells the exp the graph's exp node uses."""
+    """Per-lane update with the block u_expr; `exp(x)` spells the exp the graph's exp node uses.
+    A lane that has seen only -inf adds 0 (exp(-inf - -inf) would be NaN and poison the lane for a row with
+    finite values elsewhere); a +inf value gives exp(inf - inf) = NaN, the whole row NaN as in eager."""
     v, mn = f"v_{m.name}", f"m_{m.name}"
     return [f'{v} = tl.where(xmask & rmask, tl.broadcast_to({u_expr}, [XBLOCK, RBLOCK]), float("-inf"))',
             f"{mn} = tl.maximum(acc_{m.name}, {v}, propagate_nan=tl.PropagateNan.ALL)",
             f"acc_{s.name} = acc_{s.name} * tl.where(acc_{m.name} == {mn}, 1.0, {exp(f'acc_{m.name} - {mn}')}) + "
-            f"tl.where(xmask & rmask, tl.where({v} == {mn}, 1.0, {exp(f'{v} - {mn}')}), 0.0)",
+            f"tl.where(xmask & rmask, tl.where({mn} == float(\"-inf\"), 0.0, {exp(f'{v} - {mn}')}), 0.0)",
             f"acc_{m.name} = {mn}"]
 
 

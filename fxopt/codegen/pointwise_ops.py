@@ -14,8 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.fx as fx
+from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
-from .dtypes import TL_DTYPE
+from .dtypes import LOW_PRECISION, TL_DTYPE, compute_dtype
 from .erf_poly import erf_call, gelu_call
 
 aten = torch.ops.aten
@@ -167,12 +169,23 @@ def _pow_scalar(c, x, e):
 
 
 def _clamp(x, lo, hi):
+    """torch.clamp: NaN in x passes through (comparisons with NaN are false); a NaN bound makes the result
+    NaN, so a bound that is not a plain number literal is also tested for NaN."""
     out = x
     if lo is not None:
-        out = f"tl.where({out} < {lo}, {lo}, {out})"
+        out = f"tl.where({_past(out, '<', lo)}, {lo}, {out})"
     if hi is not None:
-        out = f"tl.where({out} > {hi}, {hi}, {out})"
-    return out  # comparisons with NaN are false, so NaN passes through as in torch.clamp
+        out = f"tl.where({_past(out, '>', hi)}, {hi}, {out})"
+    return out
+
+
+def _past(x: str, cmp: str, bound: str) -> str:
+    """`x cmp bound`, or the bound is NaN where it may be (a tensor operand, or the NaN literal)."""
+    try:
+        float(bound)  # a number literal ("0.0", "-1", "6"): never NaN
+        return f"{x} {cmp} {bound}"
+    except ValueError:
+        return f"(({x} {cmp} {bound}) | ({bound} != {bound}))"
 
 
 def _cast(c, x):
@@ -323,3 +336,36 @@ PROMOTED_OPERANDS = {aten.eq.Tensor, aten.eq.Scalar, aten.ne.Tensor, aten.ne.Sca
                      aten.lt.Scalar, aten.le.Tensor, aten.le.Scalar, aten.gt.Tensor, aten.gt.Scalar,
                      aten.ge.Tensor, aten.ge.Scalar, aten.isnan.default, aten.isinf.default}
 UNCAST_OPERANDS = {aten._to_copy.default, prims.convert_element_type.default, aten.clone.default}
+
+# Comparisons and selections: eager casts every operand to the common dtype before it compares or picks,
+# so with bf16/fp16 tensors a scalar bound is rounded (`h == 0.1` compares with fp16(0.1), `clamp(h, 0.1)`
+# gives fp16(0.1)); arithmetic computes a scalar in fp32 (opmath), as fxopt does.
+COMPARISONS = PROMOTED_OPERANDS - {aten.isnan.default, aten.isinf.default}
+SELECTIONS = {aten.where.self, aten.clamp.default, aten.clamp.Tensor, aten.clamp_min.default,
+              aten.clamp_max.default, aten.hardtanh.default}
+
+
+def rounded_operands(node: fx.Node) -> torch.dtype | None:
+    """The bf16/fp16 dtype a comparison's or selection's operands are rounded to first, or None."""
+    if node.target in COMPARISONS:
+        vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in node.args if a is not None]
+        _, common = elementwise_dtypes(*vals, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)
+    elif node.target in SELECTIONS:
+        common = node.meta["val"].dtype
+    else:
+        return None
+    return common if common in LOW_PRECISION else None
+
+
+def operand_dtype(node: fx.Node) -> torch.dtype | None:
+    """The dtype the node's tensor operands are cast to before the op (None: leave as loaded)."""
+    out = node.meta["val"].dtype
+    if node.target in UNCAST_OPERANDS:
+        return None
+    if node.target in BOOL_OPERANDS:
+        return torch.bool
+    if node.target in PROMOTED_OPERANDS:
+        vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in node.args if a is not None]
+        computation, _ = elementwise_dtypes(*vals, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)
+        return compute_dtype(computation)
+    return compute_dtype(out)

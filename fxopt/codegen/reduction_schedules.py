@@ -9,6 +9,8 @@ to finish in the first pass (an online softmax pair counts as one), so the parti
 """
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.fx as fx
 
@@ -27,18 +29,24 @@ def inner_view(n: fx.Node) -> bool:
     return is_view(n) and view_root(n).op != "placeholder"
 
 
-def lane_reduce(kind: str, expr: str, target: str) -> str:
+def lane_reduce(kind: str, expr: str, target: str, floating: bool = True) -> str:
     """Reduce a [XBLOCK, N] block over axis 1 to [XBLOCK, 1].
 
     max/min propagate NaN as torch does: on the GPU through a combine function (_fx_max); in the
     Triton interpreter through an explicit NaN test, because calling a @triton.jit combine function there leaves
-    triton.language patched for the rest of the process (triton 3.6-3.9), breaking later GPU compiles."""
+    triton.language patched for the rest of the process (triton 3.6-3.9), breaking later GPU compiles.
+    An integer block (`floating` False) has no NaN, and the test's float NaN would turn its max into fp32."""
     if kind in ("amax", "amin"):
-        if target == "interpret":  # tl.max skips NaN there: put it back
+        if target == "interpret" and floating:  # tl.max skips NaN there: put it back
             plain = f"tl.{'max' if kind == 'amax' else 'min'}({expr}, 1)[:, None]"
             return f"tl.where(tl.max(({expr} != {expr}).to(tl.int32), 1)[:, None] > 0, float('nan'), {plain})"
         return f"tl.reduce({expr}, 1, {'_fx_max' if kind == 'amax' else '_fx_min'})[:, None]"
     return f"tl.sum({expr}, 1)[:, None]"
+
+
+def floating(node: fx.Node) -> bool:
+    """The reduction's result is a floating-point value (NaN can occur in it)."""
+    return node.meta["val"].dtype.is_floating_point
 
 
 EVEN_PER_CALL = "EVEN_R"  # exact_r of a symbolic row in one block: a constexpr the wrapper sets per call
@@ -89,6 +97,16 @@ def _fx_min(a, b):
 '''
 
 
+def pass_marker(names: set[str]) -> str:
+    """What a row value's name gets before the pass number in a looped kernel (`div` -> `div_p1`): a marker
+    no existing name ends with (followed by digits), so `name + marker + pass` is never another variable's
+    name (`div_1` + pass 1 of `div` clashed: a wrong gradient, found by a robustness sweep)."""
+    marker = "_p"
+    while any(re.search(re.escape(marker) + r"\d+$", n) for n in names):
+        marker = "_" + marker
+    return marker
+
+
 class LoopedSchedule:
     def __init__(self, em):
         self.em = em
@@ -100,6 +118,7 @@ class LoopedSchedule:
         self.emitted: set = set()
         self.stored: set = set()
         self.strided = False  # set by strided_rows: passes alternate direction, loads carry L2 hints
+        self.marker = pass_marker({n.name for n in em.nodes} | {v for d in em.load_names.values() for v in d.values()})
 
     def _levels(self):
         em, ready, need = self.em, {}, {}
@@ -158,7 +177,7 @@ class LoopedSchedule:
         stores = [j for j, (o, _) in enumerate(em.outs) if em.is_row.get(o) and self.need[o] == p]
         if not reds and not stores:
             return [], []
-        em.suffix = f"_{p}"
+        em.suffix = f"{self.marker}{p}"
         body = [f"# -- pass {p} over the row{' chunk' if chunked else ''} ----"]
         for r in reds:
             if r in self.pairs:
@@ -213,7 +232,7 @@ class LoopedSchedule:
                 out += [(self.pairs[r], mx, "amax"), (r, total, "sum")]
             elif r not in self.paired_max:
                 kind = reduction_info(r).kind
-                out.append((r, lane_reduce(kind, f"acc_{r.name}", self.em.target), kind))
+                out.append((r, lane_reduce(kind, f"acc_{r.name}", self.em.target, floating(r)), kind))
         return out
 
     # -- schedules ----
@@ -262,7 +281,7 @@ class LoopedSchedule:
     def _combine(self, node: fx.Node, kind: str, partial_of: dict) -> str:
         v = partial_of[node]
         if kind in ("amax", "amin"):
-            return lane_reduce(kind, v, self.em.target)
+            return lane_reduce(kind, v, self.em.target, floating(node))
         pair_max = self.pairs.get(node)
         if pair_max is not None:  # online softmax partial sums were taken against each chunk's max
             m, pm = pair_max.name, partial_of[pair_max]

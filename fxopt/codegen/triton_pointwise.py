@@ -38,7 +38,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
 from ..analysis.op_classes import is_view
 from ..analysis.symbolic import expr, hint, is_symbolic, pexpr, shape_env_of, sizes, storage_offset, strides
@@ -50,7 +49,7 @@ from .erf_poly import with_erf_helper
 from .indexing import (IterationSpace, Layout, TiledSpace, index_symbols, needs_int64, print_index, size_symbols,
                        tile_dim)
 from .kernel import Kernel
-from .pointwise_ops import (BOOL_OPERANDS, LOWERINGS, PROMOTED_OPERANDS, UNCAST_OPERANDS, LowerCtx)
+from .pointwise_ops import LOWERINGS, UNCAST_OPERANDS, LowerCtx, operand_dtype, rounded_operands
 
 aten = torch.ops.aten
 INT32_MAX = 2**31 - 1
@@ -130,20 +129,6 @@ def view_root(node: fx.Node) -> fx.Node:
     return node
 
 
-def operand_dtype(node: fx.Node) -> torch.dtype | None:
-    """The dtype the node's tensor operands are cast to before the op (None: leave as loaded)."""
-    out = node.meta["val"].dtype
-    if node.target in UNCAST_OPERANDS:
-        return None
-    if node.target in BOOL_OPERANDS:
-        return torch.bool
-    if node.target in PROMOTED_OPERANDS:
-        vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in node.args if a is not None]
-        computation, _ = elementwise_dtypes(*vals, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)
-        return compute_dtype(computation)
-    return compute_dtype(out)
-
-
 class PointwiseEmitter:
     def __init__(self, gm: fx.GraphModule, name: str, target: str):
         self.gm, self.name, self.target = gm, name, target
@@ -179,7 +164,9 @@ class PointwiseEmitter:
         for leaf in leaves:
             root = view_root(leaf)
             leaf_layouts.append(layout_of(leaf.meta["val"], root.meta["val"]))
-        out_layouts = [layout_of(o.meta["val"]) for o in self.output_nodes]
+        # the wrapper allocates every output at offset 0 (a fresh buffer, an arena view, a dying buffer
+        # reused in place), whatever storage offset the traced value had (a clone of a slice can carry it)
+        out_layouts = [Layout(sizes(o.meta["val"]), strides(o.meta["val"]), 0) for o in self.output_nodes]
         ref_stride = self._order_strides(strides(self.output_nodes[0].meta["val"]))
         extra = self._cat_layouts()  # after the outputs: operand i < len(leaves) + outputs keeps its meaning
         space = IterationSpace(self.domain, ref_stride, leaf_layouts + out_layouts + extra)
@@ -346,15 +333,21 @@ class PointwiseEmitter:
         """The kernel variable holding a node's value (the reduction emitter renames some)."""
         return node.name
 
-    def _operand(self, arg, want: torch.dtype | None) -> str:
+    def _operand(self, arg, want: torch.dtype | None, common: torch.dtype | None = None) -> str:
+        """`arg` as `want`; `common` (bf16/fp16 or None): the dtype eager rounds a higher-precision operand to
+        first (a Python scalar, a 0-d fp32 tensor), see rounded_operands."""
         if isinstance(arg, fx.Node):
             have = self.vdtype[arg]
             var = self._var(arg)
+            if common is not None and arg.meta["val"].dtype not in (common, torch.bool):
+                return f"{var}.to({TL_DTYPE[common]}).to({TL_DTYPE[want]})"
             if want is None or want == have:
                 return var
             if want == torch.bool:
                 return f"({var} != 0)"
             return f"{var}.to({TL_DTYPE[want]})"
+        if isinstance(arg, (int, float)) and not isinstance(arg, bool) and common is not None:
+            arg = torch.tensor(arg, dtype=common).item()
         if isinstance(arg, (bool, int, float)) and want is not None:
             return literal(arg, want)
         if isinstance(arg, (bool, int, float)):
@@ -375,10 +368,13 @@ class PointwiseEmitter:
         out = n.meta["val"].dtype
         want = operand_dtype(n)
         args = self._schema_args(n)
+        common = rounded_operands(n)
         if n.target is aten.where.self:
-            operands = [self._operand(args[0], torch.bool)] + [self._operand(a, want) for a in args[1:]]
+            operands = [self._operand(args[0], torch.bool)] + [self._operand(a, want, common) for a in args[1:]]
         else:
-            operands = [self._operand(a, want) for a in args]
+            operands = [self._operand(a, want, common) for a in args]
+        if n.target in UNCAST_OPERANDS and out in LOW_PRECISION and self.vdtype.get(args[0]) == torch.float64:
+            operands[0] = f"{operands[0]}.to(tl.float32)"  # eager's float64 -> bf16/fp16 goes through float32
         ctx = LowerCtx(self.target, out, want if want is not None else compute_dtype(out), self.rounds_to)
         expr = LOWERINGS[n.target](ctx, n, operands)
         result = compute_dtype(out)

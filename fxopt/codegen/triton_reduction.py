@@ -36,11 +36,11 @@ from .column_sums import (accumulate_line, column_config, column_ops, column_str
 from .erf_poly import with_erf_helper
 from .joint_sums import joint_order, joint_reduce, sum_kind, with_combine_helpers
 from .kernel import Kernel
-from .reduction_schedules import (COMBINE, EVEN_PER_CALL, LoopedSchedule, even_source, inner_view, lane_reduce,
-                                  mask_line, per_call_xblock, persistent_per_call, split_kernel,
+from .reduction_schedules import (COMBINE, EVEN_PER_CALL, LoopedSchedule, even_source, floating, inner_view,
+                                  lane_reduce, mask_line, per_call_xblock, persistent_per_call, split_kernel,
                                   per_call_config, strided_config, strided_rows)
-from .pointwise_ops import LOWERINGS, LowerCtx
-from .triton_pointwise import PointwiseEmitter, cdiv_source, operand_dtype, view_root
+from .pointwise_ops import LOWERINGS, LowerCtx, operand_dtype
+from .triton_pointwise import PointwiseEmitter, cdiv_source, view_root
 
 PERSISTENT_MAX = ROW_IN_REGISTERS  # widest row (elements) kept whole in registers
 LOOP_RBLOCK = 4096
@@ -368,7 +368,7 @@ class ReductionEmitter(PointwiseEmitter):
                 continue  # in the combine kernel
             elif reduction_info(n) is not None:
                 block, acc, kind = self._reduced_value(n)
-                body.append(self._finish(n, lane_reduce(kind, block, self.target), kind))
+                body.append(self._finish(n, lane_reduce(kind, block, self.target, floating(n)), kind))
             else:
                 body.append(self._node(n))
         body.append("# -- store outputs ----")

@@ -62,6 +62,12 @@ PROGRAMS = [  # (name, fn, inputs, explain options)
      lambda x, w, b: (F.layer_norm(x, x.shape[-1:], w, b).square().sum(), F.rms_norm(x, x.shape[-1:], w).sum()),
      lambda: (torch.randn(64, 128, requires_grad=True), torch.randn(128, requires_grad=True),
               torch.randn(128, requires_grad=True)), {}),
+    ("fp16 comparisons with rounded scalars, clamp with NaN and tensor bounds, integer max",
+     lambda h, t, b, i: ((h * 1) == 0.1, (h * 1) >= t, torch.where(h > 0.15, h * 1, 0.1),
+                         (h * 1).clamp(min=float("nan")), torch.clamp(h.float() * 2, min=b, max=b + 1),
+                         (i + 1).amax(-1) * 1),
+     lambda: (torch.randn(8, 33).half(), torch.tensor(0.1), torch.randn(8, 33),
+              torch.randint(-50, 50, (8, 33), dtype=torch.int32)), {}),
     ("bf16 casts and matmuls", lambda x, w: F.silu(x @ w).softmax(-1),
      lambda: (torch.randn(16, 32), torch.randn(32, 32)), {"precision": "bf16"}),
 ]
@@ -90,7 +96,8 @@ def cuda_kernel_files(tmp_path_factory):
 def test_cuda_variants_of_every_generated_kernel_compile_for_an_h200(cuda_kernel_files, tmp_path, monkeypatch):
     folder, paths, kernels = cuda_kernel_files
     ops = {op.split(".")[1] for k in kernels for op in k.ops}
-    assert {"tanh", "erf", "gelu", "remainder", "bitwise_not", "sign", "amax", "rsqrt", "_to_copy"} <= ops, ops
+    assert {"tanh", "erf", "gelu", "remainder", "bitwise_not", "sign", "amax", "rsqrt", "_to_copy", "eq",
+            "clamp"} <= ops, ops
     assert any("libdevice." in k.source for k in kernels)  # the GPU variants, not the interpreter's
     assert any(k.prologue is not None for k in kernels)  # a split reduction's partials kernel
     assert any(k.name.startswith("cast_inputs") for k in kernels)  # bf16's combined parameter casts

@@ -220,3 +220,34 @@ def test_row_scalars_squeezed_or_unsqueezed_stay_in_the_group(device, schedule):
         ks, _ = kernels(fn, x)
         assert len(ks) == 1, [k.ops for k in ks]
         check(fn, x)
+
+
+def test_looped_row_values_never_take_a_graph_nodes_name(device):
+    """A row value is renamed per pass of a looped kernel; `div` in pass 1 once became `div_1`, the name of
+    another node of the same kernel (a row scalar computed before the loop): the gradient of this function
+    was off by 0.1 with no error. Checked against float64 autograd."""
+    def f(z):
+        return z.amax((0, 1)), z.norm(dim=-1)
+
+    z = torch.randn(64, 128, 3, device=device, requires_grad=True)
+    z64 = z.detach().double().requires_grad_()
+    for fn, inp in ((compile_fxopt(f), z), (f, z64)):
+        a, b = fn(inp)
+        (a.sum() + 2 * b.sum()).backward()
+    torch.testing.assert_close(z.grad.double(), z64.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_variance_over_the_first_dim_with_symbolic_sizes(device):
+    """`x.var(0)` under dynamic=True: the kernel's size expression (N - 1) and a row value were both `sub_1`."""
+    f = torch.compile(lambda x: x.var(0), backend="fxopt", dynamic=True)
+    for n in (5, 7, 33):
+        x = torch.randn(n, 3, device=device)
+        torch.testing.assert_close(f(x).double(), x.double().var(0), rtol=1e-5, atol=1e-6)
+
+
+def test_pass_marker_avoids_every_existing_name():
+    names = {"div", "div_1", "x_p1", "y__p2"}
+    marker = reduction_schedules.pass_marker(names)
+    assert not any(n.endswith(marker + "1") or n.endswith(marker + "2") for n in names)
+    assert {n + marker + "1" for n in names}.isdisjoint(names)
+    assert reduction_schedules.pass_marker({"div", "div_1"}) == "_p"

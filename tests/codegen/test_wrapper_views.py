@@ -1,6 +1,8 @@
 """Views in generated wrappers: made with reinterpret_tensor (C) where the base's layout is proven at
 codegen (kernel outputs, checked inputs, matmul results, views of these), with the view method
 otherwise; either way the compiled function equals eager."""
+import re
+
 import torch
 import torch.nn.functional as F
 
@@ -115,3 +117,27 @@ def test_a_split_of_an_unchecked_input_is_called():
     src = _wrapper_of(f, x)
     assert "split" in src.split("def call", 1)[1]
     torch.testing.assert_close(torch.compile(f, backend="fxopt")(x), f(x))
+
+
+def test_in_place_update_of_a_slice_writes_its_kernel_output_at_offset_zero():
+    """`y[1:3].mul_(3)` then backward: the backward's clone of the gradient's slice was traced with the
+    slice's storage offset (4), and its kernel stored at `xindex + 4` into a fresh [2, 4] buffer the wrapper
+    allocates at offset 0: one element past the end (heap corruption, garbage gradients)."""
+    def f(x):
+        y = x * 2
+        y[1:3].mul_(3)
+        return y
+
+    x = torch.randn(3, 4, requires_grad=True)
+    rep = fxopt.explain(lambda x: f(x).sum(), x)
+    backward = [k for k in rep.kernels if k.graph == "backward"]
+    assert backward, "the slice's gradient ran in no kernel"
+    for k in backward:
+        outputs = re.findall(r"tl\.store\(out_ptr\d+ \+ \(([^)]*)\)", k.source)
+        assert outputs and all(o.strip() == "xindex" for o in outputs), (k.name, outputs)
+    xc = x.detach().clone().requires_grad_()
+    out = torch.compile(f, backend="fxopt")(xc)
+    out.sum().backward()
+    f(x).sum().backward()
+    torch.testing.assert_close(out, f(x.detach()))
+    torch.testing.assert_close(xc.grad, x.grad)
