@@ -255,6 +255,24 @@ def test_a_size_fxopt_cannot_express_runs_as_aten_with_the_reason():
     assert gr.fallbacks
 
 
+
+@pytest.mark.parametrize("fn", [lambda x: x.var(-1), lambda x: x.std(0),
+                                lambda x: F.batch_norm(x, None, None, training=True)], ids=["var", "std", "batch_norm"])
+def test_a_float_computed_from_sizes_stays_outside_kernels_with_the_reason(fn):
+    """A variance's backward scales by 2/(n-1), a SymFloat under dynamic shapes: it was taken into a
+    kernel as if it were a tensor (AttributeError deep in codegen); now the op that reads it runs as ATen,
+    with the reason in the report, and the gradients equal float64 eager for every size."""
+    g, backend = _compiled(fn)
+    for n in (5, 8, 11):
+        x = torch.randn(n, 6, requires_grad=True)
+        x64 = x.detach().double().requires_grad_()
+        g(x).square().sum().backward()
+        fn(x64).square().sum().backward()
+        torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-4, atol=1e-5)
+    assert backend.calls == 1
+    reasons = [r for gr in backend.report.graphs for _, r in gr.fallbacks]
+    assert any("SymFloat" in r for r in reasons), reasons
+
 # -- GPU (run with TRITON_INTERPRET=0 on a CUDA machine) ----------------------------------------------
 
 @pytest.mark.gpu

@@ -149,7 +149,7 @@ def is_wait(node: fx.Node) -> bool:
 
 
 def classify(node: fx.Node) -> str:
-    """pointwise | item | view | reduction | matmul | random | creation | collective | fxopt | other."""
+    """pointwise | item | view | reduction | matmul | random | attention | creation | collective | fxopt | other."""
     t = node.target
     if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
         return "other"
@@ -167,7 +167,7 @@ def classify(node: fx.Node) -> str:
         return "matmul"
     tags = set(t.tags)
     if torch.Tag.nondeterministic_seeded in tags:
-        return "random"
+        return "attention" if _attention_without_dropout(node) else "random"
     if t.name().split("::")[-1].split(".")[0] in ("sum", "mean", "amax", "amin", "var", "var_mean",
                                                    "prod", "max", "min", "argmax", "argmin", "any", "all",
                                                    "_softmax", "_log_softmax", "native_layer_norm",
@@ -181,9 +181,25 @@ def classify(node: fx.Node) -> str:
     return "other"
 
 
+def _attention_without_dropout(node: fx.Node) -> bool:
+    """An ATen attention kernel (SDPA's flash/efficient/cuDNN/CPU variants): tagged random for its dropout,
+    which draws nothing at dropout_p=0."""
+    if not node.target.name().split("::")[-1].startswith(("_scaled_dot_product", "_flash_attention",
+                                                            "_efficient_attention")):
+        return False
+    names = [a.name for a in node.target._schema.arguments]
+    if "dropout_p" not in names:
+        return False
+    i = names.index("dropout_p")
+    p = node.args[i] if i < len(node.args) else node.kwargs.get("dropout_p", 0.0)
+    return isinstance(p, (int, float)) and p == 0
+
+
 FALLBACK_REASONS = {
+    "attention": "attention runs as ATen's SDPA kernel: fxopt's attention pass did not take this site "
+                 "(rep.attention says why)",
     "matmul": "matmul/convolution runs as an ATen call (cuBLAS/cuDNN)",
-    "reduction": "reduction: stays an ATen call (reduction fusion is not built yet)",
+    "reduction": "reduction: stays an ATen call (no reduction group took it)",
     "random": "random op: stays an ATen call so it draws from torch's generator",
     "creation": "creation op: stays an ATen call (allocates its own output)",
     "collective": "collective communication: stays an ATen call; collectives keep their order, a wait "
@@ -242,6 +258,10 @@ def pointwise_unsupported_reason(node: fx.Node, target: str) -> str | None:
             return f"input '{inp.name}' has dtype {v.dtype}, which has no Triton lowering"
         if v.device != out.device:
             return f"input '{inp.name}' is on {v.device} while the result is on {out.device}"
+    for a in node.all_input_nodes:
+        if isinstance(a.meta.get("val"), torch.SymFloat):  # (a SymInt operand is computed in the kernel)
+            return (f"operand '{a.name}' is a float computed from sizes at run time (a SymFloat, e.g. 1/(n-1) "
+                    f"of a variance's backward): kernels do not take those yet")
     if target == "interpret" and node.target in CUDA_ONLY_OPS:
         return "needs libdevice, which the Triton interpreter cannot run (fuses on the GPU)"
     if target == "interpret" and _int_to_half_cast(node, out):
