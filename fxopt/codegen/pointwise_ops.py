@@ -95,7 +95,22 @@ def _tanh(c, x):
         return _tanh_approx(x)
     if c.target == "cuda":
         return f"libdevice.tanh({x})"
-    return f"(1.0 - 2.0 / (tl.exp(2.0 * {x}) + 1.0))"
+    e = _expm1_tl(f"(2.0 * {x})")  # expm1(2x) / (expm1(2x) + 2): no cancellation near 0; saturates past 20
+    return f"tl.where({x} > 20.0, 1.0, tl.where({x} < -20.0, -1.0, {e} / ({e} + 2.0)))"
+
+
+def _expm1_tl(x: str) -> str:
+    """expm1 from tl.exp alone (the interpreter has no libdevice), accurate near 0: with u = exp(x) rounded,
+    (u - 1) * x / log(u) cancels the rounding of u (Kahan's trick); exp(x) - 1 loses every digit there."""
+    u = f"tl.exp({x})"
+    return (f"tl.where({u} == 1.0, {x}, tl.where({u} == float(\"inf\"), {u}, tl.where({u} - 1.0 == -1.0, -1.0, "
+            f"({u} - 1.0) * {x} / tl.log({u}))))")
+
+
+def _log1p_tl(x: str) -> str:
+    """log1p from tl.log alone, accurate near 0: with u = 1 + x rounded, log(u) * x / (u - 1) (Kahan)."""
+    u = f"(1.0 + {x})"
+    return f"tl.where({u} == 1.0, {x}, tl.where({u} == float(\"inf\"), {u}, tl.log({u}) * {x} / ({u} - 1.0)))"
 
 
 def _poly_ok(c) -> bool:
@@ -230,11 +245,11 @@ LOWERINGS = {
     aten.neg.default: lambda c, n, o: f"({o[0]} * -1.0)" if c.compute.is_floating_point else f"(-{o[0]})",
     aten.exp.default: lambda c, n, o: _exp(c, o[0]),
     aten.exp2.default: lambda c, n, o: f"libdevice.exp2({o[0]})" if c.exact else f"tl.exp2({o[0]})",
-    aten.expm1.default: lambda c, n, o: _libdevice_or("expm1", lambda x: f"(tl.exp({x}) - 1.0)")(c, o[0]),
+    aten.expm1.default: lambda c, n, o: _libdevice_or("expm1", _expm1_tl)(c, o[0]),
     aten.log.default: lambda c, n, o: _log(c, o[0]),
     aten.log2.default: lambda c, n, o: f"libdevice.log2({o[0]})" if c.exact else f"tl.log2({o[0]})",
     aten.log10.default: lambda c, n, o: f"libdevice.log10({o[0]})" if c.exact else f"(tl.log2({o[0]}) * 0.30102999566398120)",
-    aten.log1p.default: lambda c, n, o: _libdevice_or("log1p", lambda x: f"tl.log(1.0 + {x})")(c, o[0]),
+    aten.log1p.default: lambda c, n, o: _libdevice_or("log1p", _log1p_tl)(c, o[0]),
     aten.sqrt.default: lambda c, n, o: _sqrt(c, o[0]),
     aten.rsqrt.default: lambda c, n, o: _rsqrt(c, o[0]),
     # sin/cos keep libdevice for every fp32 value: the hardware approximations lose accuracy on large

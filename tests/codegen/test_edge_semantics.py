@@ -110,3 +110,18 @@ def test_float64_to_half_casts_go_through_float32_like_eager(dtype, device):
         torch.testing.assert_close(got.float(), expected.float(), rtol=2 ** -7, atol=0)
     else:
         assert torch.equal(got, expected), (got, expected)
+
+
+@pytest.mark.parametrize("op", [torch.tanh, torch.expm1, torch.log1p], ids=["tanh", "expm1", "log1p"])
+def test_functions_near_zero_keep_relative_precision(op, device):
+    """tanh, expm1 and log1p of tiny arguments: `exp(x) - 1` and `log(1 + x)` (the interpreter's spelling
+    before) lose every digit there ((x * 1e-6).tanh() * 1e6 was 0.477 for 0.5). Relative error against
+    float64, plus the values at the ends (0, -0, +-inf, NaN, -1 for log1p)."""
+    torch.manual_seed(0)
+    x = torch.cat([torch.randn(40) * 1e-7, torch.randn(40) * 1e-3, torch.rand(40) * 4 - 0.9]).to(device)
+    fn = lambda a: op(a * 1)  # noqa: E731
+    assert fused(fn, x)
+    got, ref = compile_fxopt(fn)(x).double(), op(x.double())
+    assert ((got - ref).abs() / ref.abs()).max() < 2e-6
+    ends = torch.tensor([0.0, -0.0, 30.0, -30.0, INF, -INF, NAN, -1.0], device=device)
+    torch.testing.assert_close(compile_fxopt(fn)(ends), fn(ends), equal_nan=True)
