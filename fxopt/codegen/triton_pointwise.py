@@ -340,7 +340,10 @@ class PointwiseEmitter:
             have = self.vdtype[arg]
             var = self._var(arg)
             if common is not None and arg.meta["val"].dtype not in (common, torch.bool):
-                return f"{var}.to({TL_DTYPE[common]}).to({TL_DTYPE[want]})"
+                # through float32, as eager's conversions to bf16/fp16 go (c10's Half and BFloat16 take a float;
+                # the interpreter would also reinterpret an int's bits as bf16)
+                via = "" if have == torch.float32 else ".to(tl.float32)"
+                return f"{var}{via}.to({TL_DTYPE[common]}).to({TL_DTYPE[want]})"
             if want is None or want == have:
                 return var
             if want == torch.bool:
