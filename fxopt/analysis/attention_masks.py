@@ -89,15 +89,20 @@ def over_scores(tensor: torch.Tensor, score_shape) -> torch.Tensor:
 
 def _keep(step: MaskStep, value, score_shape) -> torch.Tensor:
     tensor = torch.as_tensor(value).cpu()
+    # a scale applied after the mask scales its value too (-1e5 * 1e-5 = -1 drops nothing): then only -inf
+    masked_at_most = -math.inf if step.after_scale else MASKED_AT_MOST
     if step.kind == "fill":
-        if step.value > MASKED_AT_MOST:
+        if step.value > masked_at_most:
             raise NotAttention(f"masked scores are filled with {step.value:g}, not -inf or a value <= "
-                               f"{MASKED_AT_MOST:g}: exp() would not drop them")
+                               f"{MASKED_AT_MOST:g}{' (before a scale)' if step.after_scale else ''}: exp() would "
+                               "not drop them")
         masked = ~tensor.bool() if step.negate else tensor.bool()
         return over_scores(~masked, score_shape)
+    if not tensor.dtype.is_floating_point:
+        raise NotAttention(f"an additive mask of dtype {tensor.dtype} (adds 0 and 1): not a mask of -inf")
     additive = over_scores(tensor.float(), score_shape)
     kept = additive == 0
-    if not bool(((additive <= MASKED_AT_MOST) | kept).all()):
+    if not bool(((additive <= masked_at_most) | kept).all()):
         raise NotACausalMask("a compile-time additive mask holds values other than 0 and -inf: not a causal "
                              "mask, and not a node the kernel can read")
     return kept
@@ -111,6 +116,19 @@ def _check_readable(step: MaskStep, facts: MaskFacts) -> None:
     if step.after_scale:
         raise NotAttention("the scale is applied after a mask the kernel reads (the kernel adds the mask to "
                            "already-scaled scores)")
+
+
+def _check_runtime_mask(step: MaskStep, score_shape) -> None:
+    """The kernel reads a float mask broadcast over the scores: a bool or integer tensor added to the
+    scores, or a mask that broadcasts the scores to more batches or heads (eager's result grows), is not."""
+    v = step.tensor.meta.get("example_value", step.tensor.meta.get("val")) if isinstance(step.tensor, fx.Node) else None
+    if not isinstance(v, torch.Tensor):
+        return
+    if step.kind == "add" and not v.dtype.is_floating_point:
+        raise NotAttention(f"an additive mask of dtype {v.dtype} (adds 0 and 1): not a mask of -inf")
+    if all(isinstance(d, int) for d in (*v.shape, *score_shape)) and \
+            torch.broadcast_shapes(v.shape, score_shape) != torch.Size(score_shape):
+        raise NotAttention(f"the mask {list(v.shape)} broadcasts the scores {list(score_shape)} to a larger shape")
 
 
 def _fill_read_by_the_kernel(constant_steps: list[MaskStep], keep: torch.Tensor, facts: MaskFacts) -> MaskStep:
@@ -200,6 +218,7 @@ def mask_facts(steps: list[MaskStep], values, score_shape, requires_grad) -> Mas
                 # a position bias (ALiBi, a relative-position table): read by the kernel, like a
                 # padding mask; the other constant steps may still make the site causal
         _check_readable(step, facts)
+        _check_runtime_mask(step, score_shape)
         if step.kind == "add":
             if requires_grad(step.tensor):
                 raise NotAttention("the additive mask requires grad (the kernel gives no mask gradient)")

@@ -60,9 +60,10 @@ def _scalar_of(value, values: ConstantValues):
         return float(value)
     if isinstance(value, fx.Node) and scalar_expr(meta(value)) is not None:
         return scalar_expr(meta(value))
-    if isinstance(value, fx.Node) and values.is_constant(value):
+    if isinstance(value, fx.Node) and values.is_constant(value) and not values.buffers_used(value):
+        # (a module buffer's value can change in place after compiling: it is not baked into the kernel)
         v = values.value(value)
-        if isinstance(v, torch.Tensor) and v.numel() == 1:
+        if isinstance(v, torch.Tensor) and v.numel() == 1 and v.dim() == 0:  # ([1, 1, 1, 1] would add dims)
             return float(v.item())
     return None
 
@@ -121,7 +122,7 @@ def _peel_kv_repeat(node: fx.Node, m: Match, what: str) -> fx.Node:
         expand = node.args[0]
         src = expand.args[0]
         five = shape(src)
-        if five and len(five) == 5 and five[2] == 1 and op_of(src) in ("getitem", "unsqueeze") and _single_user(src):
+        if five and len(five) == 5 and five[2] == 1 and _new_axis_at_2(src) and _single_user(src):
             base = src.args[0]
             b = shape(base)
             if b and len(b) == 4 and b[1] * shape(expand)[2] == full[1] and b[2:] == full[2:]:
@@ -129,6 +130,20 @@ def _peel_kv_repeat(node: fx.Node, m: Match, what: str) -> fx.Node:
                 m.recognised.append(f"expand+reshape repeat of {what} (grouped-query)")
                 return base
     return node
+
+
+def _new_axis_at_2(node: fx.Node) -> bool:
+    """x[:, :, None] (trailing full slices or ... allowed) or x.unsqueeze(2): a pure new axis, no index that
+    picks or reorders heads (x[:, [1, 0], None] is not a grouped-query repeat of x)."""
+    if op_of(node) == "unsqueeze":
+        return arg(node, 1, "dim") in (2, -3)
+    if op_of(node) != "getitem" or not isinstance(node.args[1], tuple):
+        return False
+    idx = list(node.args[1])
+    full = slice(None, None, None)
+    while idx and (idx[-1] is Ellipsis or idx[-1] == full) and len(idx) > 3:
+        idx.pop()
+    return len(idx) == 3 and idx[0] == full and idx[1] == full and idx[2] is None
 
 
 def _scores_chain(softmax: fx.Node, values, m: Match) -> tuple[fx.Node, list[MaskStep]]:
@@ -148,6 +163,8 @@ def _scores_chain(softmax: fx.Node, values, m: Match) -> tuple[fx.Node, list[Mas
             scale_seen_below = True
             m.recognised.append(f"scale on scores ({op})")
         elif op == "cast":
+            if not _widening(node):
+                raise NotAttention(f"'{node.name}' casts the scores to {dtype(node)}: the kernel keeps fp32 scores")
             node = node.args[0]
             m.recognised.append("cast of scores")
         elif op == "masked_fill":
@@ -176,6 +193,24 @@ def _scores_chain(softmax: fx.Node, values, m: Match) -> tuple[fx.Node, list[Mas
         raise NotAttention(f"the scores ({node.name}) are used outside the attention")
     m.chain.append(node)
     return node, list(reversed(steps))
+
+
+def _widening(cast: fx.Node) -> bool:
+    """A cast that keeps every value: to the same dtype, or from a float to a float at least as wide and
+    not bf16 <-> fp16 (`.float()` of bf16 scores). Anything else (`.to(int32)`, `.half()` of fp32) changes
+    values the kernel would not change."""
+    src, dst = dtype(cast.args[0]) if isinstance(cast.args[0], fx.Node) else None, dtype(cast)
+    if src is None or dst is None:
+        return False
+    widens = src.is_floating_point and dst in (torch.float32, torch.float64) and src.itemsize <= dst.itemsize
+    return src == dst or widens
+
+
+def _casts_to_the_output_dtype(cast: fx.Node) -> bool:
+    """The probabilities rounded to the dtype of the P @ V result (fp32 softmax cast back to bf16 before the
+    matmul), which the kernel does too, when the next user is that matmul."""
+    users = list(cast.users)
+    return len(users) == 1 and op_of(users[0]) == "matmul" and dtype(users[0]) == dtype(cast)
 
 
 def _fill_value(value, values) -> float:
@@ -209,6 +244,9 @@ def _probs_chain(softmax: fx.Node, m: Match) -> fx.Node:
         if op == "matmul" and user.args[0] is node:
             return user
         if op == "cast":
+            if not (_widening(user) or _casts_to_the_output_dtype(user)):
+                raise NotAttention(f"'{user.name}' casts the probabilities to {dtype(user)}: the kernel rounds them "
+                                   "only to v's dtype")
             m.recognised.append("cast of probabilities")
         elif op == "dropout" and is_identity_dropout(user):
             m.recognised.append("dropout (eval or p=0)")
@@ -364,14 +402,11 @@ def match_sdpa(node: fx.Node, values: ConstantValues) -> Match:
                                "aligns top-left, the kernel bottom-right)")
         m.facts.causal, m.facts.described = True, "causal (is_causal=True)"
     if mask is not None:
-        if dtype(mask) == torch.bool:
-            m.facts.runtime_fill = MaskStep("fill", mask, -math.inf, negate=True)
-        elif _requires_grad(mask):
-            raise NotAttention("the additive mask requires grad (the kernel gives no mask gradient)")
-        else:
-            m.facts.runtime_mask = mask
-        extra = f"additive {list(shape(mask))} read by the kernel"
-        m.facts.described = f"{m.facts.described} + {extra}" if m.facts.causal else extra
+        # SDPA's softmax is "safe": a row its mask removes entirely is 0 (and so are its gradients); the
+        # kernels, like hand-written attention in eager, give NaN there. Whether a run-time mask removes a
+        # whole row is only known at run time, so ATen's SDPA keeps these sites.
+        raise NotAttention(f"SDPA with an attn_mask ({dtype(mask)} {list(shape(mask))}): a row the mask removes "
+                           "entirely is 0 in SDPA and NaN in fxopt's kernels, so ATen's SDPA runs it")
     _check_operands(m)
     if m.kv_groups > 1 and not gqa:
         raise NotAttention("k/v have fewer heads than q but enable_gqa is False")
