@@ -63,7 +63,7 @@ def cross_entropy_forward(logits: Tensor, target: Tensor, ignore_index: int, red
     stats float32 [N + 1], each row's lse (-inf when ignored) then the number of rows not ignored.
     logits [N, V] fp32/bf16/fp16 with a contiguous last dim (any row stride); target int64 [N]."""
     _check(logits, target)
-    logits = _rows_contiguous(logits)
+    logits, target = _rows_contiguous(logits), target.contiguous()  # the kernels read target[row] at stride 1
     n_rows, n_cols = logits.shape
     loss = torch.empty((n_rows,) if reduction == "none" else (), device=logits.device, dtype=loss_dtype)
     stats = torch.empty(n_rows + 1, device=logits.device, dtype=torch.float32)
@@ -85,7 +85,7 @@ def cross_entropy_grad(logits: Tensor, target: Tensor, stats: Tensor, grad_loss:
     the forward's `stats` and the loss's gradient `grad_loss` (0-d for "mean"/"sum", [N] with any
     stride for "none"; any float dtype: read as float32)."""
     _check(logits, target)
-    logits = _rows_contiguous(logits)
+    logits, target = _rows_contiguous(logits), target.contiguous()  # the kernels read target[row] at stride 1
     n_rows, n_cols = logits.shape
     grad = torch.empty(n_rows, n_cols, device=logits.device, dtype=logits.dtype)
     if n_rows == 0:
