@@ -13,8 +13,9 @@ def write_dump(rep, directory: str, all_passes: bool = False) -> None:
     """Every file of the report. passes/ holds the graphs that a pass changed; with all_passes (or
     FXOPT_DUMP_ALL=1) also those it left as they were, so each pass's input can be read next to it."""
     all_passes = all_passes or Environment.read().dump_all_passes
-    os.makedirs(os.path.join(directory, "passes"), exist_ok=True)
-    os.makedirs(os.path.join(directory, "kernels"), exist_ok=True)
+    for sub in ("passes", "kernels"):
+        os.makedirs(os.path.join(directory, sub), exist_ok=True)
+    _clear_earlier_dump(directory)
     index = 0
     for p in rep.pre_autograd:  # the torch-level graph, before autograd (attention matching)
         index += 1
@@ -22,19 +23,31 @@ def write_dump(rep, directory: str, all_passes: bool = False) -> None:
             _write(directory, f"passes/{index:02d}_torch_{p.name}.txt", p.text)
     for gi, g in enumerate(rep.graphs):
         tag = f"{gi}_{g.name}"
+        index += 1
         _write(directory, f"passes/{index:02d}_{tag}_captured.txt", g.captured_text)
         for p in g.passes:
             index += 1
             if p.changed or p.name == "codegen" or all_passes:
                 _write(directory, f"passes/{index:02d}_{tag}_{p.name}.txt", p.text)
-        for k in g.kernels:
-            _write(directory, f"kernels/{k.name}.py", k.standalone)
+        for k in g.kernels:  # (kernel names restart in every graph: later graphs' files carry the tag)
+            _write(directory, f"kernels/{k.name}.py" if gi == 0 else f"kernels/{tag}_{k.name}.py", k.standalone)
         name = "wrapper.py" if gi == 0 else f"wrapper_{tag}.py"
         _write(directory, name, g.wrapper_source)
     if rep.memory_plan is not None:
         _write(directory, "memory.svg", memory_svg(rep.memory_plan))
     _write(directory, "report.txt", str(rep))
     _write(directory, "report.html", report_html(rep))
+
+
+def _clear_earlier_dump(directory: str) -> None:
+    """A dump is rewritten whole after every compiled graph (the report grows, so file numbers shift):
+    remove the files an earlier write of it left (numbered pass files, kernel files), nothing else."""
+    ours = {"passes": lambda f: f[:2].isdigit() and f.endswith(".txt"), "kernels": lambda f: f.endswith(".py")}
+    for sub, ok in ours.items():
+        folder = os.path.join(directory, sub)
+        for f in os.listdir(folder):
+            if ok(f):
+                os.remove(os.path.join(folder, f))
 
 
 def _write(directory: str, rel: str, text: str) -> None:

@@ -105,6 +105,23 @@ def test_fxopt_dump_writes_every_artifact(tmp_path, monkeypatch):
         assert external not in html  # self-contained: nothing fetched from the network
 
 
+def test_fxopt_dump_keeps_one_file_per_kernel_and_pass_across_graphs(tmp_path, monkeypatch):
+    """Two compiled graphs (a static one, then the dynamic recompile): the first graph's kernel file is
+    not overwritten by the second's (kernel names restart per graph), and the rewritten dump leaves no
+    stale pass files behind (each graph's captured graph once, numbered apart from the passes)."""
+    monkeypatch.setenv("FXOPT_DUMP", str(tmp_path))
+    f = torch.compile(lambda x: (x * 2 + 1).sigmoid(), backend="fxopt")
+    f(torch.randn(4, 8))
+    f(torch.randn(3, 5))
+    kernels = sorted(p.name for p in (tmp_path / "kernels").glob("*.py"))
+    assert len(kernels) == 2 and len(set(kernels)) == 2, kernels
+    assert any("4, 8" in (tmp_path / "kernels" / k).read_text() for k in kernels)  # the static graph's kernel
+    captured = sorted(p.name for p in (tmp_path / "passes").glob("*_captured.txt"))
+    assert len(captured) == 2, captured
+    numbers = [p.name[:2] for p in (tmp_path / "passes").glob("*.txt")]
+    assert len(numbers) == len(set(numbers)), sorted(numbers)
+
+
 def test_wrapper_runs_on_its_own(tmp_path):
     x, b = inputs()
     rep = fxopt.explain(chain, x, b)
