@@ -128,8 +128,15 @@ def _aot(gm, example_inputs, compiler):
 
 
 def fxopt_backend(gm: fx.GraphModule, example_inputs, **options):
-    """The backend registered as "fxopt" (entry point torch_dynamo_backends)."""
-    return compile_dynamo_graph(gm, example_inputs, Options.from_kwargs(**options))
+    """The backend registered as "fxopt" (entry point torch_dynamo_backends). torch.compile hands a
+    backend its `options={...}` and `mode=` as keywords: options are fxopt's, modes are Inductor's."""
+    mode = options.pop("mode", None)
+    if mode not in (None, "default"):
+        raise TypeError(f"fxopt: torch.compile(mode={mode!r}) is an Inductor setting; fxopt takes options, e.g. "
+                        "torch.compile(m, backend='fxopt', options={'cudagraphs': True}) for what "
+                        "'reduce-overhead' does")
+    nested = options.pop("options", None) or {}
+    return compile_dynamo_graph(gm, example_inputs, Options.from_kwargs(**nested, **options))
 
 
 def backend(**options):

@@ -41,8 +41,16 @@ class Options:
             raise ValueError(f"fxopt: precision={self.precision!r} is not one of {PRECISIONS}")
         if not any(self.memory_plan is v or (isinstance(v, str) and self.memory_plan == v) for v in MEMORY_PLANS):
             raise ValueError(f"fxopt: memory_plan={self.memory_plan!r} is not one of {MEMORY_PLANS}")
-        if not isinstance(self.cudagraphs, bool):
-            raise TypeError(f"fxopt: cudagraphs={self.cudagraphs!r} must be True or False")
+        for name in ("cudagraphs", "fuse", "attention", "verify", "keep_graphs", "profile"):
+            if not isinstance(getattr(self, name), bool):  # ("no" would be truthy)
+                raise TypeError(f"fxopt: {name}={getattr(self, name)!r} must be True or False")
+        rtol = self.verify_rtol
+        if rtol is not None and (isinstance(rtol, bool) or not isinstance(rtol, (int, float)) or not rtol > 0):
+            raise ValueError(f"fxopt: verify_rtol={rtol!r} must be a positive number (a relative error) or None")
+        if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
+            raise TypeError(f"fxopt: dump_dir={self.dump_dir!r} must be a directory path or None")
+        if isinstance(self.skip_passes, list):
+            object.__setattr__(self, "skip_passes", tuple(self.skip_passes))
         if isinstance(self.skip_passes, str) or not set(self.skip_passes) <= set(SKIPPABLE_PASSES):
             raise ValueError(f"fxopt: skip_passes={self.skip_passes!r} must be a tuple of names from "
                              f"{SKIPPABLE_PASSES}")

@@ -229,3 +229,29 @@ def test_cudagraphs_option_on_cpu_says_why_it_runs_without_graphs(monkeypatch):
     with pytest.warns(UserWarning, match="runs without CUDA graphs"):
         rep = fxopt.explain(lambda x: x * 2, x, cudagraphs=True)
     assert any(n == "cudagraphs" and "CUDA graphs need CUDA tensors" in r for n, r in rep.fallbacks)  # test_cudagraphs.py has the rest
+
+
+def test_torch_compile_options_dict_reaches_fxopt_and_inductor_modes_are_refused():
+    f = lambda x: (x * 2 + 1).sigmoid()  # noqa: E731
+    x = torch.randn(3, 5)
+    out = torch.compile(f, backend="fxopt", options={"memory_plan": False, "fuse": False})(x)
+    torch.testing.assert_close(out, f(x))
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="Inductor setting"):
+        torch.compile(f, backend="fxopt", mode="max-autotune")(x)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="unknown option"):
+        torch.compile(f, backend="fxopt", options={"bogus": 1})(x)
+
+
+@pytest.mark.parametrize("bad", [{"fuse": "no"}, {"attention": None}, {"verify": "yes"}, {"verify_rtol": -1},
+                                 {"verify_rtol": "a"}, {"dump_dir": 5}])
+def test_option_values_are_checked_when_given(bad):
+    """A string where a bool is expected would be truthy; a negative tolerance would blame a correct pass."""
+    (name,) = bad
+    with pytest.raises((TypeError, ValueError), match=name):
+        fxopt.backend(**bad)
+
+
+def test_skip_passes_given_as_a_list_is_taken():
+    assert fxopt.Options(skip_passes=["combine_casts"]).skip_passes == ("combine_casts",)
