@@ -55,9 +55,10 @@ def graph_to_text(gm: fx.GraphModule, title: str = "") -> str:
     params = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     lines.append(f"def forward({', '.join(params)}):")
     for n in gm.graph.nodes:
-        comment = f"  # {describe_value(n.meta.get('val'))}" if "val" in n.meta else ""
+        key = "val" if "val" in n.meta else "example_value"  # (dynamo's torch-level graphs: example_value)
+        comment = f"  # {describe_value(n.meta[key])}" if key in n.meta else ""
         if n.op == "placeholder":
-            lines.append(f"    # {n.name}: {describe_value(n.meta.get('val'))}")
+            lines.append(f"    # {n.name}: {describe_value(n.meta.get(key))}")
         elif n.op == "output":
             lines.append(f"    return {format_arg(n.args[0])}")
         elif n.op == "get_attr":

@@ -255,3 +255,11 @@ def test_option_values_are_checked_when_given(bad):
 
 def test_skip_passes_given_as_a_list_is_taken():
     assert fxopt.Options(skip_passes=["combine_casts"]).skip_passes == ("combine_casts",)
+
+
+def test_torch_level_pass_text_comments_every_value_with_its_type():
+    """Dynamo's graphs keep fake values under example_value: the attention pass's text said `None`."""
+    q = torch.randn(1, 2, 8, 16)
+    rep = fxopt.explain(lambda q: torch.softmax(q @ q.mT * 0.25, -1) @ q, q)
+    text = rep.pre_autograd[0].text
+    assert "# l_q_: f32[1, 2, 8, 16] cpu" in text and ": None" not in text, text
