@@ -14,7 +14,11 @@ def write_dump(rep, directory: str, all_passes: bool = False) -> None:
     FXOPT_DUMP_ALL=1) also those it left as they were, so each pass's input can be read next to it."""
     all_passes = all_passes or Environment.read().dump_all_passes
     for sub in ("passes", "kernels"):
-        os.makedirs(os.path.join(directory, sub), exist_ok=True)
+        try:
+            os.makedirs(os.path.join(directory, sub), exist_ok=True)
+        except OSError as e:
+            raise OSError(f"fxopt: cannot write the dump to {directory!r} ({e.strerror}); set FXOPT_DUMP or "
+                          "dump_dir to a directory this user can create and write") from e
     _clear_earlier_dump(directory)
     index = 0
     for p in rep.pre_autograd:  # the torch-level graph, before autograd (attention matching)

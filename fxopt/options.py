@@ -111,15 +111,32 @@ class Environment:
             dump_dir=os.environ.get("FXOPT_DUMP") or None,
             interpret=os.environ.get("TRITON_INTERPRET", "0") == "1",
             cache_dir=cache,
-            log_level=os.environ.get("FXOPT_LOG") or None,
-            dump_all_passes=os.environ.get("FXOPT_DUMP_ALL", "0") == "1",
-            poison_freed=os.environ.get("FXOPT_POISON_FREED", "0") == "1",
-            static_launch=os.environ.get("FXOPT_STATIC_LAUNCH", "1") != "0",
+            log_level=_log_level(),
+            dump_all_passes=_switch("FXOPT_DUMP_ALL", False),
+            poison_freed=_switch("FXOPT_POISON_FREED", False),
+            static_launch=_switch("FXOPT_STATIC_LAUNCH", True),
             compile_workers=_worker_count(os.environ.get("FXOPT_COMPILE_WORKERS", "")),
-            backward_with_forward=os.environ.get("FXOPT_BACKWARD_WITH_FORWARD", "1") != "0",
-            own_ops_early=os.environ.get("FXOPT_OWN_OPS_EARLY", "1") != "0",
+            backward_with_forward=_switch("FXOPT_BACKWARD_WITH_FORWARD", True),
+            own_ops_early=_switch("FXOPT_OWN_OPS_EARLY", True),
             compile_switch_interval=_seconds("FXOPT_COMPILE_SWITCH_INTERVAL", 2e-4),
         )
+
+
+def _switch(name: str, default: bool) -> bool:
+    """A 0/1 environment variable; anything else is an error naming it ("no" was read as the default)."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    if raw not in ("0", "1"):
+        raise ValueError(f"fxopt: {name}={raw!r}: set it to 1 (on) or 0 (off)")
+    return raw == "1"
+
+
+def _log_level() -> str | None:
+    raw = os.environ.get("FXOPT_LOG", "").strip()
+    if raw and raw.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise ValueError(f"fxopt: FXOPT_LOG={raw!r} is not a log level; use debug, info, warning or error")
+    return raw or None
 
 
 def _seconds(name: str, default: float) -> float:

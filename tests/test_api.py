@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import fxopt
 from fxopt.errors import FxoptError
+from fxopt.options import Environment
 
 
 def chain(x, b):
@@ -263,3 +264,20 @@ def test_torch_level_pass_text_comments_every_value_with_its_type():
     rep = fxopt.explain(lambda q: torch.softmax(q @ q.mT * 0.25, -1) @ q, q)
     text = rep.pre_autograd[0].text
     assert "# l_q_: f32[1, 2, 8, 16] cpu" in text and ": None" not in text, text
+
+
+@pytest.mark.parametrize("var, value", [("FXOPT_LOG", "bogus"), ("FXOPT_STATIC_LAUNCH", "no"),
+                                        ("FXOPT_POISON_FREED", "yes")])
+def test_bad_environment_values_name_the_variable(var, value, monkeypatch):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match=var):
+        Environment.read()
+
+
+@pytest.mark.parametrize("var", ["FXOPT_DUMP", "FXOPT_CACHE_DIR"])
+def test_an_unusable_directory_is_named_with_its_variable(var, tmp_path, monkeypatch):
+    a_file = tmp_path / "not_a_dir"
+    a_file.write_text("")
+    monkeypatch.setenv(var, str(a_file / "sub"))
+    with pytest.raises(Exception, match=var):
+        torch.compile(lambda x: (x * 2 + 1).sigmoid(), backend="fxopt")(torch.randn(3, 5))

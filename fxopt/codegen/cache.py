@@ -31,7 +31,11 @@ class ModuleCache:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def _dir(self) -> str:
-        os.makedirs(self.root, mode=0o700, exist_ok=True)
+        try:
+            os.makedirs(self.root, mode=0o700, exist_ok=True)
+        except OSError as e:
+            raise OSError(f"fxopt: cannot use {self.root!r} as the kernel cache ({e.strerror}); set FXOPT_CACHE_DIR "
+                          "to a directory this user can create and write") from e
         st = os.stat(self.root)
         if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o022:
             raise PermissionError(
