@@ -121,3 +121,28 @@ def swaps_last_two(node: fx.Node) -> bool:
         dims = [d % rank for d in dims] if all(isinstance(d, int) for d in dims) else None
         return dims == list(range(rank - 2)) + [rank - 1, rank - 2]
     return False
+
+
+def widening_cast(cast: fx.Node) -> bool:
+    """A cast that keeps every value: to the same dtype, or from a float to a float at least as wide and
+    not bf16 <-> fp16 (`.float()` of bf16 scores). Anything else (`.to(int32)`, `.half()` of fp32) changes
+    values the kernel would not change."""
+    src, dst = dtype(cast.args[0]) if isinstance(cast.args[0], fx.Node) else None, dtype(cast)
+    if src is None or dst is None:
+        return False
+    widens = src.is_floating_point and dst in (torch.float32, torch.float64) and src.itemsize <= dst.itemsize
+    return src == dst or widens
+
+
+def new_axis_at_2(node: fx.Node) -> bool:
+    """x[:, :, None] (trailing full slices or ... allowed) or x.unsqueeze(2): a pure new axis, no index that
+    picks or reorders heads (x[:, [1, 0], None] is not a grouped-query repeat of x)."""
+    if op_of(node) == "unsqueeze":
+        return arg(node, 1, "dim") in (2, -3)
+    if op_of(node) != "getitem" or not isinstance(node.args[1], tuple):
+        return False
+    idx = list(node.args[1])
+    full = slice(None, None, None)
+    while idx and (idx[-1] is Ellipsis or idx[-1] == full) and len(idx) > 3:
+        idx.pop()
+    return len(idx) == 3 and idx[0] == full and idx[1] == full and idx[2] is None

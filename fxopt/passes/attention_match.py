@@ -23,7 +23,8 @@ from ..analysis.attention_masks import MaskFacts, MaskStep, NotAttention, mask_f
 from ..analysis.constant_values import ConstantValues
 from ..analysis.symbolic import expr, is_inverse_sqrt, is_symbolic, scalar_expr
 from ..analysis.torch_ops import (
-    arg, dtype, is_identity_dropout, meta, op_of, provably_equal, shape, swaps_last_two, upcast_source,
+    arg, dtype, is_identity_dropout, meta, new_axis_at_2, op_of, provably_equal, shape, swaps_last_two, upcast_source,
+    widening_cast,
 )
 
 HEAD_DIMS = (16, 256)  # head dims the kernels handle (inclusive)
@@ -122,7 +123,7 @@ def _peel_kv_repeat(node: fx.Node, m: Match, what: str) -> fx.Node:
         expand = node.args[0]
         src = expand.args[0]
         five = shape(src)
-        if five and len(five) == 5 and five[2] == 1 and _new_axis_at_2(src) and _single_user(src):
+        if five and len(five) == 5 and five[2] == 1 and new_axis_at_2(src) and _single_user(src):
             base = src.args[0]
             b = shape(base)
             if b and len(b) == 4 and b[1] * shape(expand)[2] == full[1] and b[2:] == full[2:]:
@@ -130,20 +131,6 @@ def _peel_kv_repeat(node: fx.Node, m: Match, what: str) -> fx.Node:
                 m.recognised.append(f"expand+reshape repeat of {what} (grouped-query)")
                 return base
     return node
-
-
-def _new_axis_at_2(node: fx.Node) -> bool:
-    """x[:, :, None] (trailing full slices or ... allowed) or x.unsqueeze(2): a pure new axis, no index that
-    picks or reorders heads (x[:, [1, 0], None] is not a grouped-query repeat of x)."""
-    if op_of(node) == "unsqueeze":
-        return arg(node, 1, "dim") in (2, -3)
-    if op_of(node) != "getitem" or not isinstance(node.args[1], tuple):
-        return False
-    idx = list(node.args[1])
-    full = slice(None, None, None)
-    while idx and (idx[-1] is Ellipsis or idx[-1] == full) and len(idx) > 3:
-        idx.pop()
-    return len(idx) == 3 and idx[0] == full and idx[1] == full and idx[2] is None
 
 
 def _scores_chain(softmax: fx.Node, values, m: Match) -> tuple[fx.Node, list[MaskStep]]:
@@ -163,7 +150,7 @@ def _scores_chain(softmax: fx.Node, values, m: Match) -> tuple[fx.Node, list[Mas
             scale_seen_below = True
             m.recognised.append(f"scale on scores ({op})")
         elif op == "cast":
-            if not _widening(node):
+            if not widening_cast(node):
                 raise NotAttention(f"'{node.name}' casts the scores to {dtype(node)}: the kernel keeps fp32 scores")
             node = node.args[0]
             m.recognised.append("cast of scores")
@@ -193,17 +180,6 @@ def _scores_chain(softmax: fx.Node, values, m: Match) -> tuple[fx.Node, list[Mas
         raise NotAttention(f"the scores ({node.name}) are used outside the attention")
     m.chain.append(node)
     return node, list(reversed(steps))
-
-
-def _widening(cast: fx.Node) -> bool:
-    """A cast that keeps every value: to the same dtype, or from a float to a float at least as wide and
-    not bf16 <-> fp16 (`.float()` of bf16 scores). Anything else (`.to(int32)`, `.half()` of fp32) changes
-    values the kernel would not change."""
-    src, dst = dtype(cast.args[0]) if isinstance(cast.args[0], fx.Node) else None, dtype(cast)
-    if src is None or dst is None:
-        return False
-    widens = src.is_floating_point and dst in (torch.float32, torch.float64) and src.itemsize <= dst.itemsize
-    return src == dst or widens
 
 
 def _casts_to_the_output_dtype(cast: fx.Node) -> bool:
@@ -244,7 +220,7 @@ def _probs_chain(softmax: fx.Node, m: Match) -> fx.Node:
         if op == "matmul" and user.args[0] is node:
             return user
         if op == "cast":
-            if not (_widening(user) or _casts_to_the_output_dtype(user)):
+            if not (widening_cast(user) or _casts_to_the_output_dtype(user)):
                 raise NotAttention(f"'{user.name}' casts the probabilities to {dtype(user)}: the kernel rounds them "
                                    "only to v's dtype")
             m.recognised.append("cast of probabilities")
