@@ -197,6 +197,8 @@ def _combine_body(em, cols: list[fx.Node], acc_dtype: dict, hosting) -> list[str
     lines += [em._node(n) for n in em.column_ops]
     for j, (o, _) in enumerate(em.outs):
         if o in em.column_values:
-            addr = print_index(em.raddr[len(em.loads) + j])
+            raddr = em.raddr[len(em.loads) + j]
+            # (a width-1 row has no rindex in its address; the pointer block must take the [1, RBLOCK] value)
+            addr = print_index(raddr) + ("" if index_symbols(raddr) else " + 0 * rindex")
             lines.append(f"tl.store(out_ptr{j} + ({addr}), {o.name}.to({TL_DTYPE[o.meta['val'].dtype]}), rmask)")
     return lines

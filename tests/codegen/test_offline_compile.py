@@ -68,6 +68,10 @@ PROGRAMS = [  # (name, fn, inputs, explain options)
                          (i + 1).amax(-1) * 1),
      lambda: (torch.randn(8, 33).half(), torch.tensor(0.1), torch.randn(8, 33),
               torch.randint(-50, 50, (8, 33), dtype=torch.int32)), {}),
+    ("norm backward over a width of 1",
+     lambda x, w, b: F.layer_norm(x, (1,), w, b).square().sum(),
+     lambda: (torch.randn(6, 1, requires_grad=True), torch.randn(1, requires_grad=True),
+              torch.randn(1, requires_grad=True)), {}),
     ("bf16 casts and matmuls", lambda x, w: F.silu(x @ w).softmax(-1),
      lambda: (torch.randn(16, 32), torch.randn(32, 32)), {"precision": "bf16"}),
 ]

@@ -251,3 +251,18 @@ def test_pass_marker_avoids_every_existing_name():
     assert not any(n.endswith(marker + "1") or n.endswith(marker + "2") for n in names)
     assert {n + marker + "1" for n in names}.isdisjoint(names)
     assert reduction_schedules.pass_marker({"div", "div_1"}) == "_p"
+
+
+@pytest.mark.parametrize("norm", ["layer_norm", "rms_norm"])
+def test_norm_backward_over_a_width_of_one(norm, device):
+    """The column-sum combine kernel stored a [1, RBLOCK] value through a pointer with no rindex term when
+    the normalized width is 1 (an interpreter error, a GPU compile error); now padded like other stores."""
+    def f(x, w, b):
+        return (F.layer_norm(x, (1,), w, b) if norm == "layer_norm" else F.rms_norm(x, (1,), w) + b).square().sum()
+
+    x, w, b = (torch.randn(*s, device=device, requires_grad=True) for s in ((6, 1), (1,), (1,)))
+    got = torch.autograd.grad(compile_fxopt(f)(x, w, b), (x, w, b))
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
+    ref = torch.autograd.grad(f(x64, w64, b64), (x64, w64, b64))
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g.double(), r, rtol=1e-4, atol=1e-5)
