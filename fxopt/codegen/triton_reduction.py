@@ -108,8 +108,11 @@ class ReductionEmitter(PointwiseEmitter):
                 self.is_row[n] = False
             else:  # row values, and column operands (`w.float()`: [M] of [N, M]) varying along the row
                 shape = sizes(n.meta["val"])
-                self.is_row[n] = (shape == self.S or shape not in (self.keep, self.drop)) and any(
-                    self.is_row.get(a, a in self.row_leaves) for a in n.all_input_nodes)
+                # a value of the full shape is a row even when no input varies along it (an input broadcast
+                # with stride 0 along the reduced dims): it is stored over the whole row, not once
+                full = shape == self.S and shape != self.keep
+                self.is_row[n] = full or (shape not in (self.keep, self.drop) and any(
+                    self.is_row.get(a, a in self.row_leaves) for a in n.all_input_nodes))
 
     def _var(self, node: fx.Node) -> str:
         if node in self.load_names:

@@ -266,3 +266,22 @@ def test_norm_backward_over_a_width_of_one(norm, device):
     ref = torch.autograd.grad(f(x64, w64, b64), (x64, w64, b64))
     for g, r in zip(got, ref):
         torch.testing.assert_close(g.double(), r, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["softmax", "mean_times_x", "log_softmax", "var_plus_x", "softmax_dim0",
+                                  "expanded_in_graph"])
+def test_inputs_broadcast_along_the_reduced_dim(case, device, schedule):
+    """An input with stride 0 along the reduced dim (`x[:, :1].expand(5, 17)`): values of the full shape
+    computed from it were taken for row scalars and stored once per row, the other 16 columns left
+    uninitialised (errors of 1e29, no exception). Now a full-shape value is stored over the whole row."""
+    g = torch.Generator().manual_seed(0)
+    col, row = torch.randn(5, 1, generator=g).to(device), torch.randn(1, 17, generator=g).to(device)
+    fn, x = {"softmax": (lambda x: torch.softmax(x * 2, -1) * 3, col.expand(5, 17)),
+             "mean_times_x": (lambda x: (x + 1).mean(1, keepdim=True) * x, col.expand(5, 17)),
+             "log_softmax": (lambda x: F.log_softmax(x, 1), col.expand(5, 17)),
+             "var_plus_x": (lambda x: x.var(-1, keepdim=True) + x, col.expand(5, 17)),
+             "softmax_dim0": (lambda x: torch.softmax(x * 2, 0), row.expand(5, 17)),
+             "expanded_in_graph": (lambda y: torch.softmax(y.unsqueeze(-1).expand(5, 17) * 2, -1) * 3, col[:, 0])}[case]
+    ks, _ = kernels(fn, x)
+    assert any(k.kind == "reduction" for k in ks)
+    check(fn, x)
