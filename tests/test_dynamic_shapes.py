@@ -273,6 +273,25 @@ def test_a_float_computed_from_sizes_stays_outside_kernels_with_the_reason(fn):
     reasons = [r for gr in backend.report.graphs for _, r in gr.fallbacks]
     assert any("SymFloat" in r for r in reasons), reasons
 
+
+def test_an_input_view_a_looped_reduction_group_returns_is_written():
+    """A group that reduces an expanded input and also returns the expand (for a later kernel): under
+    symbolic sizes the looped kernel never stored it (a later kernel read uninitialised memory: gradients
+    of 1e33). Forward and gradient equal float64 eager for every size."""
+    def f(x):
+        return (x[:, None] + x[None, :]).sum(0)
+
+    g, backend = _compiled(f)
+    for n in (3, 6, 4):
+        x = torch.randn(n, 5, requires_grad=True)
+        x64 = x.detach().double().requires_grad_()
+        out = g(x)
+        out.square().sum().backward()
+        f(x64).square().sum().backward()
+        torch.testing.assert_close(out.double(), f(x64), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-4, atol=1e-4)
+    assert backend.calls == 1
+
 # -- GPU (run with TRITON_INTERPRET=0 on a CUDA machine) ----------------------------------------------
 
 @pytest.mark.gpu

@@ -125,6 +125,8 @@ class LoopedSchedule:
         for n in em.nodes:
             if n.op == "placeholder" or (is_view(n) and not inner_view(n)):
                 ready[n] = need[n] = 0
+                if em.is_row.get(n) and any(o is n for o, _ in em.outs):  # returned over the row: in pass 1
+                    need[n] = 1
             elif n.op == "call_function":
                 level = max([need[a] if em.is_row.get(a) or a in em.row_leaves else ready[a]
                              for a in n.all_input_nodes] or [0])

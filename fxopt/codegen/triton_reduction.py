@@ -101,6 +101,8 @@ class ReductionEmitter(PointwiseEmitter):
     def _classify(self) -> None:
         for n in self.nodes:
             if n.op == "placeholder" or n.op == "output" or (is_view(n) and not inner_view(n)):
+                if n in self.output_nodes:  # an input (or a view of one) the group also returns
+                    self.is_row[n] = n in self.row_leaves or (sizes(n.meta["val"]) == self.S != self.keep)
                 continue
             if inner_view(n):  # row scalars reshaped, or expanded along the row (then a row value)
                 self.is_row[n] = sizes(n.meta["val"]) == self.S and sizes(n.meta["val"]) != self.keep
