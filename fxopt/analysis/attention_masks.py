@@ -19,6 +19,7 @@ import torch.fx as fx
 from .built_masks import built_causal
 from .position_slopes import linear_key_slopes
 from .sliced_masks import sliced_causal
+from .torch_ops import meta
 
 # A masked score must vanish after exp(): -inf does exactly; so does any value at or below fp16's
 # lowest finite value (-65504), as long as the row keeps one unmasked score (true for causal rows).
@@ -98,8 +99,7 @@ def _keep(step: MaskStep, value, score_shape) -> torch.Tensor:
                                "not drop them")
         masked = ~tensor.bool() if step.negate else tensor.bool()
         return over_scores(~masked, score_shape)
-    if not tensor.dtype.is_floating_point:
-        raise NotAttention(f"an additive mask of dtype {tensor.dtype} (adds 0 and 1): not a mask of -inf")
+    _require_float_mask(tensor.dtype)
     additive = over_scores(tensor.float(), score_shape)
     kept = additive == 0
     if not bool(((additive <= masked_at_most) | kept).all()):
@@ -118,14 +118,19 @@ def _check_readable(step: MaskStep, facts: MaskFacts) -> None:
                            "already-scaled scores)")
 
 
+def _require_float_mask(dtype: torch.dtype) -> None:
+    if not dtype.is_floating_point:
+        raise NotAttention(f"an additive mask of dtype {dtype} (adds 0 and 1): not a mask of -inf")
+
+
 def _check_runtime_mask(step: MaskStep, score_shape) -> None:
     """The kernel reads a float mask broadcast over the scores: a bool or integer tensor added to the
     scores, or a mask that broadcasts the scores to more batches or heads (eager's result grows), is not."""
-    v = step.tensor.meta.get("example_value", step.tensor.meta.get("val")) if isinstance(step.tensor, fx.Node) else None
+    v = meta(step.tensor)
     if not isinstance(v, torch.Tensor):
         return
-    if step.kind == "add" and not v.dtype.is_floating_point:
-        raise NotAttention(f"an additive mask of dtype {v.dtype} (adds 0 and 1): not a mask of -inf")
+    if step.kind == "add":
+        _require_float_mask(v.dtype)
     if all(isinstance(d, int) for d in (*v.shape, *score_shape)) and \
             torch.broadcast_shapes(v.shape, score_shape) != torch.Size(score_shape):
         raise NotAttention(f"the mask {list(v.shape)} broadcasts the scores {list(score_shape)} to a larger shape")

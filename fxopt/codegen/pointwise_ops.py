@@ -360,11 +360,16 @@ SELECTIONS = {aten.where.self, aten.clamp.default, aten.clamp.Tensor, aten.clamp
               aten.clamp_max.default, aten.hardtanh.default}
 
 
+def _promoted(node: fx.Node) -> tuple[torch.dtype, torch.dtype]:
+    """(computation dtype, common dtype) of the node's operands under torch's default type promotion."""
+    vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in node.args if a is not None]
+    return elementwise_dtypes(*vals, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)
+
+
 def rounded_operands(node: fx.Node) -> torch.dtype | None:
     """The bf16/fp16 dtype a comparison's or selection's operands are rounded to first, or None."""
     if node.target in COMPARISONS:
-        vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in node.args if a is not None]
-        _, common = elementwise_dtypes(*vals, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)
+        common = _promoted(node)[1]
     elif node.target in SELECTIONS:
         common = node.meta["val"].dtype
     else:
@@ -380,7 +385,5 @@ def operand_dtype(node: fx.Node) -> torch.dtype | None:
     if node.target in BOOL_OPERANDS:
         return torch.bool
     if node.target in PROMOTED_OPERANDS:
-        vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in node.args if a is not None]
-        computation, _ = elementwise_dtypes(*vals, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)
-        return compute_dtype(computation)
+        return compute_dtype(_promoted(node)[0])
     return compute_dtype(out)
