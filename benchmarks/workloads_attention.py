@@ -174,6 +174,24 @@ def make_attn_decode(device, dtype, quick):
     return _full_attention, _qkv(device, dtype, B, H, 1, Tk, D)
 
 
+def _padding_keep(B: int, T: int, device) -> torch.Tensor:
+    """A key padding mask [B, 1, 1, T]: sequence b keeps its first T - 128 * b keys (True = attend)."""
+    lengths = torch.tensor([max(T - 128 * b, 1) for b in range(B)], device=device)
+    return (torch.arange(T, device=device)[None, :] < lengths[:, None])[:, None, None, :]
+
+
+def _sdpa_padded(q, k, v, keep):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+
+
+@workload("attn_sdpa_padded", "F.scaled_dot_product_attention with a bool key padding mask [B, 1, 1, T] (fused "
+          "by fxopt with SDPA's safe softmax; eager and Inductor run SDPA's masked kernel); B8 H16 T2048 D128",
+          kind="attention", flops=_full_flops, anchor=_sdpa_padded)
+def make_attn_sdpa_padded(device, dtype, quick):
+    B, H, T, D = (2, 2, 64, 32) if quick else (8, 16, 2048, 128)
+    return _sdpa_padded, (*_qkv(device, dtype, B, H, T, T, D), _padding_keep(B, T, device))
+
+
 # ---------------------------------------------------------------- GPT-2 block
 
 class CausalSelfAttention(nn.Module):

@@ -51,6 +51,7 @@ class MaskFacts:
     runtime_fill: MaskStep | None = None  # an input-dependent -inf fill, rewritten as an additive mask
     buffers: tuple = ()  # module buffers the causal fact or the slopes were read from (guarded at run time)
     key_slopes: torch.Tensor | None = None  # float64 [heads or 1]: a linear position bias (ALiBi) for the kernel
+    safe_softmax: bool = False  # SDPA's: a row masked entirely is 0, not NaN (attention/op.py)
     described: str = "none"
 
 
@@ -123,7 +124,7 @@ def _require_float_mask(dtype: torch.dtype) -> None:
         raise NotAttention(f"an additive mask of dtype {dtype} (adds 0 and 1): not a mask of -inf")
 
 
-def _check_runtime_mask(step: MaskStep, score_shape) -> None:
+def check_runtime_mask(step: MaskStep, score_shape) -> None:
     """The kernel reads a float mask broadcast over the scores: a bool or integer tensor added to the
     scores, or a mask that broadcasts the scores to more batches or heads (eager's result grows), is not."""
     v = meta(step.tensor)
@@ -223,7 +224,7 @@ def mask_facts(steps: list[MaskStep], values, score_shape, requires_grad) -> Mas
                 # a position bias (ALiBi, a relative-position table): read by the kernel, like a
                 # padding mask; the other constant steps may still make the site causal
         _check_readable(step, facts)
-        _check_runtime_mask(step, score_shape)
+        check_runtime_mask(step, score_shape)
         if step.kind == "add":
             if requires_grad(step.tensor):
                 raise NotAttention("the additive mask requires grad (the kernel gives no mask gradient)")
@@ -249,6 +250,26 @@ def mask_facts(steps: list[MaskStep], values, score_shape, requires_grad) -> Mas
         extra = f"additive {list(node.meta['example_value'].shape)} read by the kernel"
         facts.described = extra if not facts.causal else f"{facts.described} + {extra}"
     return _with_slopes_described(facts)
+
+
+def sdpa_mask_facts(facts: MaskFacts, mask: fx.Node, score_shape, requires_grad) -> None:
+    """An SDPA call's attn_mask as the mask the kernel reads: a bool mask keeps scores where True (-inf
+    elsewhere), a float one is added. SDPA's softmax is "safe" (a row its mask removes entirely is 0, and
+    so are its gradients; eager's softmax gives NaN), so the kernel runs with safe_softmax."""
+    v = meta(mask)
+    is_bool = isinstance(v, torch.Tensor) and v.dtype == torch.bool
+    step = MaskStep("fill", mask, -math.inf, negate=True) if is_bool else MaskStep("add", mask)
+    check_runtime_mask(step, score_shape)
+    if is_bool:
+        facts.runtime_fill = step
+    elif requires_grad(mask):
+        raise NotAttention("the additive mask requires grad (the kernel gives no mask gradient)")
+    else:
+        facts.runtime_mask = mask
+    facts.safe_softmax = True
+    extra = (f"{'bool' if is_bool else 'additive'} {list(v.shape)} read by the kernel, safe softmax (rows it "
+             "masks entirely give 0, as in SDPA)")
+    facts.described = f"{facts.described} + {extra}" if facts.causal else extra
 
 
 def _with_slopes_described(facts: MaskFacts) -> MaskFacts:

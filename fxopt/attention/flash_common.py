@@ -239,6 +239,26 @@ def add_mask(s, bias):
 
 
 @triton.jit
+def softmax_denominator(row_sum, SAFE: tl.constexpr):
+    """A finished row's sum of exp2(s - max), to divide its output by. A row with no visible key has sum 0
+    (every p was exp2(-inf)): 0 / 0 = NaN, as eager's softmax gives; SAFE (SDPA's softmax) makes it 0."""
+    if SAFE:
+        row_sum = tl.where(row_sum == 0.0, 1.0, row_sum)
+    return row_sum
+
+
+@triton.jit
+def log_sum_exp(row_max, row_sum, SAFE: tl.constexpr):
+    """A finished row's natural-log log-sum-exp from its base-2 max and sum; -inf for a row with no visible
+    key, or with SAFE +inf: the backward's P = exp2(s - lse) is then 0 for every key, so the row's
+    gradients are 0 as SDPA's are, with no test in the backward kernels."""
+    lse = (row_max + tl.log2(row_sum)) * LN2
+    if SAFE:
+        lse = tl.where(row_sum == 0.0, float("inf"), lse)
+    return lse
+
+
+@triton.jit
 def head_slope(Slopes, head, HAS_SLOPES: tl.constexpr):
     """The head's position-bias slope in base-2 units (0.0 without slopes)."""
     if HAS_SLOPES:

@@ -41,7 +41,8 @@ from torch import Tensor
 from ..codegen.jit_keys import settle as settle_cache_keys
 from ..codegen.wrapper_runtime import cdiv, next_power_of_2
 from .flash_common import (
-    check_attention_inputs, dot_precision, is_power_of_two, launcher, mask_arguments, add_mask,
+    add_mask, check_attention_inputs, dot_precision, is_power_of_two, launcher, log_sum_exp, mask_arguments,
+    softmax_denominator,
 )
 
 MAX_QUERY_ROWS = 16  # decode packs queries into a tile's rows; longer queries go to the main forward kernel
@@ -52,7 +53,6 @@ DEFAULT_SM_COUNT = 132  # H200, for the interpreter (CPU tensors have no SM coun
 CONFIG_KEYS = ("BLOCK_N", "BLOCK_M", "num_warps", "num_stages")
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
-LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 
 def decode_applies(seq_q: int, seq_k: int) -> bool:
@@ -62,7 +62,7 @@ def decode_applies(seq_q: int, seq_k: int) -> bool:
 
 def flash_decode(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool, mask: Tensor | None = None,
                  num_splits: int | None = None, config: dict | None = None,
-                 lse: bool = True) -> tuple[Tensor, Tensor | None]:
+                 lse: bool = True, safe_softmax: bool = False) -> tuple[Tensor, Tensor | None]:
     """Attention forward for q [B, H, Tq<=16, D] over k, v [B, Hkv, Tk, D]; returns (out, lse), or
     (out, None) with lse=False.
 
@@ -70,6 +70,7 @@ def flash_decode(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool,
     the scaled, masked scores. `mask`: None or an additive float [B, H, Tq, Tk] (any strides).
     `num_splits`: how many chunks the keys are cut into (default: `default_num_splits`).
     `config`: overrides of BLOCK_N, BLOCK_M (most packed rows per tile), num_warps, num_stages.
+    `safe_softmax`: a row that sees no key gives 0 and lse +inf (SDPA's softmax), not NaN and -inf.
     """
     check_attention_inputs("flash_decode", q, k, v, mask, causal, scale)
     if q.shape[2] > MAX_QUERY_ROWS:
@@ -102,12 +103,13 @@ def flash_decode(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool,
         heads, kv_heads, seq_q, seq_k, keys_per_split, splits, scale * math.log2(math.e),
         HAS_MASK=mask is not None, CAUSAL=causal, DOT_PRECISION=dot_precision(q.dtype),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], DIRECT=direct,
-        STORE_LSE=lse, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        STORE_LSE=lse, SAFE=safe_softmax, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if direct:
         return out, stats
     launcher(_combine_splits_kernel, (batch * heads * seq_q,), q.device)(
         part_acc, part_max, part_sum, out, out if stats is None else stats, splits,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=min(next_power_of_2(splits), 16), STORE_LSE=lse, num_warps=4)
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=min(next_power_of_2(splits), 16), STORE_LSE=lse,
+        SAFE=safe_softmax, num_warps=4)
     return out, stats
 
 
@@ -183,7 +185,7 @@ def _split_partials_kernel(
         heads, kv_heads, seq_q, seq_k, keys_per_split, splits, qk_scale,
         HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        DIRECT: tl.constexpr, STORE_LSE: tl.constexpr):
+        DIRECT: tl.constexpr, STORE_LSE: tl.constexpr, SAFE: tl.constexpr):
     """One chunk of keys against every packed (query head, query) row of one kv head: partial
     softmax state (unnormalised acc, max, sum; log2 domain) into the workspaces; DIRECT (the only
     chunk) normalised into out and lse as the combine kernel would."""
@@ -243,10 +245,11 @@ def _split_partials_kernel(
 
     if DIRECT:  # out and lse rows: (batch * heads + head) * seq_q + query, as in the combine kernel
         row = ((batch * heads + head) * seq_q + query).to(tl.int64)
-        tl.store(out + row[:, None] * HEAD_DIM + dims[None, :], (acc / row_sum[:, None]).to(out.dtype.element_ty),
+        normalised = acc / softmax_denominator(row_sum, SAFE)[:, None]
+        tl.store(out + row[:, None] * HEAD_DIM + dims[None, :], normalised.to(out.dtype.element_ty),
                  mask=row_ok[:, None] & dim_ok[None, :])
         if STORE_LSE:
-            tl.store(lse + row, (row_max + tl.log2(row_sum)) * LN2, mask=row_ok)
+            tl.store(lse + row, log_sum_exp(row_max, row_sum, SAFE), mask=row_ok)
     else:
         part = (((batch * heads + head) * seq_q + query) * splits + split).to(tl.int64)
         tl.store(part_max + part, row_max, mask=row_ok)
@@ -257,7 +260,7 @@ def _split_partials_kernel(
 @triton.jit
 def _combine_splits_kernel(part_acc, part_max, part_sum, out, lse, splits,
                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                           STORE_LSE: tl.constexpr):
+                           STORE_LSE: tl.constexpr, SAFE: tl.constexpr):
     """One output row from its splits' partial states: rescale each to a common max, sum, normalise."""
     row = tl.program_id(0).to(tl.int64)  # (batch * heads + head) * seq_q + query: out's and lse's row
     dims = tl.arange(0, BLOCK_D)
@@ -283,9 +286,10 @@ def _combine_splits_kernel(part_acc, part_max, part_sum, out, lse, splits,
         acc = acc * rescale + tl.sum(weight[:, None] * a, 0)
         run_max = new_max
 
-    tl.store(out + row * HEAD_DIM + dims, (acc / run_sum).to(out.dtype.element_ty), mask=dim_ok)
+    tl.store(out + row * HEAD_DIM + dims, (acc / softmax_denominator(run_sum, SAFE)).to(out.dtype.element_ty),
+             mask=dim_ok)
     if STORE_LSE:
-        tl.store(lse + row, (run_max + tl.log2(run_sum)) * LN2)
+        tl.store(lse + row, log_sum_exp(run_max, run_sum, SAFE))
 
 
 settle_cache_keys(globals())  # each kernel's Triton key the same in every process (codegen/jit_keys.py)

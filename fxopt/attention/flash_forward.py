@@ -34,9 +34,9 @@ from torch import Tensor
 from ..codegen.jit_keys import settle as settle_cache_keys
 from ..codegen.wrapper_runtime import cdiv, next_power_of_2
 from .flash_common import (
-    LN2, LOG2E, add_key_slope, add_mask, check_attention_inputs, check_key_slopes, dot_precision, forward_config,
-    head_slope, key_ranges, launcher, load_tile, mask_arguments, resolve_config, store_rows, store_tile, tile_ptrs,
-    visible,
+    LOG2E, add_key_slope, add_mask, check_attention_inputs, check_key_slopes, dot_precision, forward_config,
+    head_slope, key_ranges, launcher, load_tile, log_sum_exp, mask_arguments, resolve_config, softmax_denominator,
+    store_rows, store_tile, tile_ptrs, visible,
 )
 from .flash_forward_tma import flash_forward_tma, tiles_fit, tma_applies
 from .launch_plans import frozen, planned
@@ -46,7 +46,7 @@ __all__ = ["flash_forward", "forward_config"]
 
 def flash_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool, mask: Tensor | None = None,
                   config: dict | None = None, lse: bool = True,
-                  key_slopes: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+                  key_slopes: Tensor | None = None, safe_softmax: bool = False) -> tuple[Tensor, Tensor | None]:
     """Attention forward; returns (out, lse), or (out, None) with lse=False (inference: nothing reads
     the statistics, so they are neither allocated nor stored).
 
@@ -60,10 +60,12 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool
     so the model's `out.transpose(1, 2).reshape(B, T, H * D)` needs no copy); lse: float32 [B, H, Tq], contiguous,
     the natural-log log-sum-exp of each row's scaled, masked scores. `key_slopes`: None or float32 [H], a
     linear position bias (ALiBi) computed in the kernel: head h's scores get key_slopes[h] * (j - i - (Tk - Tq))
-    added before the mask (flash_common.add_key_slope).
+    added before the mask (flash_common.add_key_slope). `safe_softmax`: a row that sees no key (masked
+    everywhere with -inf) gives 0 and lse +inf, as SDPA's softmax does, instead of NaN and -inf.
     """
     use_tma, cfg = _forward_plan((q, k, v, mask, key_slopes), scale, causal, frozen(config))
-    if use_tma:
+    safe = safe_softmax and mask is not None  # without a mask every row sees a key (causal needs Tq <= Tk)
+    if use_tma:  # (only without a mask: safe is False)
         return flash_forward_tma(q, k, v, scale=scale, causal=causal, cfg=cfg, store_lse=lse, key_slopes=key_slopes)
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
@@ -81,7 +83,7 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         CAUSAL=causal, HAS_MASK=mask is not None, HAS_SLOPES=key_slopes is not None, EVEN_M=seq_q % block_m == 0,
         EVEN_N=seq_k % block_n == 0, EVEN_D=head_dim == block_d, DOT_PRECISION=dot_precision(q.dtype), STORE_LSE=lse,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        SAFE=safe, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out, stats
 
 
@@ -110,7 +112,8 @@ def _flash_forward_kernel(
         num_heads, group_size, seq_q, seq_k, qk_scale,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SLOPES: tl.constexpr, EVEN_M: tl.constexpr,
-        EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, STORE_LSE: tl.constexpr):
+        EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, STORE_LSE: tl.constexpr,
+        SAFE: tl.constexpr):
     """BLOCK_M query rows of one (batch, head) against every key they may see: out rows and lse."""
     block_m = tl.program_id(0)
     if CAUSAL:  # heaviest query blocks first
@@ -146,12 +149,12 @@ def _flash_forward_kernel(
             qk_scale, slope, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
             HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_SLOPES, CAUSAL, EVEN_M, EVEN_N, EVEN_D, DOT_PRECISION)
 
-    out = acc / row_sum[:, None]
+    out = acc / softmax_denominator(row_sum, SAFE)[:, None]
     out_ptrs = tile_ptrs(Out + batch * stride_ob + head * stride_oh, m0, rows, stride_om, 0, dims, stride_od)
     store_tile(out_ptrs, out.to(Out.dtype.element_ty), m0 + rows, seq_q, dims, HEAD_DIM, EVEN_M, EVEN_D)
     if STORE_LSE:
         lse_ptrs = Lse + bh.to(tl.int64) * seq_q + m0 + rows
-        store_rows(lse_ptrs, (row_max + tl.log2(row_sum)) * LN2, m0 + rows, seq_q, EVEN_M)
+        store_rows(lse_ptrs, log_sum_exp(row_max, row_sum, SAFE), m0 + rows, seq_q, EVEN_M)
 
 
 @triton.jit

@@ -3,6 +3,7 @@
 Same contract as the Triton kernels: q [B, H, Tq, D], k and v [B, Hkv, Tk, D] (H a multiple of Hkv),
 scores and softmax in float32, causal masks aligned bottom-right (query i sees key j <= i + Tk - Tq),
 an optional additive mask broadcastable to [B, H, Tq, Tk]. Returns (out in q's dtype, lse float32).
+`safe`: a row with no visible key gives 0 and lse +inf (SDPA's softmax), not NaN and -inf.
 """
 from __future__ import annotations
 
@@ -45,9 +46,12 @@ def scores(q, k, *, scale, causal, mask) -> torch.Tensor:
     return s
 
 
-def attention(q, k, v, *, scale: float, causal: bool, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+def attention(q, k, v, *, scale: float, causal: bool, mask=None,
+              safe: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     s = scores(q, k, scale=scale, causal=causal, mask=mask)
     lse = torch.logsumexp(s, dim=-1)
+    if safe:  # exp(s - inf) = 0: the row's output is 0 (the kernels' flash_common.log_sum_exp)
+        lse = lse.masked_fill(torch.isneginf(lse), float("inf"))
     p = torch.exp(s - lse.unsqueeze(-1))
     out = torch.matmul(p.to(v.dtype), expand_kv(v, q.shape[1]))
     return out.to(q.dtype), lse
@@ -59,11 +63,13 @@ def _sum_groups(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return x.view(b, kv_heads, h // kv_heads, t, d).sum(2)
 
 
-def attention_backward(dout, q, k, v, *, scale: float, causal: bool, mask=None):
+def attention_backward(dout, q, k, v, *, scale: float, causal: bool, mask=None, safe: bool = False):
     """(dq, dk, dv) from the softmax gradient written out (custom ops run below autograd, so no
     autograd here): P recomputed, dS = P * (dP - rowsum(dO * O)), all in float32."""
     s = scores(q, k, scale=scale, causal=causal, mask=mask)
     p = torch.softmax(s, dim=-1)
+    if safe:  # rows with no visible key: P = 0, so their gradients are 0
+        p = p.masked_fill(torch.isneginf(s.amax(-1, keepdim=True)), 0.0)
     heads, kv_heads = q.shape[1], k.shape[1]
     do, vf = dout.float(), expand_kv(v, heads).float()
     dp = torch.matmul(do, vf.transpose(-2, -1))

@@ -121,8 +121,10 @@ def rewrite(gm: fx.GraphModule, m: Match) -> fx.Node:
                 mask = _call(graph, "unsqueeze", mask, 0) if len(shape(mask) or ()) == 3 else mask
         runtime = (m.scale_by, m.scale_power) if m.scale_by is not None else ()
         slopes = _slopes_constant(gm, m)
-        fused = graph.call_function(FUSED_OP, (q, k, v, mask, m.scale, bool(m.facts.causal), *runtime),
-                                    {"key_slopes": slopes} if slopes is not None else {})
+        options = {"key_slopes": slopes} if slopes is not None else {}
+        if m.facts.safe_softmax:
+            options["safe_softmax"] = True
+        fused = graph.call_function(FUSED_OP, (q, k, v, mask, m.scale, bool(m.facts.causal), *runtime), options)
         out = graph.call_function(operator.getitem, (fused, 0))
         if rank == 3:
             out = _call(graph, "squeeze", out, 0)

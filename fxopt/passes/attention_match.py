@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from ..analysis.attention_masks import MaskFacts, MaskStep, NotAttention, mask_facts
+from ..analysis.attention_masks import MaskFacts, MaskStep, NotAttention, mask_facts, sdpa_mask_facts
 from ..analysis.constant_values import ConstantValues
 from ..analysis.symbolic import expr, is_inverse_sqrt, is_symbolic, scalar_expr
 from ..analysis.torch_ops import (
@@ -378,11 +378,7 @@ def match_sdpa(node: fx.Node, values: ConstantValues) -> Match:
                                "aligns top-left, the kernel bottom-right)")
         m.facts.causal, m.facts.described = True, "causal (is_causal=True)"
     if mask is not None:
-        # SDPA's softmax is "safe": a row its mask removes entirely is 0 (and so are its gradients); the
-        # kernels, like hand-written attention in eager, give NaN there. Whether a run-time mask removes a
-        # whole row is only known at run time, so ATen's SDPA keeps these sites.
-        raise NotAttention(f"SDPA with an attn_mask ({dtype(mask)} {list(shape(mask))}): a row the mask removes "
-                           "entirely is 0 in SDPA and NaN in fxopt's kernels, so ATen's SDPA runs it")
+        sdpa_mask_facts(m.facts, mask, (*shape(q)[:-1], shape(k)[-2]), _requires_grad)
     _check_operands(m)
     if m.kv_groups > 1 and not gqa:
         raise NotAttention("k/v have fewer heads than q but enable_gqa is False")

@@ -61,11 +61,10 @@ def test_grouped_query_sdpa_with_symbolic_lengths():
     assert site.fused and site.kv_groups == 2
 
 
-def test_sdpa_with_an_additive_mask_and_symbolic_sizes_stays_atens_sdpa():
-    """(SDPA's rows masked entirely are 0, the kernels' NaN: ATen keeps SDPA sites with a mask.)"""
+def test_additive_mask_input_with_symbolic_sizes_is_read_by_the_kernel():
     backend = _check_sizes(SelfAttention(), [(2, 8), (3, 6)], with_bias=True)
     site = backend.report.attention[0]
-    assert not site.fused and "attn_mask" in site.reason
+    assert site.fused and "additive" in site.mask and "safe softmax" in site.mask
 
 
 def _cross(q, k, v):

@@ -143,16 +143,15 @@ def test_existing_sdpa_call_is_taken_over(device):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True) + \
             F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
 
-    fused, unfused, _ = fused_sites(sdpa, q, k, v, keep)
-    assert len(fused) == 1 and fused[0].causal
-    # with a mask, ATen's SDPA keeps the site: its rows masked entirely are 0, the kernels' NaN
-    assert len(unfused) == 1 and "attn_mask" in unfused[0].reason
+    fused, _, _ = fused_sites(sdpa, q, k, v, keep)
+    assert len(fused) == 2 and {s.causal for s in fused} == {True, False}
+    assert any("bool" in s.mask and "safe softmax" in s.mask for s in fused)
     check(sdpa, q, k, v, keep)
 
 
 def test_sdpa_with_a_row_masked_entirely_equals_eager(device):
     """SDPA gives 0 for a row its mask removes entirely (and 0 gradients); a sweep found fxopt's kernels
-    giving NaN there, so such sites now run ATen's SDPA. Forward and gradients equal eager."""
+    giving NaN there. The fused op now runs them with SDPA's safe softmax (test_safe_softmax.py)."""
     q, k, v = (x.requires_grad_() for x in qkv(device))
     keep = torch.ones(1, 1, T, T, dtype=torch.bool, device=device)
     keep[..., 3, :] = False

@@ -139,12 +139,13 @@ OWN_KERNELS = textwrap.dedent("""\
                                config=backward_config(head_dim, causal, dtype, T, T, "cuda"))
             mask = torch.randn(1, 1, T, T, dtype=dtype).expand(1, 2, T, T)
             cfg = forward_config(head_dim, False, dtype, T, T, "cuda", has_mask=True)
-            out, lse = flash_forward(q, k, v, scale=0.125, causal=False, mask=mask, config=cfg)
+            for safe in (False, True):  # (SDPA's safe softmax)
+                out, lse = flash_forward(q, k, v, scale=0.125, causal=False, mask=mask, config=cfg, safe_softmax=safe)
             flash_backward(torch.randn_like(q), q, k, v, out, lse, scale=0.125, causal=False, mask=mask,
                            config=backward_config(head_dim, False, dtype, T, T, "cuda"))
-            for decode_mask in (None, mask[:, :, :1]):
+            for decode_mask, safe in ((None, False), (mask[:, :, :1], False), (mask[:, :, :1], True)):
                 flash_decode(q[:, :, :1], k, v, scale=0.125, causal=False, num_splits=4, mask=decode_mask,
-                             config={"BLOCK_N": 64, "BLOCK_M": 64, "num_warps": 4, "num_stages": 3})
+                             config={"BLOCK_N": 64, "BLOCK_M": 64, "num_warps": 4, "num_stages": 3}, safe_softmax=safe)
         logits, target = torch.randn(64, 5000, dtype=torch.bfloat16), torch.randint(0, 5000, (64,))
         for reduction in ("mean", "none"):
             loss, stats = cross_entropy_forward(logits, target, -100, reduction, block_v=GPU_BLOCK_V)
