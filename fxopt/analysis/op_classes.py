@@ -6,6 +6,7 @@ This is the capability side of fusion: the pass asks here, codegen implements ex
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.fx as fx
@@ -242,6 +243,10 @@ def _int_to_half_cast(node: fx.Node, out: torch.Tensor) -> bool:
             and not src.dtype.is_floating_point)
 
 
+_CLAMPS = (aten.clamp.default, aten.clamp.Tensor, aten.clamp_min.default, aten.clamp_max.default,
+           aten.hardtanh.default)
+
+
 def pointwise_unsupported_reason(node: fx.Node, target: str) -> str | None:
     """None when the pointwise fuser may take this node for `target`, else why it may not."""
     if node.op != "call_function" or node.target not in POINTWISE_OPS:
@@ -282,6 +287,9 @@ def pointwise_unsupported_reason(node: fx.Node, target: str) -> str | None:
     if t in (aten.clamp.default, aten.clamp.Tensor, aten.hardtanh.default):
         if any(isinstance(a, torch.Tensor) for a in node.args[1:]):
             return "clamp bounds given as constants tensors"
+    if t in _CLAMPS and any(isinstance(a, float) and math.isnan(a) for a in (*node.args[1:], *node.kwargs.values())):
+        return ("a NaN clamp bound: eager's result differs by device (NaN on the CPU; on CUDA the bound is "
+                "ignored, fmax/fmin), so the node runs as eager")
     wrapped = _int_scalar_out_of_range(node)
     if wrapped:
         return wrapped

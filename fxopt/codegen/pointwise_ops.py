@@ -185,19 +185,14 @@ def _pow_scalar(c, x, e):
 
 def _clamp(x, lo, hi):
     """torch.clamp: NaN in x passes through (comparisons with NaN are false); a NaN bound makes the result
-    NaN, so a bound that is not a plain number literal is also tested for NaN. A NaN literal bound is
-    NaN outright: on the GPU `tl.where((x < nan) | (nan != nan), nan, x)` came out as x (sm_90)."""
-    if NAN_LITERAL in (lo, hi):
-        return f"({x} + {NAN_LITERAL})"
+    NaN, so a bound that is not a plain number literal is also tested for NaN (a tensor bound: a NaN scalar
+    bound is not fused, op_classes.pointwise_unsupported_reason)."""
     out = x
     if lo is not None:
         out = f"tl.where({_past(out, '<', lo)}, {lo}, {out})"
     if hi is not None:
         out = f"tl.where({_past(out, '>', hi)}, {hi}, {out})"
     return out
-
-
-NAN_LITERAL = 'float("nan")'  # how codegen/dtypes.literal writes NaN
 
 
 def _past(x: str, cmp: str, bound: str) -> str:
