@@ -91,7 +91,7 @@ def forward_config(head_dim: int, causal: bool, dtype, seq_q: int, seq_k: int, d
     """Default launch parameters for flash_forward (a fresh dict). With a mask, its [BLOCK_M, BLOCK_N]
     tile is pipelined through shared memory next to K and V: BLOCK_N at most 64 keeps all three in
     an H200's 227 KB (128 x 128 tiles, 3 stages, need 352 KB)."""
-    tma = device_type == "cuda" and dtype != torch.float32 and not has_mask and min(seq_q, seq_k) >= TMA_MIN_SEQ
+    tma = device_type == "cuda" and dtype != torch.float32 and min(seq_q, seq_k) >= TMA_MIN_SEQ
     if device_type == "cpu":
         cfg = dict(_FORWARD_CPU)
     else:

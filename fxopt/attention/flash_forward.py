@@ -55,7 +55,7 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool
     tensor expanded to [B, H, Tq, Tk] (any strides, 0 where it broadcasts). `causal`: query i sees
     key j iff j <= i + Tk - Tq. `config`: overrides of `forward_config`'s BLOCK_M, BLOCK_N, num_warps,
     num_stages and TMA (read q, k, v through TMA descriptors where flash_forward_tma.tma_applies; the
-    default on CUDA devices for 16-bit inputs without a mask). out: [B, H, Tq, D] in q's dtype, laid out
+    default on CUDA devices for 16-bit inputs; a mask is read through pointers there). out: [B, H, Tq, D] in q's dtype, laid out
     like q (`torch.empty_like(q)`: for q = x.view(B, T, H, D).transpose(1, 2) its memory is [B, T, H, D],
     so the model's `out.transpose(1, 2).reshape(B, T, H * D)` needs no copy); lse: float32 [B, H, Tq], contiguous,
     the natural-log log-sum-exp of each row's scaled, masked scores. `key_slopes`: None or float32 [H], a
@@ -65,8 +65,9 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool
     """
     use_tma, cfg = _forward_plan((q, k, v, mask, key_slopes), scale, causal, frozen(config))
     safe = safe_softmax and mask is not None  # without a mask every row sees a key (causal needs Tq <= Tk)
-    if use_tma:  # (only without a mask: safe is False)
-        return flash_forward_tma(q, k, v, scale=scale, causal=causal, cfg=cfg, store_lse=lse, key_slopes=key_slopes)
+    if use_tma:
+        return flash_forward_tma(q, k, v, scale=scale, causal=causal, cfg=cfg, store_lse=lse, key_slopes=key_slopes,
+                                 mask=mask, safe_softmax=safe)
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
@@ -97,7 +98,7 @@ def _forward_plan(tensors: tuple, scale: float, causal: bool, config) -> tuple[b
     defaults = forward_config(q.shape[-1], causal, q.dtype, q.shape[2], k.shape[2], q.device.type,
                               has_mask=mask is not None)
     cfg = resolve_config(None if config is None else dict(config), defaults, "flash_forward")
-    use_tma = (cfg.pop("TMA") and scale > 0 and tma_applies(q, k, v, mask)
+    use_tma = (cfg.pop("TMA") and scale > 0 and tma_applies(q, k, v, None)  # (the TMA forward reads masks too)
                and tiles_fit(q, k, cfg["BLOCK_M"], cfg["BLOCK_N"]))
     return use_tma, cfg
 

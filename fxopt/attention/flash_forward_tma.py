@@ -11,11 +11,15 @@ the tiles moved by the GPU's tensor memory accelerator instead of per-thread poi
   masked to -inf, as in the pointer kernel);
 - the score scale is folded into the exponent's fused multiply-add (exp2(s * c - max)) in the
   mask-free loop instead of scaling the whole tile first (not with a position bias: `key_slopes`,
-  flash_common.add_key_slope, adds to the scaled scores).
+  flash_common.add_key_slope, adds to the scaled scores);
+- an additive mask (a padding mask, SDPA's attn_mask) is not a TMA operand: its tile is read through
+  pointers, and a mask broadcast over the queries (stride 0: a key padding mask [B, 1, 1, Tk]) is read as
+  one [BLOCK_N] row per key block instead of a [BLOCK_M, BLOCK_N] tile of repeated addresses.
 
 Descriptors are 4-D ([B, H, T, D] with the tensor's own strides), so the transposed views model code
 makes (`x.view(B, T, H, D).transpose(1, 2)`) are read in place. What TMA needs, `tma_applies` checks:
-a CUDA device of compute capability 9.0 or newer, 16-bit inputs, no additive mask, a power-of-two head
+a CUDA device of compute capability 9.0 or newer, 16-bit inputs, no additive mask (the backward's
+TMA kernels read none; this forward passes mask=None to it, reading masks through pointers), a power-of-two head
 dim, unit stride on the head dim and 16-byte aligned base pointers and strides; the callers add
 `tiles_fit` (no tile longer than its sequence). Everything else takes the pointer kernel, which
 serves every case.
@@ -31,7 +35,10 @@ from torch import Tensor
 
 from ..codegen.jit_keys import settle as settle_cache_keys
 from ..codegen.wrapper_runtime import cdiv
-from .flash_common import LN2, add_key_slope, head_slope, key_ranges, launcher, store_rows, visible
+from .flash_common import (
+    add_key_slope, add_mask, head_slope, key_ranges, launcher, load_rows, load_tile, log_sum_exp, mask_arguments,
+    softmax_denominator, store_rows, tile_ptrs, visible,
+)
 
 try:  # triton >= 3.4
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -82,9 +89,11 @@ _DESCRIPTOR_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TensorDesc
 
 
 def flash_forward_tma(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool, cfg: dict,
-                      store_lse: bool = True, key_slopes: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+                      store_lse: bool = True, key_slopes: Tensor | None = None, mask: Tensor | None = None,
+                      safe_softmax: bool = False) -> tuple[Tensor, Tensor | None]:
     """flash_forward's (out, lse) for inputs `tma_applies` accepted; cfg: BLOCK_M, BLOCK_N, num_warps,
-    num_stages (already resolved); without store_lse, (out, None); key_slopes as flash_forward's."""
+    num_stages (already resolved); without store_lse, (out, None); key_slopes, mask (expanded to
+    [B, H, Tq, Tk]) and safe_softmax as flash_forward's."""
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
@@ -93,23 +102,27 @@ def flash_forward_tma(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: 
     grid = (cdiv(seq_q, block_m), batch * heads)
     launcher(_flash_forward_tma_kernel, grid, q.device)(
         descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(out, block_m),
-        out if lse is None else lse, out if key_slopes is None else key_slopes,
+        out if lse is None else lse, out if key_slopes is None else key_slopes, *mask_arguments(mask, q),
         heads, heads // kv_heads, seq_q, seq_k, scale * 1.4426950408889634,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, HAS_SLOPES=key_slopes is not None,
-        EVEN_M=seq_q % block_m == 0, EVEN_N=seq_k % block_n == 0, STORE_LSE=store_lse,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        HAS_MASK=mask is not None, MASK_ROW=mask is not None and mask.stride(2) == 0,
+        SAFE=safe_softmax and mask is not None, EVEN_M=seq_q % block_m == 0, EVEN_N=seq_k % block_n == 0,
+        STORE_LSE=store_lse, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out, lse
 
 
 @triton.jit
 def _flash_forward_tma_kernel(
-        q_desc, k_desc, v_desc, o_desc, Lse, Slopes, num_heads, group_size, seq_q, seq_k, qk_scale,
+        q_desc, k_desc, v_desc, o_desc, Lse, Slopes, Mask, stride_mb, stride_mh, stride_mm, stride_mn,
+        num_heads, group_size, seq_q, seq_k, qk_scale,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-        HAS_SLOPES: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, STORE_LSE: tl.constexpr):
+        HAS_SLOPES: tl.constexpr, HAS_MASK: tl.constexpr, MASK_ROW: tl.constexpr, SAFE: tl.constexpr,
+        EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, STORE_LSE: tl.constexpr):
     """BLOCK_M query rows of one (batch, head) against every key they may see: out rows and lse."""
     bh, batch, head, kv_head, m0 = query_block_program(num_heads, group_size, BLOCK_M, CAUSAL)
     causal_shift = seq_k - seq_q
     slope = head_slope(Slopes, head, HAS_SLOPES)
+    mask_head = Mask + batch.to(tl.int64) * stride_mb + head.to(tl.int64) * stride_mh
 
     q = q_desc.load([batch, head, m0, 0]).reshape(BLOCK_M, HEAD_DIM)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -117,18 +130,20 @@ def _flash_forward_tma_kernel(
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     mask_free_end, end = key_ranges(m0, seq_k, causal_shift, BLOCK_M, BLOCK_N, CAUSAL)
     acc, row_sum, row_max = _tma_key_blocks(
-        acc, row_sum, row_max, q, k_desc, v_desc, batch, kv_head, m0, 0, mask_free_end, seq_q, seq_k,
-        causal_shift, qk_scale, slope, HEAD_DIM, BLOCK_M, BLOCK_N, False, False, HAS_SLOPES)
+        acc, row_sum, row_max, q, k_desc, v_desc, mask_head, stride_mm, stride_mn, batch, kv_head, m0, 0,
+        mask_free_end, seq_q, seq_k, causal_shift, qk_scale, slope, HEAD_DIM, BLOCK_M, BLOCK_N, False, False,
+        HAS_SLOPES, HAS_MASK, MASK_ROW, EVEN_M, True)
     if CAUSAL or not EVEN_N:
         acc, row_sum, row_max = _tma_key_blocks(
-            acc, row_sum, row_max, q, k_desc, v_desc, batch, kv_head, m0, mask_free_end, end, seq_q, seq_k,
-            causal_shift, qk_scale, slope, HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL, HAS_SLOPES)
+            acc, row_sum, row_max, q, k_desc, v_desc, mask_head, stride_mm, stride_mn, batch, kv_head, m0,
+            mask_free_end, end, seq_q, seq_k, causal_shift, qk_scale, slope, HEAD_DIM, BLOCK_M, BLOCK_N, True,
+            CAUSAL, HAS_SLOPES, HAS_MASK, MASK_ROW, EVEN_M, EVEN_N)
 
-    out = (acc / row_sum[:, None]).to(o_desc.dtype)
+    out = (acc / softmax_denominator(row_sum, SAFE)[:, None]).to(o_desc.dtype)
     o_desc.store([batch, head, m0, 0], out.reshape(1, 1, BLOCK_M, HEAD_DIM))
     if STORE_LSE:
         rows = tl.arange(0, BLOCK_M)
-        store_rows(Lse + bh.to(tl.int64) * seq_q + m0 + rows, (row_max + tl.log2(row_sum)) * LN2, m0 + rows, seq_q,
+        store_rows(Lse + bh.to(tl.int64) * seq_q + m0 + rows, log_sum_exp(row_max, row_sum, SAFE), m0 + rows, seq_q,
                    EVEN_M)
 
 
@@ -146,33 +161,49 @@ def query_block_program(num_heads, group_size, BLOCK_M: tl.constexpr, CAUSAL: tl
 
 @triton.jit
 def _tma_key_blocks(
-        acc, row_sum, row_max, q, k_desc, v_desc, batch, kv_head, m0, key_lo, key_hi, seq_q, seq_k,
-        causal_shift, qk_scale, slope, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        MASKED: tl.constexpr, MASK_CAUSAL: tl.constexpr, HAS_SLOPES: tl.constexpr):
+        acc, row_sum, row_max, q, k_desc, v_desc, mask_head, stride_mm, stride_mn, batch, kv_head, m0, key_lo,
+        key_hi, seq_q, seq_k, causal_shift, qk_scale, slope, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, MASKED: tl.constexpr, MASK_CAUSAL: tl.constexpr, HAS_SLOPES: tl.constexpr,
+        HAS_MASK: tl.constexpr, MASK_ROW: tl.constexpr, EVEN_M: tl.constexpr, EVEN_KEYS: tl.constexpr):
     """The online-softmax update over key blocks [key_lo, key_hi); MASKED blocks get the elementwise
-    causal / ragged-end mask, the others none."""
+    causal / ragged-end mask, the others none. HAS_MASK: the additive mask is added to the scaled scores
+    (MASK_ROW: one row of it serves every query)."""
     rows = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     for n0 in range(key_lo, key_hi, BLOCK_N):
         n0 = tl.multiple_of(n0, BLOCK_N)
         k = k_desc.load([batch, kv_head, n0, 0]).reshape(BLOCK_N, HEAD_DIM)
         s = tl.dot(q, tl.trans(k))
-        if HAS_SLOPES:
-            s = add_key_slope(s * qk_scale, slope, m0 + rows[:, None], n0 + cols[None, :], causal_shift)
+        if HAS_SLOPES or HAS_MASK:
+            s = s * qk_scale
+            if HAS_SLOPES:
+                s = add_key_slope(s, slope, m0 + rows[:, None], n0 + cols[None, :], causal_shift)
+            if HAS_MASK:
+                if MASK_ROW:
+                    bias = load_rows(mask_head + (n0 + cols) * stride_mn, n0 + cols, seq_k, EVEN_KEYS)[None, :]
+                else:
+                    bias = load_tile(tile_ptrs(mask_head, m0, rows, stride_mm, n0, cols, stride_mn), m0 + rows,
+                                     seq_q, n0 + cols, seq_k, EVEN_M, EVEN_KEYS)
+                s = add_mask(s, bias)
             if MASKED:
                 s = tl.where(visible(m0 + rows[:, None], n0 + cols[None, :], seq_q, seq_k, causal_shift,
                                      MASK_CAUSAL), s, float("-inf"))
             new_max = tl.maximum(row_max, tl.max(s, 1))
-            p = tl.exp2(s - new_max[:, None])
+            shift = new_max
+            if HAS_MASK:  # rows that have seen only -inf so far: exp2(-inf - 0) = 0, not NaN
+                shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+            p = tl.exp2(s - shift[:, None])
         elif MASKED:
             s = tl.where(visible(m0 + rows[:, None], n0 + cols[None, :], seq_q, seq_k, causal_shift, MASK_CAUSAL),
                          s * qk_scale, float("-inf"))
             new_max = tl.maximum(row_max, tl.max(s, 1))
-            p = tl.exp2(s - new_max[:, None])
+            shift = new_max
+            p = tl.exp2(s - shift[:, None])
         else:
             new_max = tl.maximum(row_max, tl.max(s, 1) * qk_scale)
-            p = tl.exp2(s * qk_scale - new_max[:, None])
-        rescale = tl.exp2(row_max - new_max)
+            shift = new_max
+            p = tl.exp2(s * qk_scale - shift[:, None])
+        rescale = tl.exp2(row_max - shift)
         row_sum = row_sum * rescale + tl.sum(p, 1)
         v = v_desc.load([batch, kv_head, n0, 0]).reshape(BLOCK_N, HEAD_DIM)
         acc = tl.dot(p.to(v.dtype), v, acc * rescale[:, None])

@@ -1,13 +1,14 @@
 """The TMA-descriptor forward and backward (flash_forward_tma.py, flash_backward_tma.py) against a
 float64 reference, in the Triton interpreter (which emulates tensor descriptors) on float16 CPU
 tensors; bfloat16 and the real copy engine are checked on the GPU by the tests marked `gpu`. Which
-kernel runs is asserted too: TMA where the inputs allow it, the pointer kernel where they do not (a
-mask, float32, a head dim of 80, a misaligned view)."""
+kernel runs is asserted too: TMA where the inputs allow it, the pointer kernel where they do not
+(float32, a head dim of 80, a misaligned view); the forward reads additive masks through pointers."""
 import pytest
 import torch
 
 from fxopt.attention import flash_forward_tma as tma_module
 from fxopt.attention.flash_common import backward_config
+from fxopt.attention.flash_forward import flash_forward
 from fxopt.attention.flash_forward_tma import tma_applies
 
 from .test_flash_kernels import check_backward, check_forward, make_qkv, padding_mask
@@ -53,8 +54,6 @@ def test_tma_forward_head_dim_64_contiguous(tma_calls):
 
 def test_inputs_tma_cannot_read_take_the_pointer_kernel(tma_calls):
     q, k, v = make_qkv(1, 2, 2, 32, 32, 32, torch.float16, seed=4)
-    mask = padding_mask(1, 2, 32, 32, [20]).to(torch.float16)
-    check_forward(q, k, v, causal=False, mask=mask, config=TMA)  # additive mask
     check_forward(*(t.float() for t in (q, k, v)), causal=True, config=TMA)  # float32
     q80, k80, v80 = make_qkv(1, 2, 2, 32, 32, 80, torch.float16, seed=5)
     check_forward(q80, k80, v80, causal=True, config=TMA)  # head dim not a power of two
@@ -62,6 +61,34 @@ def test_inputs_tma_cannot_read_take_the_pointer_kernel(tma_calls):
     check_forward(wide, k, v, causal=False, config=TMA)
     assert tma_calls == []
     assert not tma_applies(wide, k, v, None) and tma_applies(q, k, v, None)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seq_q,seq_k", [(64, 64), (40, 56)])
+def test_tma_forward_reads_masks(seq_q, seq_k, causal, tma_calls):
+    """A key padding mask broadcast over the queries (read as one row per key block) and a full
+    [B, H, Tq, Tk] mask with -inf entries (read as tiles), ragged lengths, GQA."""
+    q, k, v = make_qkv(2, 4, 2, seq_q, seq_k, 32, torch.float16, transposed=True, seed=seq_q + 7)
+    check_forward(q, k, v, causal=causal, mask=padding_mask(2, 4, seq_q, seq_k, [seq_k - 5, 9]), config=TMA)
+    g = torch.Generator().manual_seed(seq_k)
+    full = torch.randn(2, 4, seq_q, seq_k, generator=g).masked_fill(torch.rand(2, 4, seq_q, seq_k, generator=g) < 0.2,
+                                                                    float("-inf"))
+    full[..., 0] = full[..., -1] = 0.0  # every row keeps a key (rows masked entirely: test_safe_softmax.py)
+    check_forward(q, k, v, causal=causal, mask=full.to(torch.float16), config=TMA)
+    assert len(tma_calls) == 2
+
+
+def test_tma_forward_safe_softmax_zeroes_rows_masked_entirely(tma_calls):
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 32, torch.float16, seed=11)
+    mask = padding_mask(1, 2, 64, 64, [40]).clone()
+    mask[0, :, 5] = float("-inf")
+    out, lse = flash_forward(q, k, v, scale=0.2, causal=False, mask=mask, config=TMA, safe_softmax=True)
+    assert len(tma_calls) == 1
+    assert (out[0, :, 5] == 0).all() and torch.isposinf(lse[0, :, 5]).all()
+    keep = torch.ones(64, dtype=torch.bool)
+    keep[5] = False
+    ref, _ = flash_forward(q.float(), k.float(), v.float(), scale=0.2, causal=False, mask=mask.float())
+    torch.testing.assert_close(out[:, :, keep].float(), ref[:, :, keep], rtol=2e-3, atol=2e-3)
 
 
 def test_negative_scale_takes_the_pointer_kernel(tma_calls):

@@ -139,8 +139,9 @@ OWN_KERNELS = textwrap.dedent("""\
                                config=backward_config(head_dim, causal, dtype, T, T, "cuda"))
             mask = torch.randn(1, 1, T, T, dtype=dtype).expand(1, 2, T, T)
             cfg = forward_config(head_dim, False, dtype, T, T, "cuda", has_mask=True)
-            for safe in (False, True):  # (SDPA's safe softmax)
-                out, lse = flash_forward(q, k, v, scale=0.125, causal=False, mask=mask, config=cfg, safe_softmax=safe)
+            rows = mask[:, :, :1].expand(1, 2, T, T)  # a key padding mask: one row for every query
+            for m, safe in ((rows, False), (rows, True), (mask, True), (mask, False)):  # (SDPA's safe softmax)
+                out, lse = flash_forward(q, k, v, scale=0.125, causal=False, mask=m, config=cfg, safe_softmax=safe)
             flash_backward(torch.randn_like(q), q, k, v, out, lse, scale=0.125, causal=False, mask=mask,
                            config=backward_config(head_dim, False, dtype, T, T, "cuda"))
             for decode_mask, safe in ((None, False), (mask[:, :, :1], False), (mask[:, :, :1], True)):
