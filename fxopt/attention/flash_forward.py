@@ -55,8 +55,8 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool
     tensor expanded to [B, H, Tq, Tk] (any strides, 0 where it broadcasts). `causal`: query i sees
     key j iff j <= i + Tk - Tq. `config`: overrides of `forward_config`'s BLOCK_M, BLOCK_N, num_warps,
     num_stages and TMA (read q, k, v through TMA descriptors where flash_forward_tma.tma_applies; the
-    default on CUDA devices for 16-bit inputs; a mask is read through pointers there). out: [B, H, Tq, D] in q's dtype, laid out
-    like q (`torch.empty_like(q)`: for q = x.view(B, T, H, D).transpose(1, 2) its memory is [B, T, H, D],
+    default on CUDA devices for 16-bit inputs; a mask is read through pointers there). out: [B, H, Tq, D]
+    in q's dtype, laid out like q (`torch.empty_like(q)`: for q = x.view(B, T, H, D).transpose(1, 2) its memory is [B, T, H, D],
     so the model's `out.transpose(1, 2).reshape(B, T, H * D)` needs no copy); lse: float32 [B, H, Tq], contiguous,
     the natural-log log-sum-exp of each row's scaled, masked scores. `key_slopes`: None or float32 [H], a
     linear position bias (ALiBi) computed in the kernel: head h's scores get key_slopes[h] * (j - i - (Tk - Tq))
