@@ -44,6 +44,10 @@ from .recompute import RESERVED_FOR
 from .fuse_partitions import fuse_partitions
 
 REDUCTION_PREFIX = f"{FUSED_PREFIX}red"
+_aten = torch.ops.aten
+# views that keep the elements' order: a row scalar moves between its kept and dropped shapes through these
+_RESHAPES = (_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default, _aten.squeeze.default,
+             _aten.squeeze.dim, _aten.squeeze.dims, _aten.unsqueeze.default, _aten.alias.default)
 
 
 class _ReductionGroupSupport(OperatorSupportBase):
@@ -52,11 +56,13 @@ class _ReductionGroupSupport(OperatorSupportBase):
         shape, dims, self.device = key
         self.shapes = {shape, kept_shape(shape, dims), dropped_shape(shape, dims)}
         self._columns: dict[fx.Node, bool] = {}
+        self._after_columns: dict[fx.Node, bool] = {}
 
     def is_node_supported(self, submodules, node: fx.Node) -> bool:
-        if any(self._column_value(a) for a in node.all_input_nodes):
+        if any(self._column_value(a) or self._after_column(a) for a in node.all_input_nodes):
             # a column sum is known only after every row: only ops of column sums alone (the casts
-            # after a weight gradient) may use it, in the kernel's combine step
+            # after a weight gradient) may use it, in the kernel's combine step; nothing downstream of
+            # it through a view (a [1, N] column sum viewed as [N, 1] row scalars of a square [N, N])
             return self._column_value(node)
         info = reduction_info(node)
         if info is not None:
@@ -66,6 +72,8 @@ class _ReductionGroupSupport(OperatorSupportBase):
             return False  # a copy made for another group's reduction (passes/recompute.py)
         if is_view(node):  # squeezing/unsqueezing a row scalar between its kept and dropped shapes
             src, val = node.args[0].meta.get("val"), node.meta.get("val")
+            if node.target not in _RESHAPES and node.target is not torch.ops.aten.expand.default:
+                return False  # a transpose of a square [N, N] row scalar has the shape, not the order
             scalars = self.shapes - {self.key[0]}
             if not (isinstance(src, torch.Tensor) and isinstance(val, torch.Tensor) and src.dtype == val.dtype):
                 return False
@@ -80,7 +88,24 @@ class _ReductionGroupSupport(OperatorSupportBase):
             return False
         if sizes(val) not in self.shapes:
             return self._column_operand(node)
+        if sizes(val) == self.key[0] and any(self._reads_ambiguously(a) for a in node.all_input_nodes):
+            return False
         return not self._ambiguous_row_scalar(node, sizes(val))
+
+    def _reads_ambiguously(self, operand: fx.Node) -> bool:
+        """A full-shape node reading a row scalar without keepdim (`x.sum(1) * x` for a square x) broadcasts
+        it from the right, along the row, which the kernel would read as one value per row: the node
+        stays out of the group (the scalar's producer may be the reduction itself, which stays in)."""
+        val = operand.meta.get("val")
+        return isinstance(val, torch.Tensor) and self._ambiguous_row_scalar(operand, sizes(val))
+
+    def _after_column(self, node: fx.Node) -> bool:
+        """Computed, through any ops, from a column sum of this group's key."""
+        if node not in self._after_columns:
+            self._after_columns[node] = False  # (a DAG: no node reaches itself)
+            self._after_columns[node] = any(self._column_value(a) or self._after_column(a)
+                                            for a in node.all_input_nodes)
+        return self._after_columns[node]
 
     def _column_operand(self, node: fx.Node) -> bool:
         """A pointwise op of graph inputs only whose shape the row broadcasts from the right ([M] of
