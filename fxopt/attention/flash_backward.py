@@ -39,17 +39,24 @@ from .launch_plans import frozen, planned
 
 __all__ = ["flash_backward", "backward_config"]
 
+# The kernels' HAS_MASK: 0 no mask, 1 an additive mask, FILL_MASK a mask made from a -inf fill (see
+# flash_backward's zero_empty_rows)
+FILL_MASK: tl.constexpr = tl.constexpr(2)
+
 
 def flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, scale: float,
                    causal: bool, mask: Tensor | None = None, config: dict | None = None,
-                   key_slopes: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                   key_slopes: Tensor | None = None, zero_empty_rows: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv) of flash_forward's out, given dout (any strides) and the forward's out
     and lse; shapes, dtypes and memory order of q, k, v (`torch.empty_like`: the model's backward
     reshapes them to [B, T, H * D] without a copy). The mask gets no gradient. `config`:
     overrides of `backward_config`'s DKDV_BLOCK_M, DKDV_BLOCK_N, DQ_BLOCK_M, DQ_BLOCK_N, num_warps,
     num_stages and TMA (dK/dV and dQ through TMA descriptors where the inputs allow it,
     flash_backward_tma.py; on by default for 16-bit inputs on sm90+). `key_slopes`: flash_forward's position
-    bias (ALiBi), recomputed here."""
+    bias (ALiBi), recomputed here. `zero_empty_rows`: the mask came from a fill (`masked_fill(m, -inf)`,
+    `where(keep, s, -inf)`), whose eager backward gives every masked score a gradient of 0: a query row
+    masked entirely (NaN output, lse -inf) then adds nothing to dq and dk, where an additive -inf mask's
+    NaN reaches both (dv is NaN either way, as in eager)."""
     use_tma, cfg = _backward_plan((dout, q, k, v, out, lse, mask, key_slopes), scale, causal, frozen(config))
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
@@ -58,7 +65,8 @@ def flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     delta = torch.empty_like(lse)
     shared = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, EVEN_D=head_dim == block_d,
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    attention = dict(CAUSAL=causal, HAS_MASK=mask is not None, HAS_SLOPES=key_slopes is not None,
+    mask_kind = 0 if mask is None else FILL_MASK if zero_empty_rows else 1
+    attention = dict(CAUSAL=causal, HAS_MASK=mask_kind, HAS_SLOPES=key_slopes is not None,
                      DOT_PRECISION=dot_precision(q.dtype), **shared)
     mask_args = (*mask_arguments(mask, q), q if key_slopes is None else key_slopes)
 
@@ -230,6 +238,8 @@ def _accumulate_dkdv(
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         delta = load_rows(delta_head + m0 + rows, m0 + rows, seq_q, EVEN_QUERIES)
         ds_t = p_t * (dp_t - delta[None, :])
+        if HAS_MASK == FILL_MASK:  # a query row masked entirely (lse -inf): eager's fill backward gives it 0
+            ds_t = tl.where(lse[None, :] == float("-inf"), 0.0, ds_t)
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
 
@@ -283,6 +293,8 @@ def _dq_kernel(
             qk_scale, slope, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
             HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_SLOPES, CAUSAL, EVEN_M, EVEN_N, EVEN_D, DOT_PRECISION)
 
+    if HAS_MASK == FILL_MASK:  # (as in _accumulate_dkdv)
+        dq = tl.where(lse[:, None] == float("-inf"), 0.0, dq)
     dq_ptrs = tile_ptrs(DQ + batch * stride_dqb + head * stride_dqh, m0, rows, stride_dqm, 0, dims, stride_dqd)
     store_tile(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), m0 + rows, seq_q, dims, HEAD_DIM, EVEN_M, EVEN_D)
 

@@ -22,7 +22,8 @@ decode kernel and the reference read it as an added mask instead). Returns (out 
 dtype, lse [B, H, Tq] float32: the natural-log log-sum-exp of each row, saved for the backward).
 A query row that sees no key (its mask is -inf everywhere) gives NaN and lse -inf, as hand-written
 attention does in eager; with `safe_softmax` (what SDPA calls become: SDPA's softmax is "safe") it gives
-0, lse +inf, and 0 gradients.
+0, lse +inf, and 0 gradients. Its gradients follow eager's spelling of the mask: NaN everywhere for an
+added -inf mask; for a -inf fill (`mask_is_fill`: masked_fill, where) 0 in dq and dk, NaN in dv.
 
 Layouts: out and each gradient are laid out like their input (`torch.empty_like`: q = x.view(B, T, H,
 D).transpose(1, 2) gives [B, T, H, D] memory), so the reshapes model code does around attention
@@ -112,18 +113,20 @@ def _full_mask(mask: Optional[Tensor], q: Tensor, k: Tensor) -> Optional[Tensor]
 
 def run_flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: Optional[float],
                         causal: bool, scale_by: Optional[Tensor] = None, scale_power: int = 1,
-                        key_slopes: Optional[Tensor] = None, safe_softmax: bool = False) -> tuple[Tensor, Tensor]:
+                        key_slopes: Optional[Tensor] = None, safe_softmax: bool = False,
+                        mask_is_fill: bool = False) -> tuple[Tensor, Tensor]:
     """The op's implementation; wrappers call it directly (codegen/direct_calls.py). `safe_softmax`
-    (SDPA's): a query row its mask removes entirely gives 0 (and 0 gradients), not NaN as in eager."""
+    (SDPA's): a query row its mask removes entirely gives 0 (and 0 gradients), not NaN as in eager.
+    `mask_is_fill`: the mask came from a -inf fill, for the backward (flash_backward's zero_empty_rows)."""
     return flash_attention_impl(q, k, v, mask, scale, causal, scale_by, scale_power, key_slopes, safe_softmax)
 
 
 def flash_attention_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: Optional[float],
                          causal: bool, scale_by: Optional[Tensor] = None, scale_power: int = 1,
                          key_slopes: Optional[Tensor] = None, safe_softmax: bool = False,
-                         need_lse: bool = True) -> tuple[Tensor, Optional[Tensor]]:
-    """run_flash_attention; need_lse=False (a wrapper whose graph never reads the statistics:
-    inference) returns (out, None) without allocating or storing them."""
+                         mask_is_fill: bool = False, need_lse: bool = True) -> tuple[Tensor, Optional[Tensor]]:
+    """run_flash_attention (mask_is_fill concerns only the backward); need_lse=False (a wrapper whose graph
+    never reads the statistics: inference) returns (out, None) without allocating or storing them."""
     scale = _scale_of(q, scale, scale_by, scale_power)
     if not _kernels_take(q) or not 0 < scale < math.inf:  # (a runtime scale may be anything)
         mask = reference.with_key_slopes(mask, key_slopes, q.shape[2], k.shape[2])
@@ -145,7 +148,8 @@ flash_attention = torch.library.custom_op("fxopt::flash_attention", mutates_args
 
 
 @flash_attention.register_fake
-def _(q, k, v, mask, scale, causal, scale_by=None, scale_power=1, key_slopes=None, safe_softmax=False):
+def _(q, k, v, mask, scale, causal, scale_by=None, scale_power=1, key_slopes=None, safe_softmax=False,
+      mask_is_fill=False):
     b, h, tq, _ = q.shape
     return torch.empty_like(q), q.new_empty(b, h, tq, dtype=torch.float32)
 
@@ -154,18 +158,18 @@ def run_flash_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, 
                                  mask: Optional[Tensor], scale: Optional[float], causal: bool,
                                  scale_by: Optional[Tensor] = None, scale_power: int = 1,
                                  key_slopes: Optional[Tensor] = None,
-                                 safe_softmax: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                                 safe_softmax: bool = False, mask_is_fill: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """The backward's implementation. The kernels need no `safe_softmax`: the forward stored lse = +inf
     for a row with no visible key, so P = exp(s - lse) is 0 there (flash_common.log_sum_exp)."""
     scale = _scale_of(q, scale, scale_by, scale_power)
     if not _kernels_take(q) or not 0 < scale < math.inf:
         mask = reference.with_key_slopes(mask, key_slopes, q.shape[2], k.shape[2])
         dq, dk, dv = reference.attention_backward(dout, q, k, v, scale=scale, causal=causal, mask=mask,
-                                                  safe=safe_softmax)
+                                                  safe=safe_softmax, zero_empty_rows=mask_is_fill)
         return _laid_out_like(dq, q), _laid_out_like(dk, k), _laid_out_like(dv, v)
     from .flash_backward import flash_backward
     return _triton_call(q, flash_backward, dout, q, k, v, out, lse, scale=scale, causal=causal,
-                        mask=_full_mask(mask, q, k), key_slopes=key_slopes)
+                        mask=_full_mask(mask, q, k), key_slopes=key_slopes, zero_empty_rows=mask_is_fill)
 
 
 flash_attention_backward = torch.library.custom_op("fxopt::flash_attention_backward",
@@ -174,23 +178,24 @@ flash_attention_backward = torch.library.custom_op("fxopt::flash_attention_backw
 
 @flash_attention_backward.register_fake
 def _(dout, q, k, v, out, lse, mask, scale, causal, scale_by=None, scale_power=1, key_slopes=None,
-      safe_softmax=False):
+      safe_softmax=False, mask_is_fill=False):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # as the kernels write them
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, scale, causal, scale_by, scale_power, key_slopes, safe_softmax = inputs
+    q, k, v, mask, scale, causal, scale_by, scale_power, key_slopes, safe_softmax, mask_is_fill = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, mask, scale_by, key_slopes)
-    ctx.scale, ctx.causal, ctx.scale_power, ctx.safe_softmax = scale, causal, scale_power, safe_softmax
+    ctx.scale, ctx.causal, ctx.scale_power = scale, causal, scale_power
+    ctx.safe_softmax, ctx.mask_is_fill = safe_softmax, mask_is_fill
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, _dlse):
     q, k, v, out, lse, mask, scale_by, key_slopes = ctx.saved_tensors
     dq, dk, dv = flash_attention_backward(dout, q, k, v, out, lse, mask, ctx.scale, ctx.causal, scale_by,
-                                          ctx.scale_power, key_slopes, ctx.safe_softmax)
-    return dq, dk, dv, None, None, None, None, None, None, None
+                                          ctx.scale_power, key_slopes, ctx.safe_softmax, ctx.mask_is_fill)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 flash_attention.register_autograd(_backward, setup_context=_setup_context)

@@ -63,7 +63,8 @@ def _sum_groups(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return x.view(b, kv_heads, h // kv_heads, t, d).sum(2)
 
 
-def attention_backward(dout, q, k, v, *, scale: float, causal: bool, mask=None, safe: bool = False):
+def attention_backward(dout, q, k, v, *, scale: float, causal: bool, mask=None, safe: bool = False,
+                       zero_empty_rows: bool = False):
     """(dq, dk, dv) from the softmax gradient written out (custom ops run below autograd, so no
     autograd here): P recomputed, dS = P * (dP - rowsum(dO * O)), all in float32."""
     s = scores(q, k, scale=scale, causal=causal, mask=mask)
@@ -75,6 +76,8 @@ def attention_backward(dout, q, k, v, *, scale: float, causal: bool, mask=None, 
     dp = torch.matmul(do, vf.transpose(-2, -1))
     out = torch.matmul(p, vf)
     ds = p * (dp - (do * out).sum(-1, keepdim=True))
+    if zero_empty_rows:  # a -inf fill's backward: masked scores get 0, so rows masked entirely add nothing
+        ds = ds.masked_fill(torch.isneginf(s.amax(-1, keepdim=True)), 0.0)
     dq = torch.matmul(ds, expand_kv(k, heads).float()) * scale
     dk = torch.matmul(ds.transpose(-2, -1), q.float()) * scale
     dv = torch.matmul(p.transpose(-2, -1), do)

@@ -88,3 +88,40 @@ def test_sdpa_with_a_mask_is_fused_and_equals_sdpa(device, kind):
     for got, r in zip((out, *grads), want):
         assert not got.isnan().any()
         torch.testing.assert_close(got.double(), r, **TOL)
+
+
+def _masked_fill(q, k, v, keep):
+    return (q @ k.transpose(-2, -1) * 0.25).masked_fill(~keep, float("-inf")).softmax(-1) @ v
+
+
+def _where(q, k, v, keep):
+    return torch.where(keep, q @ k.transpose(-2, -1) * 0.25, float("-inf")).softmax(-1) @ v
+
+
+def _added(q, k, v, keep):
+    bias = torch.zeros(keep.shape, device=keep.device).masked_fill(~keep, float("-inf"))
+    return (q @ k.transpose(-2, -1) * 0.25 + bias).softmax(-1) @ v
+
+
+@pytest.mark.parametrize("fn", [_masked_fill, _where, _added], ids=lambda f: f.__name__.strip("_"))
+def test_hand_written_rows_masked_entirely_keep_eagers_gradients(device, fn):
+    """Hand-written attention keeps eager's NaN output for a row masked entirely; its gradients follow the
+    spelling: a -inf fill's backward gives masked scores 0, so dq and dk get nothing from the row (dv is
+    NaN, from the NaN probabilities), while an added -inf mask passes the NaN to dq and dk too. A sweep
+    found the fused backward giving NaN dq and dk for fills (a fully padded sequence's keys)."""
+    q, k, v, keep = tensors(device)
+    keep = keep.clone()
+    keep[1] = False  # batch 1: every key padded
+    site = fxopt.explain(fn, q, k, v, keep).attention[0]
+    assert site.fused, site
+    torch._dynamo.reset()
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = compile_fxopt(fn)(q, k, v, keep)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = fn(q64, k64, v64, keep)
+    want = (ref, *torch.autograd.grad(ref, (q64, k64, v64), dout.double()))
+    for got, r in zip((out, *grads), want):
+        torch.testing.assert_close(got.double(), r, equal_nan=True, **TOL)
+    assert out[1].isnan().all() and out[0, :, 3].isnan().all() and not out[0, :, :3].isnan().any()
