@@ -102,6 +102,26 @@ def _last_uses(gm: fx.GraphModule) -> dict[fx.Node, list[fx.Node]]:
     return frees
 
 
+_ABSOLUTE_OFFSET_VIEWS = (torch.ops.aten.as_strided.default, torch.ops.aten.as_strided_.default)
+
+
+def _storage_offset_bases(gm: fx.GraphModule) -> set[str]:
+    """Values an ATen as_strided reads (itself or through views of it): its storage_offset counts from the
+    start of the storage, which for an arena view is the arena's, not the fresh tensor's eager made, so
+    such a value keeps its own allocation. (Where the wrapper proves the layout it makes the view
+    relative to its base instead, but not under symbolic sizes: a sweep found an as_strided there reading
+    another intermediate of the arena.)"""
+    bases = set()
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target in _ABSOLUTE_OFFSET_VIEWS:
+            base = n.args[0]
+            while isinstance(base, fx.Node):
+                bases.add(base.name)
+                t = base.target
+                base = base.args[0] if isinstance(t, torch._ops.OpOverload) and t.is_view and base.args else None
+    return bases
+
+
 def _arena_slots(gm: fx.GraphModule, kernels: dict[str, Kernel], plan: MemoryPlan | None,
                  mode: str) -> tuple[dict[str, tuple[BufferRecord, object]], torch.device | None]:
     """The planned buffers the wrapper places in the arena: kernel outputs and out=-capable ATen results
@@ -110,6 +130,7 @@ def _arena_slots(gm: fx.GraphModule, kernels: dict[str, Kernel], plan: MemoryPla
     if plan is None or mode != "triton" or not plan.buffers:
         return {}, None
     records = {b.name: b for b in plan.buffers}
+    absolute = _storage_offset_bases(gm)
     device = next((kernels[n.target].outputs[0].device for n in gm.graph.nodes
                    if n.op == "call_module" and kernels[n.target].outputs), None)
     slots = {}
@@ -126,7 +147,7 @@ def _arena_slots(gm: fx.GraphModule, kernels: dict[str, Kernel], plan: MemoryPla
             named = [(n.name, kernels[n.target].outputs[0])]
         for name, o in named:
             rec = records.get(name)
-            if rec is None or rec.nbytes != tensor_bytes(o) or rec.nbytes == 0:
+            if rec is None or rec.nbytes != tensor_bytes(o) or rec.nbytes == 0 or name in absolute:
                 continue
             device = device or o.device
             if o.device == device:

@@ -299,3 +299,33 @@ def test_any_aten_result_with_an_out_overload_is_written_into_the_arena(monkeypa
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     ref = _scan_gather(args[0].double(), args[1], args[2].double())
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def _as_strided_of_an_intermediate(x):
+    a = x.cumsum(0)  # ATen results the plan may place in the arena (out= overloads)
+    b = (a * 2).cumsum(0)
+    return b.as_strided((x.shape[0],), (1,), 0) * 1, a.sum()
+
+
+def _two_views_mutated(x, a, b):
+    a.mul_(2)  # functionalization writes these back through as_strided with symbolic sizes
+    b.add_(1)
+    return x * 1
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_as_strided_reads_its_own_storage_not_the_arena(dynamic, monkeypatch):
+    """as_strided's storage_offset counts from the storage's start: for a value placed in the arena that
+    was another intermediate's memory (a sweep found it under symbolic sizes, with memory_plan="apply");
+    such a value keeps its own allocation."""
+    monkeypatch.setenv("FXOPT_POISON_FREED", "1")
+    torch._dynamo.reset()
+    f = torch.compile(_as_strided_of_an_intermediate, backend=fxopt.backend(memory_plan="apply"), dynamic=dynamic)
+    g = torch.compile(_two_views_mutated, backend=fxopt.backend(memory_plan="apply"), dynamic=dynamic)
+    for n in (6, 7, 10):
+        x = torch.arange(n, dtype=torch.float32)
+        for got, want in zip(f(x), _as_strided_of_an_intermediate(x)):
+            torch.testing.assert_close(got, want)
+        x, xe = torch.arange(n, dtype=torch.float32), torch.arange(n, dtype=torch.float32)
+        torch.testing.assert_close(g(x, x[0:3], x[5:8]), _two_views_mutated(xe, xe[0:3], xe[5:8]))
+        torch.testing.assert_close(x, xe)
