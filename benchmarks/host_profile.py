@@ -31,6 +31,20 @@ def launch_paths() -> str:
             f"which {total('static_launches')} through torch's C launcher; kernels refused by it: {refused or 'none'}")
 
 
+def warm_workloads(names: str, backend: str, dtype: str):
+    """(workload, compiled, inputs, device) per named workload, compiled and called three times (the
+    first-call work and the allocator's growth done), the device synchronized."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for w in workloads.get(names):
+        fn, inputs = w.make(device, measure.DTYPES[dtype], device == "cpu")
+        compiled = measure.runnable(w, backend, fn)
+        with measure.grad_mode(w):
+            for _ in range(3):
+                compiled(*inputs)
+        measure.sync(device)
+        yield w, compiled, inputs, device
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.host_profile", description=__doc__.splitlines()[0])
     p.add_argument("--workloads", required=True)
@@ -41,14 +55,8 @@ def main(argv=None) -> int:
     p.add_argument("--dynamic", action="store_true", help="compile with dynamic=True (symbolic sizes)")
     args = p.parse_args(argv)
     measure.DYNAMIC[0] = args.dynamic
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    for w in workloads.get(args.workloads):
-        fn, inputs = w.make(device, measure.DTYPES[args.dtype], device == "cpu")
-        compiled = measure.runnable(w, args.backend, fn)
+    for w, compiled, inputs, device in warm_workloads(args.workloads, args.backend, args.dtype):
         with measure.grad_mode(w):
-            for _ in range(3):
-                compiled(*inputs)
-            measure.sync(device)
             prof = cProfile.Profile()
             prof.enable()
             for _ in range(args.calls):

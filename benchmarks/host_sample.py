@@ -22,9 +22,8 @@ import sys
 import threading
 import time
 
-import torch
-
-from . import measure, workloads
+from . import measure
+from .host_profile import warm_workloads
 
 
 def is_wrapper(code) -> bool:
@@ -83,14 +82,8 @@ def main(argv=None) -> int:
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--top", type=int, default=25)
     args = p.parse_args(argv)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    for w in workloads.get(args.workloads):
-        fn, inputs = w.make(device, measure.DTYPES[args.dtype], device == "cpu")
-        compiled = measure.runnable(w, args.backend, fn)
+    for w, compiled, inputs, device in warm_workloads(args.workloads, args.backend, args.dtype):
         with measure.grad_mode(w):
-            for _ in range(3):
-                compiled(*inputs)
-            measure.sync(device)
             calls, t0 = 0, time.perf_counter()
             with StackSampler() as s:
                 while time.perf_counter() - t0 < args.seconds:

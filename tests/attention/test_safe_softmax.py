@@ -77,17 +77,25 @@ def test_sdpa_with_a_mask_is_fused_and_equals_sdpa(device, kind):
     fn = lambda q, k, v, mask: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # noqa: E731
     site = fxopt.explain(fn, q, k, v, mask).attention[0]
     assert site.fused and "safe softmax" in site.mask, site
+    out, *grads = compiled_against_float64(fn, q, k, v, mask)
+    for got in (out, *grads):
+        assert not got.isnan().any()
+
+
+def compiled_against_float64(fn, q, k, v, mask):
+    """fn compiled by fxopt, output and q, k, v gradients, each equal (NaN where it is NaN) to fn's in
+    float64 eager; returns the compiled ones."""
     torch._dynamo.reset()
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     out = compile_fxopt(fn)(q, k, v, mask)
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref = fn(q64, k64, v64, mask if kind == "bool" else mask.double())
+    ref = fn(q64, k64, v64, mask.double() if mask.is_floating_point() else mask)
     want = (ref, *torch.autograd.grad(ref, (q64, k64, v64), dout.double()))
     for got, r in zip((out, *grads), want):
-        assert not got.isnan().any()
-        torch.testing.assert_close(got.double(), r, **TOL)
+        torch.testing.assert_close(got.double(), r, equal_nan=True, **TOL)
+    return (out, *grads)
 
 
 def _masked_fill(q, k, v, keep):
@@ -114,14 +122,5 @@ def test_hand_written_rows_masked_entirely_keep_eagers_gradients(device, fn):
     keep[1] = False  # batch 1: every key padded
     site = fxopt.explain(fn, q, k, v, keep).attention[0]
     assert site.fused, site
-    torch._dynamo.reset()
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    out = compile_fxopt(fn)(q, k, v, keep)
-    dout = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), dout)
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref = fn(q64, k64, v64, keep)
-    want = (ref, *torch.autograd.grad(ref, (q64, k64, v64), dout.double()))
-    for got, r in zip((out, *grads), want):
-        torch.testing.assert_close(got.double(), r, equal_nan=True, **TOL)
+    out = compiled_against_float64(fn, q, k, v, keep)[0]
     assert out[1].isnan().all() and out[0, :, 3].isnan().all() and not out[0, :, :3].isnan().any()
