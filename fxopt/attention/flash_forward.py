@@ -51,17 +51,20 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool
     the statistics, so they are neither allocated nor stored).
 
     q [B, H, Tq, D]; k, v [B, Hkv, Tk, D] with H a multiple of Hkv (query head h reads kv head
-    h // (H // Hkv)); any strides; float16, bfloat16 or float32. `mask`: None or an additive float
-    tensor expanded to [B, H, Tq, Tk] (any strides, 0 where it broadcasts). `causal`: query i sees
-    key j iff j <= i + Tk - Tq. `config`: overrides of `forward_config`'s BLOCK_M, BLOCK_N, num_warps,
-    num_stages and TMA (read q, k, v through TMA descriptors where flash_forward_tma.tma_applies; the
-    default on CUDA devices for 16-bit inputs; a mask is read through pointers there). out: [B, H, Tq, D]
-    in q's dtype, laid out like q (`torch.empty_like(q)`: for q = x.view(B, T, H, D).transpose(1, 2) its memory is [B, T, H, D],
-    so the model's `out.transpose(1, 2).reshape(B, T, H * D)` needs no copy); lse: float32 [B, H, Tq], contiguous,
-    the natural-log log-sum-exp of each row's scaled, masked scores. `key_slopes`: None or float32 [H], a
-    linear position bias (ALiBi) computed in the kernel: head h's scores get key_slopes[h] * (j - i - (Tk - Tq))
-    added before the mask (flash_common.add_key_slope). `safe_softmax`: a row that sees no key (masked
-    everywhere with -inf) gives 0 and lse +inf, as SDPA's softmax does, instead of NaN and -inf.
+    h // (H // Hkv)); any strides; float16, bfloat16 or float32. `mask`: None or an additive float tensor
+    expanded to [B, H, Tq, Tk] (any strides, 0 where it broadcasts). `causal`: query i sees key j iff
+    j <= i + Tk - Tq. `config`: overrides of `forward_config`'s BLOCK_M, BLOCK_N, num_warps, num_stages and
+    TMA (read q, k, v through TMA descriptors where flash_forward_tma.tma_applies; the default on CUDA
+    devices for 16-bit inputs; a mask is read through pointers there).
+
+    out: [B, H, Tq, D] in q's dtype, laid out like q (`torch.empty_like(q)`: for
+    q = x.view(B, T, H, D).transpose(1, 2) its memory is [B, T, H, D], so the model's
+    `out.transpose(1, 2).reshape(B, T, H * D)` needs no copy); lse: float32 [B, H, Tq], contiguous, the
+    natural-log log-sum-exp of each row's scaled, masked scores. `key_slopes`: None or float32 [H], a
+    linear position bias (ALiBi) computed in the kernel: head h's scores get
+    key_slopes[h] * (j - i - (Tk - Tq)) added before the mask (flash_common.add_key_slope).
+    `safe_softmax`: a row that sees no key (masked everywhere with -inf) gives 0 and lse +inf, as SDPA's
+    softmax does, instead of NaN and -inf.
     """
     use_tma, cfg = _forward_plan((q, k, v, mask, key_slopes), scale, causal, frozen(config))
     safe = safe_softmax and mask is not None  # without a mask every row sees a key (causal needs Tq <= Tk)

@@ -158,7 +158,8 @@ def run_flash_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, 
                                  mask: Optional[Tensor], scale: Optional[float], causal: bool,
                                  scale_by: Optional[Tensor] = None, scale_power: int = 1,
                                  key_slopes: Optional[Tensor] = None,
-                                 safe_softmax: bool = False, mask_is_fill: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                                 safe_softmax: bool = False,
+                                 mask_is_fill: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """The backward's implementation. The kernels need no `safe_softmax`: the forward stored lse = +inf
     for a row with no visible key, so P = exp(s - lse) is 0 there (flash_common.log_sum_exp)."""
     scale = _scale_of(q, scale, scale_by, scale_power)
