@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import sympy
 import torch
 import torch.fx as fx
 
@@ -257,14 +258,20 @@ def _check_operands(m: Match) -> None:
         raise NotAttention(f"device {q.device} (fxopt runs attention on cuda, or on the cpu)")
     lead_q, lead_k = tuple(q.shape[:-2]), tuple(k_shape[:-2])
     if not provably_equal(lead_q, lead_k):
-        heads_q, heads_k = (lead_q[1], lead_k[1]) if q.dim() == 4 else (None, None)
-        if (isinstance(heads_q, int) and isinstance(heads_k, int) and provably_equal(lead_q[0], lead_k[0])
-                and heads_q % heads_k == 0 and provably_equal(tuple(v.shape[:-2]), lead_k)):
-            m.kv_groups = heads_q // heads_k
+        groups = _head_ratio(lead_q[1], lead_k[1]) if q.dim() == 4 else None
+        if groups is not None and provably_equal(lead_q[0], lead_k[0]) and provably_equal(tuple(v.shape[:-2]), lead_k):
+            m.kv_groups = groups
         else:
             raise NotAttention(f"batch/head dims of q {list(lead_q)} and k {list(lead_k)} do not line up")
     elif not provably_equal(tuple(v.shape[:-2]), lead_q):
         raise NotAttention(f"batch/head dims of v {list(v.shape[:-2])} differ from q's {list(lead_q)}")
+
+
+def _head_ratio(heads_q, heads_k) -> int | None:
+    """Query heads per kv head when it is a whole number for every size: 4 / 2, or 2*s0 / s0 under dynamic
+    shapes (where dynamo makes head counts symbols too); None otherwise."""
+    ratio = sympy.simplify(sympy.sympify(expr(heads_q)) / expr(heads_k))
+    return int(ratio) if ratio.is_Integer and ratio > 0 else None
 
 
 def match_site(softmax: fx.Node, values: ConstantValues) -> Match:

@@ -61,6 +61,29 @@ def test_grouped_query_sdpa_with_symbolic_lengths():
     assert site.fused and site.kv_groups == 2
 
 
+def _repeat_interleave_gqa(q, k, v):
+    k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    return torch.softmax(q @ k.transpose(-2, -1) * 0.25, dim=-1) @ v
+
+
+def test_hand_written_grouped_query_with_symbolic_head_counts():
+    """Under dynamic=True dynamo makes the head counts symbols too (q's 2*s0 against k's s0): the group
+    size is still the whole number 2 for every size, so the site fuses (a sweep found it left unfused)."""
+    backend = CountingBackend()
+    compiled = torch.compile(_repeat_interleave_gqa, backend=backend, dynamic=True)
+    g = torch.Generator().manual_seed(0)
+    for b, kv_heads, t in ((2, 2, 8), (3, 3, 11), (2, 4, 5)):
+        q = torch.randn(b, 2 * kv_heads, t, 16, generator=g, requires_grad=True)
+        k, v = (torch.randn(b, kv_heads, t, 16, generator=g, requires_grad=True) for _ in range(2))
+        out = compiled(q, k, v)
+        q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+        ref = _repeat_interleave_gqa(q64, k64, v64)
+        torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
+        for got, want in zip(torch.autograd.grad(out.sum(), (q, k, v)), torch.autograd.grad(ref.sum(), (q64, k64, v64))):
+            torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+    assert backend.report.attention and all(s.fused and s.kv_groups == 2 for s in backend.report.attention)
+
+
 def test_additive_mask_input_with_symbolic_sizes_is_read_by_the_kernel():
     backend = _check_sizes(SelfAttention(), [(2, 8), (3, 6)], with_bias=True)
     site = backend.report.attention[0]
