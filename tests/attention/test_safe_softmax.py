@@ -11,7 +11,7 @@ import fxopt
 from fxopt.attention.flash_backward import flash_backward
 from fxopt.attention.flash_decode import flash_decode
 from fxopt.attention.flash_forward import flash_forward
-from tests.helpers import compile_fxopt
+from tests.helpers import CountingBackend, compile_fxopt
 
 TOL = dict(rtol=2e-5, atol=2e-5)
 
@@ -124,3 +124,29 @@ def test_hand_written_rows_masked_entirely_keep_eagers_gradients(device, fn):
     assert site.fused, site
     out = compiled_against_float64(fn, q, k, v, keep)[0]
     assert out[1].isnan().all() and out[0, :, 3].isnan().all() and not out[0, :, :3].isnan().any()
+
+
+def _diagonal_masked(q, k, v):
+    t = q.size(-2)
+    s = (q @ k.transpose(-2, -1) * 0.25).masked_fill(torch.triu(torch.ones(t, t, dtype=torch.bool,
+                                                                           device=q.device)), float("-inf"))
+    return s.softmax(-1) @ v  # row 0 sees no key
+
+
+def test_a_mask_built_from_the_length_that_empties_a_row_under_dynamic_shapes(device):
+    """Static compiles leave such a site unfused (the compile-time mask is evaluated); under dynamic=True it
+    is a fill read by the kernel, and the empty row's NaN output and gradients must still be eager's."""
+    q, k, v, _ = tensors(device, tq=9, tk=9)
+    torch._dynamo.reset()
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    backend = CountingBackend()
+    out = torch.compile(_diagonal_masked, backend=backend, dynamic=True)(q, k, v)
+    assert backend.report.attention[0].fused
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = _diagonal_masked(q64, k64, v64)
+    want = (ref, *torch.autograd.grad(ref, (q64, k64, v64), dout.double()))
+    for got, r in zip((out, *grads), want):
+        torch.testing.assert_close(got.double(), r, equal_nan=True, **TOL)
+    assert out[:, :, 0].isnan().all() and not grads[0].isnan().any()
