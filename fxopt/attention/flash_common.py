@@ -24,8 +24,8 @@ from ..codegen.wrapper_runtime import next_power_of_2
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # scores are kept in base 2: exp(x) = exp2(x * LOG2E)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
-# A mask value at or below fp16's lowest (HF's finfo.min of every dtype) masks its key: the score becomes
-# MASKED_SCORE (see add_mask)
+# A finite mask value at or below this whose sum with the score rounds to the mask value itself (eager's
+# fp32 `s + finfo.min` is finfo.min) masks its key: the score becomes MASKED_SCORE (see add_mask)
 MASK_DROPS_AT: tl.constexpr = tl.constexpr(-65504.0)
 MASKED_SCORE: tl.constexpr = tl.constexpr(-1024.0)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -227,15 +227,20 @@ def launcher(kernel, grid: tuple, device: torch.device):
 
 @triton.jit
 def add_mask(s, bias):
-    """Base-2 scores `s` plus an additive mask tile. A finite mask value at or below MASK_DROPS_AT makes
-    the score MASKED_SCORE whatever s was, as eager's `s + finfo.min` rounds to finfo.min: a row masked
-    everywhere is the uniform average of its keys. MASKED_SCORE is near enough to 0 for such a row's
-    stored log-sum-exp to keep log2(keys) (with scores near -1e30 it was lost to rounding and the
-    backward's exp2(s - lse) gave 1 instead of 1/keys), and far enough below real scores that those keys
-    weigh nothing in any row with a real score above -1000 (base-2 units). -inf stays -inf, as in eager."""
+    """Base-2 scores `s` plus an additive mask tile, added as eager adds them: in fp32 and natural-log
+    units (t = s ln 2 + b), then back to base 2. Where that sum rounds to the mask value itself, a finite
+    value at or below MASK_DROPS_AT (eager's `s + finfo.min` is finfo.min), the score was lost and the key
+    becomes MASKED_SCORE: a row masked everywhere that way is the uniform average of its keys, as in eager.
+    MASKED_SCORE is near enough to 0 for such a row's stored log-sum-exp to keep log2(keys) (with scores
+    near -1e30 it was lost to rounding and the backward's exp2(s - lse) gave 1 instead of 1/keys), and far
+    enough below real scores that those keys weigh nothing in any row with a real score above -1000
+    (base-2 units). A large mask value that keeps the score (fp16's finfo.min, -65504, in an fp32 sum)
+    stays a real score, so a row masked everywhere with it is softmax(s), as in eager (until 2026-12-05
+    every value at or below -65504 was dropped: the uniform average). -inf stays -inf."""
     b = bias.to(tl.float32)
-    dropped = (b <= MASK_DROPS_AT) & (b != float("-inf"))
-    return tl.where(dropped, MASKED_SCORE, s + b * LOG2E)
+    t = s * LN2 + b
+    lost = (t == b) & (b <= MASK_DROPS_AT) & (b != float("-inf"))
+    return tl.where(lost, MASKED_SCORE, t * LOG2E)
 
 
 @triton.jit

@@ -324,16 +324,37 @@ def test_rows_masked_everywhere_with_finfo_min_are_uniform_like_eager():
     torch.testing.assert_close(lse[:, :, 3:5], torch.full_like(lse[:, :, 3:5], -1024 * math.log(2) + math.log(20)))
 
 
-@pytest.mark.parametrize("fill", [torch.finfo(torch.float32).min, torch.finfo(torch.bfloat16).min, -65504.0, -1e9])
+@pytest.mark.parametrize("fill", [torch.finfo(torch.float32).min, torch.finfo(torch.bfloat16).min, -1e9])
 def test_backward_of_rows_masked_everywhere_is_the_uniform_rows_gradient(fill):
     """A row masked everywhere averages its keys, as eager's does with finfo.min (s + finfo.min rounds
-    to finfo.min, even in float64); the kernels treat every finite fill at or below -65504 so. Its
-    gradients are eager's too (with the fill's scores near -1e30 the backward recomputed p = 1 instead
-    of 1/Tk there: every gradient of a left-padded batch whose loss reads the padding rows was off)."""
+    to finfo.min, even in float64); the kernels treat every finite fill whose fp32 sum with the score
+    rounds to the fill so (-1e9 too, in fp32). Its gradients are eager's too (with the fill's scores near
+    -1e30 the backward recomputed p = 1 instead of 1/Tk there: every gradient of a left-padded batch whose
+    loss reads the padding rows was off)."""
     q, k, v = make_qkv(1, 2, 2, 20, 20, 16, torch.float32, seed=9)
     mask = _finfo_min_rows_mask()
     check_backward(q, k, v, causal=False, mask=mask.masked_fill(mask != 0, fill),
                    reference_mask=mask.masked_fill(mask != 0, torch.finfo(torch.float32).min))
+
+
+def test_rows_masked_everywhere_with_fp16_finfo_min_keep_their_scores():
+    """fp16's finfo.min (-65504, HF's padding value in fp16 models) added in fp32 keeps the scores, so eager's
+    row masked everywhere with it is softmax(s), not the uniform average (a sweep found the kernels
+    dropping every value at or below -65504). Forward and backward against float64; the fp32 sum near
+    -65504 rounds each score to 2^-8, so the tolerance is looser than the kernels' usual."""
+    q, k, v = make_qkv(1, 2, 2, 20, 20, 16, torch.float32, seed=9)
+    mask = _finfo_min_rows_mask()
+    mask = mask.masked_fill(mask != 0, -65504.0)
+    out, lse = flash_forward(q, k, v, scale=0.25, causal=False, mask=mask)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(3))
+    grads = flash_backward(dout, q, k, v, out, lse, scale=0.25, causal=False, mask=mask)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref, _ = reference(*leaves, scale=0.25, causal=False, mask=mask.double())
+    want = (ref, *torch.autograd.grad(ref, leaves, dout.double()))
+    uniform = v.double().mean(2)
+    assert (out[:, :, 3].double() - uniform).abs().max() > 0.1  # not the average: the scores count
+    for got, r in zip((out, *grads), want):
+        torch.testing.assert_close(got.double(), r, rtol=1e-2, atol=1e-2)
 
 
 def test_outputs_are_laid_out_like_the_inputs_so_model_reshapes_copy_nothing():
