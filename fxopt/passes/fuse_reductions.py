@@ -56,10 +56,10 @@ class _ReductionGroupSupport(OperatorSupportBase):
         shape, dims, self.device = key
         self.shapes = {shape, kept_shape(shape, dims), dropped_shape(shape, dims)}
         self._columns: dict[fx.Node, bool] = {}
-        self._after_columns: dict[fx.Node, bool] = {}
+        self._after_columns: set[fx.Node] | None = None
 
     def is_node_supported(self, submodules, node: fx.Node) -> bool:
-        if any(self._column_value(a) or self._after_column(a) for a in node.all_input_nodes):
+        if any(self._after_column(a) or self._column_value(a) for a in node.all_input_nodes):
             # a column sum is known only after every row: only ops of column sums alone (the casts
             # after a weight gradient) may use it, in the kernel's combine step; nothing downstream of
             # it through a view (a [1, N] column sum viewed as [N, 1] row scalars of a square [N, N])
@@ -100,12 +100,15 @@ class _ReductionGroupSupport(OperatorSupportBase):
         return isinstance(val, torch.Tensor) and self._ambiguous_row_scalar(operand, sizes(val))
 
     def _after_column(self, node: fx.Node) -> bool:
-        """Computed, through any ops, from a column sum of this group's key."""
-        if node not in self._after_columns:
-            self._after_columns[node] = False  # (a DAG: no node reaches itself)
-            self._after_columns[node] = any(self._column_value(a) or self._after_column(a)
-                                            for a in node.all_input_nodes)
-        return self._after_columns[node]
+        """Computed, through any ops, from a column sum of this group's key (one walk over the graph in
+        order, not a recursion: a deep backward graph would exceed Python's recursion limit; the walk
+        also fills _column_value's memo in order, so its own recursion stays shallow)."""
+        if self._after_columns is None:
+            self._after_columns = set()
+            for n in node.graph.nodes:
+                if any(self._column_value(a) or a in self._after_columns for a in n.all_input_nodes):
+                    self._after_columns.add(n)
+        return node in self._after_columns
 
     def _column_operand(self, node: fx.Node) -> bool:
         """A pointwise op of graph inputs only whose shape the row broadcasts from the right ([M] of
