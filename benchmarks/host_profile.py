@@ -31,6 +31,13 @@ def launch_paths() -> str:
             f"which {total('static_launches')} through torch's C launcher; kernels refused by it: {refused or 'none'}")
 
 
+def workload_arguments(p: argparse.ArgumentParser) -> None:
+    """--workloads, --backend, --dtype: what the host profilers (this one, host_sample.py) run."""
+    p.add_argument("--workloads", required=True)
+    p.add_argument("--backend", default="fxopt")
+    p.add_argument("--dtype", default="bf16", choices=sorted(measure.DTYPES))
+
+
 def warm_workloads(names: str, backend: str, dtype: str):
     """(workload, compiled, inputs, device) per named workload, compiled and called three times (the
     first-call work and the allocator's growth done), the device synchronized."""
@@ -47,9 +54,7 @@ def warm_workloads(names: str, backend: str, dtype: str):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.host_profile", description=__doc__.splitlines()[0])
-    p.add_argument("--workloads", required=True)
-    p.add_argument("--backend", default="fxopt")
-    p.add_argument("--dtype", default="bf16", choices=sorted(measure.DTYPES))
+    workload_arguments(p)
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--dynamic", action="store_true", help="compile with dynamic=True (symbolic sizes)")

@@ -23,7 +23,7 @@ import threading
 import time
 
 from . import measure
-from .host_profile import warm_workloads
+from .host_profile import warm_workloads, workload_arguments
 
 
 def is_wrapper(code) -> bool:
@@ -76,9 +76,7 @@ def _idle(frame) -> bool:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.host_sample", description=__doc__.splitlines()[0])
-    p.add_argument("--workloads", required=True)
-    p.add_argument("--backend", default="fxopt")
-    p.add_argument("--dtype", default="bf16", choices=sorted(measure.DTYPES))
+    workload_arguments(p)
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--top", type=int, default=25)
     args = p.parse_args(argv)

@@ -226,9 +226,7 @@ def mask_facts(steps: list[MaskStep], values, score_shape, requires_grad) -> Mas
         _check_readable(step, facts)
         check_runtime_mask(step, score_shape)
         if step.kind == "add":
-            if requires_grad(step.tensor):
-                raise NotAttention("the additive mask requires grad (the kernel gives no mask gradient)")
-            facts.runtime_mask = step.tensor
+            _read_additive(facts, step.tensor, requires_grad)
         elif step.value == -math.inf:
             facts.runtime_fill = step
         else:
@@ -247,9 +245,18 @@ def mask_facts(steps: list[MaskStep], values, score_shape, requires_grad) -> Mas
         facts.described = f"causal (from {_describe_buffers(dict.fromkeys(buffers))})"
     if facts.runtime_mask is not None or facts.runtime_fill is not None:
         node = facts.runtime_mask if facts.runtime_mask is not None else facts.runtime_fill.tensor
-        extra = f"additive {list(node.meta['example_value'].shape)} read by the kernel"
-        facts.described = extra if not facts.causal else f"{facts.described} + {extra}"
+        _describe_read_mask(facts, f"additive {list(node.meta['example_value'].shape)} read by the kernel")
     return _with_slopes_described(facts)
+
+
+def _read_additive(facts: MaskFacts, mask: fx.Node, requires_grad) -> None:
+    if requires_grad(mask):
+        raise NotAttention("the additive mask requires grad (the kernel gives no mask gradient)")
+    facts.runtime_mask = mask
+
+
+def _describe_read_mask(facts: MaskFacts, text: str) -> None:
+    facts.described = f"{facts.described} + {text}" if facts.causal else text
 
 
 def sdpa_mask_facts(facts: MaskFacts, mask: fx.Node, score_shape, requires_grad) -> None:
@@ -262,14 +269,11 @@ def sdpa_mask_facts(facts: MaskFacts, mask: fx.Node, score_shape, requires_grad)
     check_runtime_mask(step, score_shape)
     if is_bool:
         facts.runtime_fill = step
-    elif requires_grad(mask):
-        raise NotAttention("the additive mask requires grad (the kernel gives no mask gradient)")
     else:
-        facts.runtime_mask = mask
+        _read_additive(facts, mask, requires_grad)
     facts.safe_softmax = True
-    extra = (f"{'bool' if is_bool else 'additive'} {list(v.shape)} read by the kernel, safe softmax (rows it "
-             "masks entirely give 0, as in SDPA)")
-    facts.described = f"{facts.described} + {extra}" if facts.causal else extra
+    _describe_read_mask(facts, f"{'bool' if is_bool else 'additive'} {list(v.shape)} read by the kernel, safe "
+                               "softmax (rows it masks entirely give 0, as in SDPA)")
 
 
 def _with_slopes_described(facts: MaskFacts) -> MaskFacts:

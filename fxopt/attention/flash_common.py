@@ -244,6 +244,17 @@ def add_mask(s, bias):
 
 
 @triton.jit
+def running_max(row_max, block_max, EMPTY_ROWS: tl.constexpr):
+    """The online softmax's (new row max, the shift its exp2 subtracts). EMPTY_ROWS (a mask may hide every
+    key seen so far): such a row is shifted by 0, so exp2(-inf - 0) = 0 rather than exp2(-inf + inf) = NaN."""
+    new_max = tl.maximum(row_max, block_max)
+    shift = new_max
+    if EMPTY_ROWS:
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+    return new_max, shift
+
+
+@triton.jit
 def softmax_denominator(row_sum, SAFE: tl.constexpr):
     """A finished row's sum of exp2(s - max), to divide its output by. A row with no visible key has sum 0
     (every p was exp2(-inf)): 0 / 0 = NaN, as eager's softmax gives; SAFE (SDPA's softmax) makes it 0."""

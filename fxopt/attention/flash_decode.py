@@ -42,7 +42,7 @@ from ..codegen.jit_keys import settle as settle_cache_keys
 from ..codegen.wrapper_runtime import cdiv, next_power_of_2
 from .flash_common import (
     add_mask, check_attention_inputs, dot_precision, is_power_of_two, launcher, log_sum_exp, mask_arguments,
-    softmax_denominator,
+    running_max, softmax_denominator,
 )
 
 MAX_QUERY_ROWS = 16  # decode packs queries into a tile's rows; longer queries go to the main forward kernel
@@ -230,8 +230,7 @@ def _split_partials_kernel(
             visible = visible & (key[None, :] <= last_key[:, None])
         s = tl.where(visible, s, float("-inf"))
 
-        new_max = tl.maximum(row_max, tl.max(s, 1))
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # all-masked so far: exp2(-inf - 0) = 0, not NaN
+        new_max, shift = running_max(row_max, tl.max(s, 1), True)  # (masked or past the keys: rows may be empty)
         p = tl.exp2(s - shift[:, None])
         rescale = tl.exp2(row_max - shift)
         row_sum = row_sum * rescale + tl.sum(p, 1)
@@ -278,8 +277,7 @@ def _combine_splits_kernel(part_acc, part_max, part_sum, out, lse, splits,
         l = tl.load(part_sum + part, mask=split_ok, other=0.0)
         a = tl.load(part_acc + part[:, None] * HEAD_DIM + dims[None, :], mask=split_ok[:, None] & dim_ok[None, :],
                     other=0.0)
-        new_max = tl.maximum(run_max, tl.max(m, 0))
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # empty or fully masked splits weigh 0
+        new_max, shift = running_max(run_max, tl.max(m, 0), True)  # empty or fully masked splits weigh 0
         weight = tl.exp2(m - shift)
         rescale = tl.exp2(run_max - shift)
         run_sum = run_sum * rescale + tl.sum(weight * l, 0)

@@ -35,8 +35,8 @@ from ..codegen.jit_keys import settle as settle_cache_keys
 from ..codegen.wrapper_runtime import cdiv, next_power_of_2
 from .flash_common import (
     LOG2E, add_key_slope, add_mask, check_attention_inputs, check_key_slopes, dot_precision, forward_config,
-    head_slope, key_ranges, launcher, load_tile, log_sum_exp, mask_arguments, resolve_config, softmax_denominator,
-    store_rows, store_tile, tile_ptrs, visible,
+    head_slope, key_ranges, launcher, load_tile, log_sum_exp, mask_arguments, resolve_config, running_max,
+    softmax_denominator, store_rows, store_tile, tile_ptrs, visible,
 )
 from .flash_forward_tma import flash_forward_tma, tiles_fit, tma_applies
 from .launch_plans import frozen, planned
@@ -187,10 +187,7 @@ def _attend_key_blocks(
         if MASK_CAUSAL or not EVEN_KEYS:
             s = tl.where(visible(m0 + rows[:, None], n0 + cols[None, :], seq_q, seq_k, causal_shift, MASK_CAUSAL),
                          s, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(s, 1))
-        shift = new_max
-        if HAS_MASK:  # rows that have seen only -inf so far: exp2(-inf - 0) = 0, not NaN
-            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        new_max, shift = running_max(row_max, tl.max(s, 1), HAS_MASK)
         p = tl.exp2(s - shift[:, None])
         rescale = tl.exp2(row_max - shift)
         row_sum = row_sum * rescale + tl.sum(p, 1)

@@ -37,7 +37,7 @@ from ..codegen.jit_keys import settle as settle_cache_keys
 from ..codegen.wrapper_runtime import cdiv
 from .flash_common import (
     add_key_slope, add_mask, head_slope, key_ranges, launcher, load_rows, load_tile, log_sum_exp, mask_arguments,
-    softmax_denominator, store_rows, tile_ptrs, visible,
+    running_max, softmax_denominator, store_rows, tile_ptrs, visible,
 )
 
 try:  # triton >= 3.4
@@ -106,7 +106,7 @@ def flash_forward_tma(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: 
         heads, heads // kv_heads, seq_q, seq_k, scale * 1.4426950408889634,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, HAS_SLOPES=key_slopes is not None,
         HAS_MASK=mask is not None, MASK_ROW=mask is not None and mask.stride(2) == 0,
-        SAFE=safe_softmax and mask is not None, EVEN_M=seq_q % block_m == 0, EVEN_N=seq_k % block_n == 0,
+        SAFE=safe_softmax, EVEN_M=seq_q % block_m == 0, EVEN_N=seq_k % block_n == 0,
         STORE_LSE=store_lse, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out, lse
 
@@ -174,7 +174,7 @@ def _tma_key_blocks(
         n0 = tl.multiple_of(n0, BLOCK_N)
         k = k_desc.load([batch, kv_head, n0, 0]).reshape(BLOCK_N, HEAD_DIM)
         s = tl.dot(q, tl.trans(k))
-        if HAS_SLOPES or HAS_MASK:
+        if HAS_SLOPES or HAS_MASK or MASKED:
             s = s * qk_scale
             if HAS_SLOPES:
                 s = add_key_slope(s, slope, m0 + rows[:, None], n0 + cols[None, :], causal_shift)
@@ -188,20 +188,10 @@ def _tma_key_blocks(
             if MASKED:
                 s = tl.where(visible(m0 + rows[:, None], n0 + cols[None, :], seq_q, seq_k, causal_shift,
                                      MASK_CAUSAL), s, float("-inf"))
-            new_max = tl.maximum(row_max, tl.max(s, 1))
-            shift = new_max
-            if HAS_MASK:  # rows that have seen only -inf so far: exp2(-inf - 0) = 0, not NaN
-                shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+            new_max, shift = running_max(row_max, tl.max(s, 1), HAS_MASK)
             p = tl.exp2(s - shift[:, None])
-        elif MASKED:
-            s = tl.where(visible(m0 + rows[:, None], n0 + cols[None, :], seq_q, seq_k, causal_shift, MASK_CAUSAL),
-                         s * qk_scale, float("-inf"))
-            new_max = tl.maximum(row_max, tl.max(s, 1))
-            shift = new_max
-            p = tl.exp2(s - shift[:, None])
-        else:
-            new_max = tl.maximum(row_max, tl.max(s, 1) * qk_scale)
-            shift = new_max
+        else:  # the scale folded into exp2's multiply-add
+            new_max, shift = running_max(row_max, tl.max(s, 1) * qk_scale, False)
             p = tl.exp2(s * qk_scale - shift[:, None])
         rescale = tl.exp2(row_max - shift)
         row_sum = row_sum * rescale + tl.sum(p, 1)

@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from ..analysis.liveness import buffer_intervals, inplace_pairs, tensor_bytes
-from ..analysis.op_classes import out_variant, tensor_devices
+from ..analysis.op_classes import is_view, out_variant, tensor_devices
 from ..analysis.symbolic import expr, hint, pexpr, ptuple, shape_env_of, sizes, strides, symbol_bindings
 from ..report import BufferRecord, MemoryPlan
 from .kernel import Kernel
@@ -117,8 +117,7 @@ def _storage_offset_bases(gm: fx.GraphModule) -> set[str]:
             base = n.args[0]
             while isinstance(base, fx.Node):
                 bases.add(base.name)
-                t = base.target
-                base = base.args[0] if isinstance(t, torch._ops.OpOverload) and t.is_view and base.args else None
+                base = base.args[0] if is_view(base) and base.args else None
     return bases
 
 
