@@ -26,5 +26,6 @@ timeout 150 python -m benchmarks.tune_attention --which bwd --warmup 10 --rep 40
 sed -n '/# best config/,$p' "$OUT/tune_bwd.txt"
 
 echo "== 3. attention workloads vs Inductor and SDPA"
-timeout 200 python -m benchmarks.run --workloads attn_causal,attn_full,attn_alibi,attn_causal_bwd,gpt_block \
-    --backends inductor,fxopt,sdpa --no-first-call --warmup 5 --rep 25 2>"$OUT/run.err" | tail -19
+timeout 300 python -m benchmarks.run \
+    --workloads attn_causal,attn_full,attn_alibi,attn_causal_bwd,attn_sdpa_padded,attn_sdpa_padded_bwd,gpt_block \
+    --backends inductor,fxopt,sdpa --no-first-call --warmup 5 --rep 25 2>"$OUT/run.err" | tail -25

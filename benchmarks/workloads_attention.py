@@ -192,6 +192,23 @@ def make_attn_sdpa_padded(device, dtype, quick):
     return _sdpa_padded, (*_qkv(device, dtype, B, H, T, T, D), _padding_keep(B, T, device))
 
 
+def _sdpa_padded_fwd_bwd(q, k, v, keep, dout):
+    return _gradients(_sdpa_padded(q, k, v, keep), (q, k, v), dout)
+
+
+def _padded_fwd_bwd_flops(inputs) -> int:
+    return int((1 + BACKWARD_FLOPS_PER_FORWARD) * _full_flops(inputs))
+
+
+@workload("attn_sdpa_padded_bwd", "attn_sdpa_padded fwd+bwd (dq, dk, dv) via autograd (the mask read by the TMA "
+          "backward too); B8 H16 T2048 D128; FLOPs = 3.5x fwd", kind="attention", training=True,
+          flops=_padded_fwd_bwd_flops, anchor=_sdpa_padded_fwd_bwd, rtol=5e-2, atol=5e-2)
+def make_attn_sdpa_padded_bwd(device, dtype, quick):
+    B, H, T, D = (2, 2, 64, 32) if quick else (8, 16, 2048, 128)
+    q, k, v = _qkv(device, dtype, B, H, T, T, D, requires_grad=True)
+    return _sdpa_padded_fwd_bwd, (q, k, v, _padding_keep(B, T, device), randn(B, H, T, D, device=device, dtype=dtype))
+
+
 # ---------------------------------------------------------------- GPT-2 block
 
 class CausalSelfAttention(nn.Module):

@@ -36,12 +36,9 @@ from .flash_common import (
 from .flash_backward_tma import flash_backward_tma
 from .flash_forward_tma import tiles_fit, tma_applies, tma_readable
 from .launch_plans import frozen, planned
+from .mask_tiles import FILL_MASK, mask_kind
 
 __all__ = ["flash_backward", "backward_config"]
-
-# The kernels' HAS_MASK: 0 no mask, 1 an additive mask, FILL_MASK a mask made from a -inf fill (see
-# flash_backward's zero_empty_rows)
-FILL_MASK: tl.constexpr = tl.constexpr(2)
 
 
 def flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, scale: float,
@@ -65,8 +62,7 @@ def flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     delta = torch.empty_like(lse)
     shared = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, EVEN_D=head_dim == block_d,
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    mask_kind = 0 if mask is None else FILL_MASK if zero_empty_rows else 1
-    attention = dict(CAUSAL=causal, HAS_MASK=mask_kind, HAS_SLOPES=key_slopes is not None,
+    attention = dict(CAUSAL=causal, HAS_MASK=mask_kind(mask, zero_empty_rows), HAS_SLOPES=key_slopes is not None,
                      DOT_PRECISION=dot_precision(q.dtype), **shared)
     mask_args = (*mask_arguments(mask, q), q if key_slopes is None else key_slopes)
 
@@ -75,7 +71,8 @@ def flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
         out, dout, delta, *out.stride(), *dout.stride(), heads, seq_q,
         BLOCK_M=block_m, EVEN_M=seq_q % block_m == 0, **shared)
     if use_tma:
-        return flash_backward_tma(dout, q, k, v, lse, delta, scale=scale, causal=causal, cfg=cfg, key_slopes=key_slopes)
+        return flash_backward_tma(dout, q, k, v, lse, delta, scale=scale, causal=causal, cfg=cfg, key_slopes=key_slopes,
+                                  mask=mask, zero_empty_rows=zero_empty_rows)
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))  # each laid out like its input
 
     block_m, block_n = cfg["DKDV_BLOCK_M"], cfg["DKDV_BLOCK_N"]
@@ -104,7 +101,7 @@ def _backward_plan(tensors: tuple, scale: float, causal: bool, config) -> tuple[
     _check_saved(dout, out, lse, q)
     defaults = backward_config(q.shape[-1], causal, q.dtype, q.shape[2], k.shape[2], q.device.type)
     cfg = resolve_config(None if config is None else dict(config), defaults, "flash_backward")
-    use_tma = (cfg.pop("TMA") and tma_applies(q, k, v, mask) and tma_readable(dout)
+    use_tma = (cfg.pop("TMA") and tma_applies(q, k, v) and tma_readable(dout)
                and tiles_fit(q, k, cfg["DKDV_BLOCK_M"], cfg["DKDV_BLOCK_N"])
                and tiles_fit(q, k, cfg["DQ_BLOCK_M"], cfg["DQ_BLOCK_N"]))
     return use_tma, cfg

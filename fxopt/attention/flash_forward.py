@@ -101,7 +101,7 @@ def _forward_plan(tensors: tuple, scale: float, causal: bool, config) -> tuple[b
     defaults = forward_config(q.shape[-1], causal, q.dtype, q.shape[2], k.shape[2], q.device.type,
                               has_mask=mask is not None)
     cfg = resolve_config(None if config is None else dict(config), defaults, "flash_forward")
-    use_tma = (cfg.pop("TMA") and scale > 0 and tma_applies(q, k, v, None)  # (the TMA forward reads masks too)
+    use_tma = (cfg.pop("TMA") and scale > 0 and tma_applies(q, k, v)
                and tiles_fit(q, k, cfg["BLOCK_M"], cfg["BLOCK_N"]))
     return use_tma, cfg
 

@@ -14,15 +14,14 @@ the tiles moved by the GPU's tensor memory accelerator instead of per-thread poi
   flash_common.add_key_slope, adds to the scaled scores);
 - an additive mask (a padding mask, SDPA's attn_mask) is not a TMA operand: its tile is read through
   pointers, and a mask broadcast over the queries (stride 0: a key padding mask [B, 1, 1, Tk]) is read as
-  one [BLOCK_N] row per key block instead of a [BLOCK_M, BLOCK_N] tile of repeated addresses.
+  one [BLOCK_N] row per key block instead of a [BLOCK_M, BLOCK_N] tile of repeated addresses
+  (mask_tiles.py; the TMA backward reads masks the same way).
 
 Descriptors are 4-D ([B, H, T, D] with the tensor's own strides), so the transposed views model code
 makes (`x.view(B, T, H, D).transpose(1, 2)`) are read in place. What TMA needs, `tma_applies` checks:
-a CUDA device of compute capability 9.0 or newer, 16-bit inputs, no additive mask (the backward's
-TMA kernels read none; this forward passes mask=None to it, reading masks through pointers), a power-of-two head
-dim, unit stride on the head dim and 16-byte aligned base pointers and strides; the callers add
-`tiles_fit` (no tile longer than its sequence). Everything else takes the pointer kernel, which
-serves every case.
+a CUDA device of compute capability 9.0 or newer, 16-bit inputs, a power-of-two head dim, unit stride
+on the head dim and 16-byte aligned base pointers and strides; the callers add `tiles_fit` (no tile
+longer than its sequence). Everything else takes the pointer kernel, which serves every case.
 """
 from __future__ import annotations
 
@@ -36,9 +35,10 @@ from torch import Tensor
 from ..codegen.jit_keys import settle as settle_cache_keys
 from ..codegen.wrapper_runtime import cdiv
 from .flash_common import (
-    add_key_slope, add_mask, head_slope, key_ranges, launcher, load_rows, load_tile, log_sum_exp, mask_arguments,
-    running_max, softmax_denominator, store_rows, tile_ptrs, visible,
+    add_key_slope, add_mask, head_slope, key_ranges, launcher, log_sum_exp, mask_arguments, running_max,
+    softmax_denominator, store_rows, visible,
 )
+from .mask_tiles import load_mask_block, reads_mask_row
 
 try:  # triton >= 3.4
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -48,10 +48,10 @@ except ImportError:  # pragma: no cover - older triton
 __all__ = ["tma_applies", "tma_readable", "tiles_fit", "descriptor", "flash_forward_tma", "query_block_program"]
 
 
-def tma_applies(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> bool:
-    """Whether the TMA kernel can read these inputs (see the module docstring); False means the
-    pointer kernel runs, never an error."""
-    if TensorDescriptor is None or mask is not None or q.dtype not in (torch.float16, torch.bfloat16):
+def tma_applies(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether the TMA kernels can read these inputs (see the module docstring); False means the
+    pointer kernel runs, never an error. (A mask is read through pointers: it needs nothing here.)"""
+    if TensorDescriptor is None or q.dtype not in (torch.float16, torch.bfloat16):
         return False
     if q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] < 9:
         return False  # (on the CPU the Triton interpreter emulates the descriptors: tests use it)
@@ -105,7 +105,7 @@ def flash_forward_tma(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: 
         out if lse is None else lse, out if key_slopes is None else key_slopes, *mask_arguments(mask, q),
         heads, heads // kv_heads, seq_q, seq_k, scale * 1.4426950408889634,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, HAS_SLOPES=key_slopes is not None,
-        HAS_MASK=mask is not None, MASK_ROW=mask is not None and mask.stride(2) == 0,
+        HAS_MASK=mask is not None, MASK_ROW=reads_mask_row(mask),
         SAFE=safe_softmax, EVEN_M=seq_q % block_m == 0, EVEN_N=seq_k % block_n == 0,
         STORE_LSE=store_lse, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out, lse
@@ -179,12 +179,8 @@ def _tma_key_blocks(
             if HAS_SLOPES:
                 s = add_key_slope(s, slope, m0 + rows[:, None], n0 + cols[None, :], causal_shift)
             if HAS_MASK:
-                if MASK_ROW:
-                    bias = load_rows(mask_head + (n0 + cols) * stride_mn, n0 + cols, seq_k, EVEN_KEYS)[None, :]
-                else:
-                    bias = load_tile(tile_ptrs(mask_head, m0, rows, stride_mm, n0, cols, stride_mn), m0 + rows,
-                                     seq_q, n0 + cols, seq_k, EVEN_M, EVEN_KEYS)
-                s = add_mask(s, bias)
+                s = add_mask(s, load_mask_block(mask_head, stride_mm, stride_mn, m0, rows[:, None], n0, cols[None, :],
+                                                seq_q, seq_k, EVEN_M, EVEN_KEYS, MASK_ROW))
             if MASKED:
                 s = tl.where(visible(m0 + rows[:, None], n0 + cols[None, :], seq_q, seq_k, causal_shift,
                                      MASK_CAUSAL), s, float("-inf"))

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from fxopt.attention import flash_forward_tma as tma_module
+from fxopt.attention.flash_backward import flash_backward
 from fxopt.attention.flash_common import backward_config
 from fxopt.attention.flash_forward import flash_forward
 from fxopt.attention.flash_forward_tma import tma_applies
@@ -60,7 +61,7 @@ def test_inputs_tma_cannot_read_take_the_pointer_kernel(tma_calls):
     wide = torch.randn(1, 2, 32, 33).to(torch.float16)[..., 1:]  # rows of 66 bytes: strides not 16-byte multiples
     check_forward(wide, k, v, causal=False, config=TMA)
     assert tma_calls == []
-    assert not tma_applies(wide, k, v, None) and tma_applies(q, k, v, None)
+    assert not tma_applies(wide, k, v) and tma_applies(q, k, v)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -133,12 +134,48 @@ def test_short_sequences_default_to_the_pointer_kernels():
         assert not config(64, False, torch.bfloat16, 4096, TMA_MIN_SEQ - 1, "cuda")["TMA"]
 
 
-def test_tma_backward_is_off_on_the_cpu_by_default_and_skips_masks(tma_backward_calls):
+def test_tma_backward_is_off_on_the_cpu_by_default(tma_backward_calls):
     q, k, v = make_qkv(1, 2, 2, 32, 32, 32, torch.float16, seed=8)
     check_backward(q, k, v, causal=True)  # the CPU default config: pointer kernels
-    mask = padding_mask(1, 2, 32, 32, [20]).to(torch.float16)
-    check_backward(q, k, v, causal=False, mask=mask, config=TMA_BACKWARD)
     assert tma_backward_calls == []
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seq_q,seq_k", [(64, 64), (40, 56)])
+def test_tma_backward_reads_masks(seq_q, seq_k, causal, tma_backward_calls):
+    """As the forward: a key padding mask (one row per key block) and a full [B, H, Tq, Tk] mask with -inf
+    entries, ragged lengths on both axes, GQA; until 2026-12-05 a mask sent the backward to the pointer
+    kernels."""
+    q, k, v = make_qkv(2, 4, 2, seq_q, seq_k, 32, torch.float16, transposed=True, seed=seq_q + 3)
+    check_backward(q, k, v, causal=causal, mask=padding_mask(2, 4, seq_q, seq_k, [seq_k - 5, 9]),
+                   config=TMA_BACKWARD)
+    g = torch.Generator().manual_seed(seq_q)
+    full = torch.randn(2, 4, seq_q, seq_k, generator=g).masked_fill(torch.rand(2, 4, seq_q, seq_k, generator=g) < 0.2,
+                                                                    float("-inf"))
+    full[..., 0] = full[..., -1] = 0.0
+    check_backward(q, k, v, causal=causal, mask=full.to(torch.float16), config=TMA_BACKWARD)
+    assert len(tma_backward_calls) == 2
+
+
+def test_tma_backward_of_a_fill_masked_empty_row_is_eagers(tma_backward_calls):
+    """A -inf fill that masks query row 5 entirely: eager's masked_fill backward gives the row 0 in dq and
+    nothing to dk (dv is NaN from the NaN probabilities), as the pointer kernels do (zero_empty_rows)."""
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 32, torch.float16, seed=12)
+    keep = torch.rand(1, 1, 64, 64, generator=torch.Generator().manual_seed(2)) > 0.3
+    keep[..., 0] = True
+    keep[..., 5, :] = False
+    mask = torch.zeros(keep.shape).masked_fill(~keep, float("-inf")).to(torch.float16).expand(1, 2, 64, 64)
+    out, lse = flash_forward(q, k, v, scale=0.25, causal=False, mask=mask)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(4)).to(torch.float16)
+    grads = flash_backward(dout, q, k, v, out, lse, scale=0.25, causal=False, mask=mask, config=TMA_BACKWARD,
+                           zero_empty_rows=True)
+    assert len(tma_backward_calls) == 1
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = (leaves[0] @ leaves[1].transpose(-2, -1) * 0.25).masked_fill(~keep, float("-inf")).softmax(-1) @ leaves[2]
+    want = torch.autograd.grad(ref, leaves, dout.double())
+    assert (grads[0][0, :, 5] == 0).all() and not grads[1].isnan().any()
+    for got, ref_grad in zip(grads, want):
+        torch.testing.assert_close(got.double(), ref_grad, rtol=1e-2, atol=1e-2, equal_nan=True)
 
 
 @pytest.mark.gpu
@@ -158,7 +195,7 @@ def test_gpu_tma_forward_bf16_is_the_default_and_matches_float64():
         pytest.skip("needs a CUDA device of compute capability 9.0 or newer")
     for causal, (seq_q, seq_k) in ((True, (256, 256)), (True, (200, 300)), (False, (129, 1000))):
         q, k, v = (t.cuda() for t in make_qkv(2, 8, 2, seq_q, seq_k, 128, torch.bfloat16, transposed=True, seed=9))
-        assert tma_applies(q, k, v, None)
+        assert tma_applies(q, k, v)
         check_forward(q, k, v, causal=causal)
 
 

@@ -142,8 +142,8 @@ OWN_KERNELS = textwrap.dedent("""\
             rows = mask[:, :, :1].expand(1, 2, T, T)  # a key padding mask: one row for every query
             for m, safe in ((rows, False), (rows, True), (mask, True), (mask, False)):  # (SDPA's safe softmax)
                 out, lse = flash_forward(q, k, v, scale=0.125, causal=False, mask=m, config=cfg, safe_softmax=safe)
-            for fill in (False, True):  # (a -inf fill's backward: rows masked entirely get 0 in dq, dk)
-                flash_backward(torch.randn_like(q), q, k, v, out, lse, scale=0.125, causal=False, mask=mask,
+            for m, fill in ((mask, False), (mask, True), (rows, False)):  # (fill: rows masked entirely get 0)
+                flash_backward(torch.randn_like(q), q, k, v, out, lse, scale=0.125, causal=False, mask=m,
                                config=backward_config(head_dim, False, dtype, T, T, "cuda"), zero_empty_rows=fill)
             for decode_mask, safe in ((None, False), (mask[:, :, :1], False), (mask[:, :, :1], True)):
                 flash_decode(q[:, :, :1], k, v, scale=0.125, causal=False, num_splits=4, mask=decode_mask,

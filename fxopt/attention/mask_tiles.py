@@ -1,0 +1,65 @@
+"""How the TMA kernels read an additive mask: through pointers, since a mask is not a TMA operand.
+
+A mask arrives expanded to [B, H, Tq, Tk], usually with stride 0 somewhere: a key padding mask
+[B, 1, 1, Tk] broadcasts over heads and queries. Where it broadcasts over the queries (MASK_ROW), one
+[BLOCK_N] row per key block is loaded and broadcast in registers instead of a [BLOCK_M, BLOCK_N] tile of
+repeated addresses. The same helper serves the forward's score tiles [queries, keys] and the backward's
+transposed ones [keys, queries]: the caller passes the query and key indices already shaped for its tile.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..codegen.jit_keys import settle as settle_cache_keys
+
+__all__ = ["FILL_MASK", "mask_kind", "reads_mask_row", "load_mask_block"]
+
+# The kernels' HAS_MASK: 0 no mask, 1 an additive mask, FILL_MASK a mask made from a -inf fill, whose
+# backward gives a query row masked entirely 0 in dq and dk (flash_backward's zero_empty_rows)
+FILL_MASK: tl.constexpr = tl.constexpr(2)
+
+
+def mask_kind(mask: Tensor | None, zero_empty_rows: bool) -> int:
+    """The kernels' HAS_MASK for this mask."""
+    return 0 if mask is None else FILL_MASK.value if zero_empty_rows else 1
+
+
+def reads_mask_row(mask: Tensor | None) -> bool:
+    """The kernels' MASK_ROW: the mask broadcasts over the queries (stride 0 on Tq)."""
+    return mask is not None and mask.stride(2) == 0
+
+
+@triton.jit
+def load_mask_block(mask_head, stride_mm, stride_mn, m0, q_offs, n0, k_offs, seq_q, seq_k, EVEN_Q: tl.constexpr,
+                    EVEN_K: tl.constexpr, MASK_ROW: tl.constexpr):
+    """The mask of one (batch, head) at queries m0 + q_offs and keys n0 + k_offs (offsets broadcastable to
+    the tile: [M, 1] and [1, N], or [1, M] and [N, 1] for a transposed tile), 0 past either end; EVEN_*
+    axes are known to be in bounds. The block's start is taken in 64 bits (big masks), the offsets in 32.
+    MASK_ROW: the keys' row only, broadcast by the caller's arithmetic."""
+    q_idx = m0 + q_offs
+    k_idx = n0 + k_offs
+    if MASK_ROW:
+        ptrs = mask_head + tl.cast(n0, tl.int64) * stride_mn + k_offs * stride_mn
+        if EVEN_K:
+            bias = tl.load(ptrs)
+        else:
+            bias = tl.load(ptrs, mask=k_idx < seq_k, other=0.0)
+    else:
+        start = mask_head + tl.cast(m0, tl.int64) * stride_mm + tl.cast(n0, tl.int64) * stride_mn
+        ptrs = start + q_offs * stride_mm + k_offs * stride_mn
+        if EVEN_Q:
+            if EVEN_K:
+                bias = tl.load(ptrs)
+            else:
+                bias = tl.load(ptrs, mask=k_idx < seq_k, other=0.0)
+        else:
+            if EVEN_K:
+                bias = tl.load(ptrs, mask=q_idx < seq_q, other=0.0)
+            else:
+                bias = tl.load(ptrs, mask=(q_idx < seq_q) & (k_idx < seq_k), other=0.0)
+    return bias
+
+
+settle_cache_keys(globals())  # each kernel's Triton key the same in every process (codegen/jit_keys.py)
