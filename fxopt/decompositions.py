@@ -26,7 +26,8 @@ def _reduced_count(x: torch.Tensor, dims) -> int:
 
 def _var_mean(x, dim=None, *, correction=None, keepdim=False):
     correction = 1 if correction is None else correction
-    dims = list(range(x.dim())) if dim is None or len(dim) == 0 else [d % x.dim() for d in dim]
+    # (a 0-d tensor takes dim 0 or -1, as eager does: everything is reduced)
+    dims = list(range(x.dim())) if dim is None or len(dim) == 0 or x.dim() == 0 else [d % x.dim() for d in dim]
     mean = aten.mean.dim(x, dims, True)
     centred = x - mean
     var = aten.sum.dim_IntList(centred * centred, dims, keepdim) / max(_reduced_count(x, dims) - correction, 0)

@@ -94,7 +94,7 @@ def _keep(step: MaskStep, value, score_shape) -> torch.Tensor:
     # a scale applied after the mask scales its value too (-1e5 * 1e-5 = -1 drops nothing): then only -inf
     masked_at_most = -math.inf if step.after_scale else MASKED_AT_MOST
     if step.kind == "fill":
-        if step.value > masked_at_most:
+        if not step.value <= masked_at_most:  # (a NaN fill is not a mask: eager's rows become NaN)
             raise NotAttention(f"masked scores are filled with {step.value:g}, not -inf or a value <= "
                                f"{MASKED_AT_MOST:g}{' (before a scale)' if step.after_scale else ''}: exp() would "
                                "not drop them")

@@ -101,16 +101,19 @@ def _tanh(c, x):
 
 def _expm1_tl(x: str) -> str:
     """expm1 from tl.exp alone (the interpreter has no libdevice), accurate near 0: with u = exp(x) rounded,
-    (u - 1) * x / log(u) cancels the rounding of u (Kahan's trick); exp(x) - 1 loses every digit there."""
+    (u - 1) * x / log(u) cancels the rounding of u (Kahan's trick); exp(x) - 1 loses every digit there.
+    Past x = 40, u - 1 is u in fp32 and fp64 alike, and (u - 1) * x would overflow before the division
+    (fp32 from x = 84.4, where expm1 is still finite)."""
     u = f"tl.exp({x})"
-    return (f"tl.where({u} == 1.0, {x}, tl.where({u} == float(\"inf\"), {u}, tl.where({u} - 1.0 == -1.0, -1.0, "
-            f"({u} - 1.0) * {x} / tl.log({u}))))")
+    return (f"tl.where(({u} == 1.0) | ({x} > 40.0), tl.where({u} == 1.0, {x}, {u}), "
+            f"tl.where({u} - 1.0 == -1.0, -1.0, ({u} - 1.0) * {x} / tl.log({u})))")
 
 
 def _log1p_tl(x: str) -> str:
-    """log1p from tl.log alone, accurate near 0: with u = 1 + x rounded, log(u) * x / (u - 1) (Kahan)."""
+    """log1p from tl.log alone, accurate near 0: with u = 1 + x rounded, log(u) * x / (u - 1) (Kahan).
+    Past x = 1e15 the correction is below rounding and log(u) * x would overflow from x ~ 4e36 (fp32)."""
     u = f"(1.0 + {x})"
-    return f"tl.where({u} == 1.0, {x}, tl.where({u} == float(\"inf\"), {u}, tl.log({u}) * {x} / ({u} - 1.0)))"
+    return f"tl.where({u} == 1.0, {x}, tl.where({x} > 1e15, tl.log({u}), tl.log({u}) * {x} / ({u} - 1.0)))"
 
 
 def _poly_ok(c) -> bool:
@@ -147,7 +150,8 @@ def _round_half_even(x: str) -> str:
     f = f"tl.floor({x})"
     frac = f"({x} - {f})"
     odd = f"({f} - 2.0 * tl.floor({f} * 0.5))"  # 1.0 when f is odd, else 0.0
-    return f"tl.where({frac} > 0.5, {f} + 1.0, tl.where({frac} == 0.5, {f} + {odd}, {f}))"
+    r = f"tl.where({frac} > 0.5, {f} + 1.0, tl.where({frac} == 0.5, {f} + {odd}, {f}))"
+    return f"tl.where({r} == 0.0, {x} * 0.0, {r})"  # zero keeps x's sign: round(-0.3) is -0.0, as in eager
 
 
 def _pow_scalar(c, x, e):

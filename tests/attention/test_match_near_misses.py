@@ -92,3 +92,16 @@ def test_masks_that_grow_the_scores_or_are_not_float_stay_unfused(device):
     keep = torch.rand(1, 1, T, T, device=device) > 0.3
     _unfused_and_equal(lambda q, k, v, m: torch.softmax(q @ k.mT * 0.25 + m, -1) @ v, q, k, v, keep,
                        why="dtype torch.bool")
+
+
+def test_a_nan_fill_is_not_a_mask(device):
+    """masked_fill(causal, NaN): eager's softmax makes every row with a masked key NaN; the NaN passed the
+    `fill <= -65504` test as a dropped score (NaN comparisons are False) and the site fused as causal."""
+    def f(q, k, v):
+        keep = torch.tril(torch.ones(T, T, dtype=torch.bool, device=q.device))
+        return (q @ k.mT * 0.25).masked_fill(~keep, float("nan")).softmax(-1) @ v
+    rep = fxopt.explain(f, *_qkv(device))
+    assert not any(s.fused for s in rep.attention) and "nan" in rep.attention[0].reason
+    got = compile_fxopt(f)(*_qkv(device))
+    torch.testing.assert_close(got, f(*_qkv(device)), equal_nan=True)
+    assert got[..., :-1, :].isnan().all() and not got[..., -1, :].isnan().any()

@@ -132,3 +132,27 @@ def test_functions_near_zero_keep_relative_precision(op, device):
     assert ((got - ref).abs() / ref.abs()).max() < 2e-6
     ends = torch.tensor([0.0, -0.0, 30.0, -30.0, INF, -INF, NAN, -1.0], device=device)
     torch.testing.assert_close(compile_fxopt(fn)(ends), fn(ends), equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("op", [torch.expm1, torch.log1p], ids=["expm1", "log1p"])
+def test_large_arguments_do_not_overflow_the_precision_trick(op, dtype, device):
+    """expm1(85) is 8.2e36, finite, but the near-zero formula's (u - 1) * x overflowed first (inf from x = 84.4
+    in fp32, a sweep found); log1p(1e37)'s log(u) * x the same way."""
+    big = [84.0, 85.0, 88.0, 88.7] if op is torch.expm1 else [1e16, 1e37, 3e38]
+    x = torch.tensor(big + [40.5, 1e-6, -1e-6], dtype=dtype, device=device)
+    fn = lambda a: op(a * 1)  # noqa: E731
+    assert fused(fn, x)
+    got, ref = compile_fxopt(fn)(x), op(x.double())
+    assert torch.isfinite(got).all(), got
+    torch.testing.assert_close(got.double(), ref, rtol=2e-6, atol=0)
+
+
+def test_round_to_zero_keeps_the_sign_like_eager(device):
+    """torch.round(-0.3) is -0.0 in eager (1 / it is -inf); the kernel's floor-based rounding gave +0.0."""
+    x = torch.tensor([-0.5, -0.3, -1e-30, -0.0, 0.0, 0.3, 0.5, -1.5, 2.5, -INF, NAN], device=device)
+    fn = lambda a: torch.round(a * 1)  # noqa: E731
+    assert "aten.round.default" in fused(fn, x)
+    got, expected = compile_fxopt(fn)(x), fn(x)
+    torch.testing.assert_close(got, expected, equal_nan=True)
+    assert torch.equal(got.signbit(), expected.signbit()), (got, expected)

@@ -157,6 +157,16 @@ def test_empty_rows_match_eager(device):
     assert any("empty" in r for _, r in rep.fallbacks)
 
 
+def test_variance_of_a_zero_dim_tensor_over_dim_0_or_minus_1(device):
+    """Eager accepts var(0) / std(-1) of a 0-d tensor (NaN with correction 1, 0 without); fxopt's var
+    decomposition took `dim % x.dim()` and crashed with a modulo by zero."""
+    x = torch.tensor(1.5, device=device)
+    fn = lambda t: ((t * 2).var(0), (t * 2).std(-1, keepdim=True, correction=0))  # noqa: E731
+    for got, want in zip(compile_fxopt(fn)(x), fn(x.double())):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got.double(), want, equal_nan=True)
+
+
 @pytest.mark.parametrize("which", ["layernorm", "rmsnorm", "softmax", "log_softmax"])
 def test_backward_fuses_and_gradients_equal_eager(device, which, schedule):
     torch.manual_seed(0)
