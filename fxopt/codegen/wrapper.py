@@ -26,7 +26,8 @@ from ..analysis.op_classes import is_view, out_variant, tensor_devices
 from ..analysis.symbolic import expr, hint, pexpr, ptuple, shape_env_of, sizes, strides, symbol_bindings
 from ..report import BufferRecord, MemoryPlan
 from .kernel import Kernel
-from .wrapper_layouts import VIEW_METHODS, allocation, elided_splits, known_layouts, scratch_allocation
+from .wrapper_layouts import (FRESH_CONTIGUOUS, VIEW_METHODS, allocation, elided_splits, known_layouts,
+                              scratch_allocation)
 from .wrapper_layouts import device_source as _dev
 from .wrapper_text import HEADER, KERNELS_END, KERNELS_HEADER, MAIN, PROFILE_HEADER
 
@@ -223,6 +224,7 @@ def generate_wrapper(gm: fx.GraphModule, kernels: dict[str, Kernel], graph: str,
         elif n.op == "call_function" and n.target is operator.getitem:
             if n.args[0].op != "call_module" and n.args[0] not in elided:
                 body.append(f"{n.name} = {names[n.args[0]]}[{n.args[1]}]")
+                body += _conformed(n, n.args[0])
         elif n.op == "call_function":
             args = [format_value(a, names) for a in n.args]
             args += [f"{k}={format_value(v, names)}" for k, v in n.kwargs.items()]
@@ -240,6 +242,7 @@ def generate_wrapper(gm: fx.GraphModule, kernels: dict[str, Kernel], graph: str,
                 own = own_op_callee(n)
                 callee = f"fxopt_ops.{own}" if own else _callee(n.target)
                 body += _timed([f"{n.name} = {callee}({', '.join(args)})"], n.name, profile)
+                body += _conformed(n, n)
         elif n.op == "get_attr":
             continue  # constants are module globals, set when the wrapper is loaded
         elif n.op == "output":
@@ -297,6 +300,18 @@ def _reinterpret(n: fx.Node, base: str, offset) -> str:
     """`n = reinterpret_tensor(base, ...)`: n's meta sizes and strides, `offset` elements past base's."""
     val = n.meta["val"]
     return f"{n.name} = reinterpret_tensor({base}, {ptuple(sizes(val))}, {ptuple(strides(val))}, {pexpr(offset)})"
+
+
+def _conformed(n: fx.Node, call: fx.Node) -> list[str]:
+    """`n = conform_layout(n, size, stride)` (wrapper_runtime.py) for an ATen result that kernels or views
+    index with its meta strides, unless the op's layout is sure (matmuls, fxopt's own ops, views); `call`
+    is the node that ran (n's source for a getitem)."""
+    val = n.meta.get("val")
+    if (not isinstance(val, torch.Tensor) or call.target in FRESH_CONTIGUOUS or is_view(call)
+            or own_op_callee(call) is not None
+            or not any(u.op == "call_module" or (u.op == "call_function" and is_view(u)) for u in n.users)):
+        return []
+    return [f"{n.name} = conform_layout({n.name}, {ptuple(sizes(val))}, {ptuple(strides(val))})"]
 
 
 def _holds_value(node: fx.Node) -> bool:

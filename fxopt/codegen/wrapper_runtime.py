@@ -41,18 +41,36 @@ reinterpret_tensor = getattr(_GUARDS, "_reinterpret_tensor", None) or _reinterpr
 device_guard = torch.cuda._DeviceGuard  # set the current CUDA device for a block, restored after
 
 
-def check_layout(t, size, stride, name):
-    """Kernels index inputs with the strides seen at compile time; refuse anything else."""
+def _has_layout(t, size, stride) -> bool:
     if _assert_size_stride is not None:
         try:
             _assert_size_stride(t, size, stride)
-            return
+            return True
         except AssertionError:
-            pass
-    elif tuple(t.shape) == size and all(a == b for a, b, n in zip(t.stride(), stride, size) if n > 1):
+            return False
+    return tuple(t.shape) == size and all(a == b for a, b, n in zip(t.stride(), stride, size) if n > 1)
+
+
+def check_layout(t, size, stride, name):
+    """Kernels index inputs with the strides seen at compile time; refuse anything else."""
+    if _has_layout(t, size, stride):
         return
     raise RuntimeError(f"fxopt: input '{name}' has shape {tuple(t.shape)} stride {tuple(t.stride())}, "
                        f"compiled for shape {size} stride {stride}; recompile for this layout")
+
+
+def conform_layout(t, size, stride):
+    """An ATen call's result laid out as its compile-time (meta) value says, for the kernels and views
+    that index it with those strides: an ATen kernel and its meta function can disagree (the CPU batch
+    norm of a permuted input returns a row-major tensor where the meta keeps the input's strides, and a
+    fused kernel read it transposed). `t` itself when they agree (the usual case: one C check), else a
+    copy in the meta layout."""
+    if _has_layout(t, size, stride):
+        return t
+    if tuple(t.shape) != tuple(size):
+        raise RuntimeError(f"fxopt: an ATen call returned shape {tuple(t.shape)}, compiled for {tuple(size)}")
+    out = torch.empty_strided(size, stride, dtype=t.dtype, device=t.device)
+    return out.copy_(t)
 
 
 def cdiv(a: int, b: int) -> int:

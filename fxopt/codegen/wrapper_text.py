@@ -17,9 +17,9 @@ KERNELS_END = "# end of kernels\n"
 
 HEADER = '''
 import torch{extra}
-from fxopt.codegen.wrapper_runtime import (cdiv, check_layout, device_guard, empty_strided_cpu,
-                                          empty_strided_cuda, next_power_of_2, reinterpret_tensor,
-                                          whole_row_block)
+from fxopt.codegen.wrapper_runtime import (cdiv, check_layout, conform_layout, device_guard,
+                                          empty_strided_cpu, empty_strided_cuda, next_power_of_2,
+                                          reinterpret_tensor, whole_row_block)
 aten = torch.ops.aten
 prims = torch.ops.prims
 empty_strided = torch.empty_strided
