@@ -2,8 +2,15 @@
 
 The first pass whose outputs differ (norm-wise relative error above `rtol`) is named, together with
 the first node, in the pass's output order, whose value differs from the same-named captured node.
+
+Every run is made to repeat the captured one and to leave no trace: it starts from the same RNG state
+(a dropout mask is the same draw in each, and the caller's RNG stream is not advanced), works on clones
+of the inputs, and puts back every tensor the graph holds as an attribute (a compiled optimizer step
+updates parameters and state in place: each verification run would otherwise take another step).
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.fx as fx
@@ -32,8 +39,15 @@ def real_inputs(example_inputs) -> list:
 
 
 def rel_error(a, b) -> float:
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):  # a higher-order op's outputs
+        if len(a) != len(b):
+            return float("inf")
+        return max([rel_error(x, y) for x, y in zip(a, b)] or [0.0])
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
-        return 0.0 if a == b else float("inf")
+        try:
+            return 0.0 if bool(a == b) else float("inf")
+        except (RuntimeError, TypeError, ValueError):  # values == cannot compare: not a difference we can name
+            return 0.0
     if a.shape != b.shape:
         return float("inf")
     if not a.dtype.is_floating_point:
@@ -65,14 +79,32 @@ class GraphVerifier:
     def _setup(self, captured, example_inputs, rtol, graph_name):
         self.inputs = real_inputs(example_inputs)
         self.rtol, self.graph_name = rtol, graph_name
+        self.attributes = _attribute_tensors(captured)
         rec = _Recorder(captured)
-        with torch.no_grad():
+        with torch.no_grad(), self._repeatable():
             self.expected = rec.run(*[_clone(x) for x in self.inputs])
         self.reference = rec.values
 
+    @contextlib.contextmanager
+    def _repeatable(self):
+        """The same RNG state on entry to every run, the caller's restored after, and the graph's
+        attribute tensors put back as they were."""
+        saved = [(t, t.detach().clone()) for t in self.attributes]
+        devices = sorted({x.device.index or 0 for x in [*self.inputs, *self.attributes]
+                          if isinstance(x, torch.Tensor) and x.device.type == "cuda"})
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(_SEED)
+            try:
+                yield
+            finally:
+                with torch.no_grad():
+                    for t, before in saved:
+                        t.copy_(before)
+
     def __call__(self, gm: fx.GraphModule, pass_name: str) -> float:
         rec = _Recorder(gm)
-        with torch.no_grad(), unset_fake_temporarily():
+        self.attributes = list(dict.fromkeys(self.attributes + _attribute_tensors(gm)))
+        with torch.no_grad(), unset_fake_temporarily(), self._repeatable():
             got = rec.run(*[_clone(x) for x in self.inputs])
             err = self._max_error(got)
             bad = self._first_bad_node(gm, rec.values) if err > self.rtol else ""
@@ -84,7 +116,7 @@ class GraphVerifier:
 
     def check_callable(self, call) -> float:
         """The generated wrapper (kernels included) against the captured graph."""
-        with torch.no_grad(), unset_fake_temporarily():
+        with torch.no_grad(), unset_fake_temporarily(), self._repeatable():
             got = call([_clone(x) for x in self.inputs])
             err = self._max_error(got)
         if err > self.rtol:
@@ -108,3 +140,20 @@ class GraphVerifier:
 
 def _clone(x):
     return x.clone() if isinstance(x, torch.Tensor) else x
+
+
+_SEED = 0x5EED
+
+
+def _attribute_tensors(gm: fx.GraphModule) -> list:
+    """The tensors a graph reads as module attributes (parameters, buffers, constants), the ones a run
+    could change in place."""
+    found = []
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            value = gm
+            for part in str(n.target).split("."):
+                value = getattr(value, part, None)
+            if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
+                found.append(value)
+    return found

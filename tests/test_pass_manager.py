@@ -83,3 +83,53 @@ def test_snapshots_of_a_graph_with_a_constant_tensor_share_it():
                  if n.op == "get_attr" and isinstance(getattr(gm, n.target), torch.Tensor)]
     assert constants and len({c.data_ptr() for c in constants}) == 1
     assert torch.equal(constants[0], torch.tensor([0.5, 0.25, 2.0]))
+
+
+def test_verify_accepts_random_ops_and_leaves_the_callers_rng_alone():
+    """Every verification run starts from one RNG state, so a dropout mask is the same draw in the captured
+    graph and after each pass (a sweep found verify=True rejecting every graph with dropout, blaming a pass
+    that changed nothing), and the caller's RNG stream is where it would be without verify."""
+    import torch.nn.functional as F
+
+    def drop(x):
+        return F.dropout(x.sin(), 0.5, training=True) * 2
+
+    x = torch.randn(6, 12)
+    results = []
+    for verify in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(3)
+        out = torch.compile(drop, backend=fxopt.backend(verify=verify))(x)
+        results.append((out, torch.rand(4)))
+    (plain, after_plain), (verified, after_verified) = results
+    assert torch.equal(plain, verified) and torch.equal(after_plain, after_verified)
+    torch.manual_seed(3)
+    torch.testing.assert_close(drop(x), plain)  # the same mask as eager's (values to fp32 rounding)
+
+
+def test_verify_does_not_repeat_in_place_updates_of_graph_attributes():
+    """A compiled optimizer step updates parameters and state in place: verification runs must put them
+    back (each took another SGD step before: the parameters moved four steps for one call)."""
+    import copy
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    twins = [copy.deepcopy(model) for _ in range(2)]
+    for m, backend in zip(twins, (None, fxopt.backend(verify=True))):
+        torch._dynamo.reset()
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        step = opt.step if backend is None else torch.compile(opt.step, backend=backend)
+        for _ in range(2):
+            for p in m.parameters():
+                p.grad = torch.ones_like(p)
+            step()
+    for eager_p, verified_p in zip(*(m.parameters() for m in twins)):
+        torch.testing.assert_close(verified_p, eager_p)
+
+
+def test_verify_compares_tuple_values_of_higher_order_ops():
+    from fxopt.verify import rel_error
+    a = (torch.ones(3), torch.zeros(2))
+    assert rel_error(a, (torch.ones(3), torch.zeros(2))) == 0.0
+    assert rel_error(a, (torch.ones(3), torch.ones(2))) > 0.5
+    assert rel_error(a, (torch.ones(3),)) == float("inf")
