@@ -20,43 +20,55 @@ def write_dump(rep, directory: str, all_passes: bool = False) -> None:
             raise OSError(f"fxopt: cannot write the dump to {directory!r} ({e.strerror}); set FXOPT_DUMP or "
                           "dump_dir to a directory this user can create and write") from e
     _clear_earlier_dump(directory)
+    written: list[str] = []
+    write = lambda rel, text: _write(directory, rel, text, written)  # noqa: E731
     index = 0
     for p in rep.pre_autograd:  # the torch-level graph, before autograd (attention matching)
         index += 1
         if p.changed or all_passes:
-            _write(directory, f"passes/{index:02d}_torch_{p.name}.txt", p.text)
+            write(f"passes/{index:02d}_torch_{p.name}.txt", p.text)
     for gi, g in enumerate(rep.graphs):
         tag = f"{gi}_{g.name}"
         index += 1
-        _write(directory, f"passes/{index:02d}_{tag}_captured.txt", g.captured_text)
+        write(f"passes/{index:02d}_{tag}_captured.txt", g.captured_text)
         for p in g.passes:
             index += 1
             if p.changed or p.name == "codegen" or all_passes:
-                _write(directory, f"passes/{index:02d}_{tag}_{p.name}.txt", p.text)
+                write(f"passes/{index:02d}_{tag}_{p.name}.txt", p.text)
         for k in g.kernels:  # (kernel names restart in every graph: later graphs' files carry the tag)
-            _write(directory, f"kernels/{k.name}.py" if gi == 0 else f"kernels/{tag}_{k.name}.py", k.standalone)
-        name = "wrapper.py" if gi == 0 else f"wrapper_{tag}.py"
-        _write(directory, name, g.wrapper_source)
+            write(f"kernels/{k.name}.py" if gi == 0 else f"kernels/{tag}_{k.name}.py", k.standalone)
+        write("wrapper.py" if gi == 0 else f"wrapper_{tag}.py", g.wrapper_source)
     if rep.memory_plan is not None:
-        _write(directory, "memory.svg", memory_svg(rep.memory_plan))
-    _write(directory, "report.txt", str(rep))
-    _write(directory, "report.html", report_html(rep))
+        write("memory.svg", memory_svg(rep.memory_plan))
+    write("report.txt", str(rep))
+    write("report.html", report_html(rep))
+    _write(directory, MANIFEST, "".join(f"{rel}\n" for rel in written), [])
+
+
+# The files a dump wrote, one relative path per line: the next dump into the directory removes these
+# and nothing else (a user's own kernels/*.py beside a dump are never touched)
+MANIFEST = ".fxopt-dump-files"
 
 
 def _clear_earlier_dump(directory: str) -> None:
     """A dump is rewritten whole after every compiled graph (the report grows, so file numbers shift):
-    remove the files an earlier write of it left (numbered pass files, kernel files), nothing else."""
-    ours = {"passes": lambda f: f[:2].isdigit() and f.endswith(".txt"), "kernels": lambda f: f.endswith(".py")}
-    for sub, ok in ours.items():
-        folder = os.path.join(directory, sub)
-        for f in os.listdir(folder):
-            if ok(f):
-                os.remove(os.path.join(folder, f))
+    remove the files an earlier write of it listed in its manifest, nothing else."""
+    try:
+        with open(os.path.join(directory, MANIFEST)) as f:
+            earlier = [line.strip() for line in f if line.strip()]
+    except FileNotFoundError:
+        return
+    root = os.path.realpath(directory)
+    for rel in earlier:
+        path = os.path.realpath(os.path.join(directory, rel))
+        if os.path.commonpath([root, path]) == root and os.path.isfile(path):  # (never outside the dump)
+            os.remove(path)
 
 
-def _write(directory: str, rel: str, text: str) -> None:
+def _write(directory: str, rel: str, text: str, written: list) -> None:
     with open(os.path.join(directory, rel), "w") as f:
         f.write(text)
+    written.append(rel)
 
 
 def report_html(rep) -> str:

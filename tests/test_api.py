@@ -123,6 +123,40 @@ def test_fxopt_dump_keeps_one_file_per_kernel_and_pass_across_graphs(tmp_path, m
     assert len(numbers) == len(set(numbers)), sorted(numbers)
 
 
+def test_a_dump_removes_only_files_an_earlier_dump_wrote(tmp_path, monkeypatch):
+    """A dump into a project directory: the user's own kernels/*.py and numbered notes stay (a sweep found
+    every *.py under kernels/ deleted); an earlier dump's files are replaced."""
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "passes").mkdir()
+    mine = [tmp_path / "kernels" / "my_kernel.py", tmp_path / "kernels" / "__init__.py", tmp_path / "passes" / "01_x.txt"]
+    for path in mine:
+        path.write_text("user file\n")
+    monkeypatch.setenv("FXOPT_DUMP", str(tmp_path))
+    torch.compile(lambda x: x.sin() * 2, backend="fxopt")(torch.randn(4))
+    from fxopt.dump import MANIFEST
+    stale = tmp_path / "kernels" / "fused_gone_0.py"  # as if an earlier dump had written a kernel no longer made
+    stale.write_text("old kernel\n")
+    with open(tmp_path / MANIFEST, "a") as f:
+        f.write("kernels/fused_gone_0.py\n")
+    torch._dynamo.reset()
+    torch.compile(lambda x: x.cos() + 1, backend="fxopt")(torch.randn(4))
+    assert all(path.read_text() == "user file\n" for path in mine)
+    assert not stale.exists() and (tmp_path / "wrapper.py").exists()
+    listed = (tmp_path / MANIFEST).read_text().split()
+    assert all((tmp_path / rel).is_file() for rel in listed) and "wrapper.py" in listed
+
+
+def test_wrapper_of_a_dynamic_graph_runs_on_its_own(tmp_path):
+    """Sizes passed as numbers get their example values (INPUT_SPECS held None for them: a TypeError)."""
+    torch.compile(lambda x: (x.sin() * 2).softmax(-1), backend=fxopt.backend(dump_dir=str(tmp_path)),
+                  dynamic=True)(torch.randn(6, 8))
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, str(tmp_path / "wrapper.py")], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "0 (6, 8)" in out.stdout
+
+
 def test_wrapper_runs_on_its_own(tmp_path):
     x, b = inputs()
     rep = fxopt.explain(chain, x, b)

@@ -203,6 +203,8 @@ def generate_wrapper(gm: fx.GraphModule, kernels: dict[str, Kernel], graph: str,
             specs.append(f"({example[0]}, {example[1]}, {val.dtype}, {_dev(val.device)})")
             if any(u.op == "call_module" for u in n.users):
                 body.append(f"check_layout({n.name}, {ptuple(sizes(val))}, {ptuple(strides(val))}, {n.name!r})")
+        elif isinstance(val, (torch.SymInt, int)):  # a size passed as a number (dynamic shapes): its example
+            specs.append(str(hint(val, shape_env)))
         else:
             specs.append("None")
     per_size = slots and plan.buffers[0].offset is None  # symbolic sizes: offsets looked up per call

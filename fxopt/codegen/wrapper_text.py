@@ -36,9 +36,14 @@ region = torch.profiler.record_function
 MAIN = '''
 
 def random_inputs():
-    """Inputs with the compiled shapes, strides and dtypes (ints are zeros: valid indices)."""
+    """Inputs with the compiled shapes, strides and dtypes (ints are zeros: valid indices); sizes passed as
+    numbers (dynamic shapes) take the example values the tensors' shapes were traced with."""
     args = []
-    for size, stride, dtype, device in INPUT_SPECS:
+    for spec in INPUT_SPECS:
+        if not isinstance(spec, tuple):
+            args.append(spec)
+            continue
+        size, stride, dtype, device = spec
         t = torch.empty_strided(size, stride, dtype=dtype, device=device)
         t.copy_(torch.randn(t.shape, device=device) if dtype.is_floating_point else torch.zeros(t.shape))
         args.append(t)
