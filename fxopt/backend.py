@@ -52,8 +52,12 @@ def compile_dynamo_graph(gm: fx.GraphModule, example_inputs, options: Options, r
     marks = _marks(report)
     pre = pipeline.pre_autograd_passes(options)
     if pre:
+        symbolic = options.verify and _has_symbols(example_inputs)
+        if symbolic:  # (as compile.py does for the ATen graphs)
+            report.pre_autograd_notes.append("verify=True is skipped for the torch-level graph under symbolic "
+                                             "shapes (it runs the graph on example tensors)")
         verifier = (GraphVerifier(gm, example_inputs, options.verify_tolerance, "torch-level")
-                    if options.verify else None)
+                    if options.verify and not symbolic else None)
         gm, records, _ = PassManager(pre, verifier).run(gm, ctx)
         report.pre_autograd.extend(records)
         report.attention.extend(ctx.attention)
@@ -80,6 +84,16 @@ def compile_dynamo_graph(gm: fx.GraphModule, example_inputs, options: Options, r
 
 
 _REPORT_LISTS = ("graphs", "pre_autograd", "pre_autograd_notes", "attention", "casts")
+
+
+def _has_symbols(example_inputs) -> bool:
+    """Whether dynamo passed symbolic sizes: SymInt inputs or tensors with symbolic shapes or strides."""
+    for x in example_inputs:
+        if isinstance(x, torch.SymInt):
+            return True
+        if isinstance(x, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in (*x.shape, *x.stride())):
+            return True
+    return False
 
 
 def _marks(report: Report) -> dict[str, int]:

@@ -25,12 +25,14 @@ def real_inputs(example_inputs) -> list:
     gen = torch.Generator().manual_seed(0)
     for x in example_inputs:
         if isinstance(x, FakeTensor) or (isinstance(x, torch.Tensor) and x.device.type == "meta"):
-            t = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+            # the layout's storage filled, then viewed: an expanded (stride-0) input shares elements, which a
+            # copy into it would refuse
+            extent = _extent(x)
             if x.dtype.is_floating_point:
-                t.copy_(torch.randn(x.shape, generator=gen).to(x.dtype))
+                storage = torch.randn(extent, generator=gen).to(x.dtype)
             else:
-                t.zero_()
-            out.append(t)
+                storage = torch.zeros(extent, dtype=x.dtype)
+            out.append(storage.to(x.device).as_strided(x.shape, x.stride()))
         elif isinstance(x, torch.Tensor):
             out.append(x.detach().clone())
         else:
@@ -139,7 +141,18 @@ class GraphVerifier:
 
 
 def _clone(x):
-    return x.clone() if isinstance(x, torch.Tensor) else x
+    """A copy with x's own strides, expanded (stride-0) dims included: clone() makes those contiguous,
+    and a kernel compiled for the expanded layout refuses it."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    if not x.numel():
+        return x.clone()
+    return x.as_strided((_extent(x),), (1,)).clone().as_strided(x.shape, x.stride())
+
+
+def _extent(x: torch.Tensor) -> int:
+    """Elements of storage x's layout spans from its first element."""
+    return 1 + sum((n - 1) * s for n, s in zip(x.shape, x.stride())) if x.numel() else 0
 
 
 _SEED = 0x5EED

@@ -133,3 +133,26 @@ def test_verify_compares_tuple_values_of_higher_order_ops():
     assert rel_error(a, (torch.ones(3), torch.zeros(2))) == 0.0
     assert rel_error(a, (torch.ones(3), torch.ones(2))) > 0.5
     assert rel_error(a, (torch.ones(3),)) == float("inf")
+
+
+def test_verify_takes_expanded_inputs_and_skips_symbolic_torch_graphs():
+    """An input expanded along a dim (stride 0: a padding mask `m.expand(B, T, T)`) is made and cloned with its
+    own layout (empty_strided + copy_ refused it; clone() made it contiguous, and the kernel compiled for
+    stride 0 refused that); under dynamic=True the torch-level graph is not run on example tensors (its
+    `torch.ones(s, s)` failed), as the ATen graphs are not, with a note."""
+    def f(x, m):
+        return (x * 2 + m).sum(-1)
+
+    x, m = torch.randn(2, 7, 7), torch.randn(2, 1, 7).expand(2, 7, 7)
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(f, backend=fxopt.backend(verify=True))(x, m), f(x, m))
+
+    def causal(q, k, v):
+        t = q.size(-2)
+        s = (q @ k.transpose(-2, -1) * 0.25).masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        return s.softmax(-1) @ v
+
+    q, k, v = (torch.randn(1, 2, 9, 16) for _ in range(3))
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(causal, backend=fxopt.backend(verify=True), dynamic=True)(q, k, v),
+                               causal(q, k, v))
