@@ -193,19 +193,22 @@ def _clamp(x, lo, hi):
     bound is not fused, op_classes.pointwise_unsupported_reason)."""
     out = x
     if lo is not None:
-        out = f"tl.where({_past(out, '<', lo)}, {lo}, {out})"
+        out = _past(out, "<", lo)
     if hi is not None:
-        out = f"tl.where({_past(out, '>', hi)}, {hi}, {out})"
+        out = _past(out, ">", hi)
     return out
 
 
 def _past(x: str, cmp: str, bound: str) -> str:
-    """`x cmp bound`, or the bound is NaN where it may be (a tensor operand, or the NaN literal)."""
+    """x moved to the bound where `x cmp bound`; the bound itself where it is NaN, if it may be (a tensor
+    operand, or the NaN literal). Nested selections, not `(x cmp b) | (b != b)`: the interpreter cannot
+    `|` a block with a 0-d tensor bound's scalar (F.cosine_similarity's clamp crashed on the CPU)."""
+    clamped = f"tl.where({x} {cmp} {bound}, {bound}, {x})"
     try:
         float(bound)  # a number literal ("0.0", "-1", "6"): never NaN
-        return f"{x} {cmp} {bound}"
+        return clamped
     except ValueError:
-        return f"(({x} {cmp} {bound}) | ({bound} != {bound}))"
+        return f"tl.where({bound} != {bound}, {bound}, {clamped})"
 
 
 def _cast(c, x):

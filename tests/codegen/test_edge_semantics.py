@@ -156,3 +156,19 @@ def test_round_to_zero_keeps_the_sign_like_eager(device):
     got, expected = compile_fxopt(fn)(x), fn(x)
     torch.testing.assert_close(got, expected, equal_nan=True)
     assert torch.equal(got.signbit(), expected.signbit()), (got, expected)
+
+
+def test_clamp_by_a_zero_dim_tensor_bound_and_cosine_similarity(device):
+    """A 0-d tensor bound is a scalar load in the kernel; the interpreter could not `|` it with a block
+    (F.cosine_similarity, whose decomposition clamps the norms by scalar_tensor(1e-8), crashed on the CPU)."""
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 8, device=device), torch.randn(6, 8, device=device)
+    x[0] = 0.0  # a zero norm: the clamp's bound is taken
+    s = torch.tensor(0.1, device=device)
+    cases = [(lambda a, b: F.cosine_similarity(a, b, dim=-1), (x, y)),
+             (lambda a, b: a.clamp(min=b) * 1, (x, s)), (lambda a, b: torch.clamp(a, -b, b) + 1, (x, s)),
+             (lambda a, b: a.clamp(max=b) * 1, (x, torch.tensor(NAN, device=device)))]
+    for fn, args in cases:
+        assert fused(fn, *args)
+        got = compile_fxopt(fn)(*args)
+        torch.testing.assert_close(got.double(), fn(*(to64(a) for a in args)), equal_nan=True, rtol=1e-5, atol=1e-6)
