@@ -30,7 +30,8 @@ def _var_mean(x, dim=None, *, correction=None, keepdim=False):
     dims = list(range(x.dim())) if dim is None or len(dim) == 0 or x.dim() == 0 else [d % x.dim() for d in dim]
     mean = aten.mean.dim(x, dims, True)
     centred = x - mean
-    var = aten.sum.dim_IntList(centred * centred, dims, keepdim) / max(_reduced_count(x, dims) - correction, 0)
+    # (sym_max: a data-dependent count, boolean-mask indexing, must not be guarded on)
+    var = aten.sum.dim_IntList(centred * centred, dims, keepdim) / torch.sym_max(_reduced_count(x, dims) - correction, 0)
     if not keepdim:
         mean = aten.squeeze.dims(mean, dims)
     return var, mean

@@ -43,7 +43,9 @@ COLUMN_STAGES = 3
 
 
 def column_sums(nodes) -> list[fx.Node]:
-    return [n for n in nodes if n.meta.get(COLUMN_SUM)]
+    """The group's column sums: its reductions marked so (a placeholder carrying the mark is the value of
+    another kernel's column sum, copied with the node's meta: read here like any input)."""
+    return [n for n in nodes if n.op == "call_function" and n.meta.get(COLUMN_SUM)]
 
 
 def column_ops(nodes, sums: list[fx.Node]) -> list[fx.Node]:

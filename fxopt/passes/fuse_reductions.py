@@ -124,12 +124,18 @@ class _ReductionGroupSupport(OperatorSupportBase):
         return all(a.op in ("placeholder", "get_attr") or self._column_operand(a) for a in node.all_input_nodes)
 
     def _column_value(self, node: fx.Node) -> bool:
-        """A column sum of the group's shape, or a pointwise op computed from such sums only."""
+        """A column sum of the group's shape, or a pointwise op computed from such sums only. A sum of
+        column values is not a column sum of the rows, even where its shapes say so (a [1, M] column sum
+        summed over its dim 0 again, for a single row)."""
         if node not in self._columns:
-            self._columns[node] = is_column_sum_of(node, self.key) or (
-                node.op == "call_function" and not is_view(node) and reduction_info(node) is None
-                and bool(node.all_input_nodes) and all(self._column_value(a) for a in node.all_input_nodes)
-                and pointwise_unsupported_reason(node, self.target) is None)
+            if is_column_sum_of(node, self.key):
+                self._columns[node] = not any(self._column_value(a) or self._after_column(a)
+                                              for a in node.all_input_nodes)
+            else:
+                self._columns[node] = (
+                    node.op == "call_function" and not is_view(node) and reduction_info(node) is None
+                    and bool(node.all_input_nodes) and all(self._column_value(a) for a in node.all_input_nodes)
+                    and pointwise_unsupported_reason(node, self.target) is None)
         return self._columns[node]
 
     def _ambiguous_row_scalar(self, node: fx.Node, shape) -> bool:

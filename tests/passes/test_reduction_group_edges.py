@@ -34,3 +34,37 @@ def test_square_reduction_groups_match_eager(case, device):
     (g64,) = torch.autograd.grad(want.square().sum(), x64)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(g.double(), g64, rtol=1e-4, atol=1e-4)
+
+
+def test_a_column_sum_summed_again_beside_a_row_sum():
+    """A column sum whose result is reduced again (`x.sum(0).sum()`, `x.sum(0).softmax(0)`, and for one row
+    `x.sum(0, keepdim=True).sum(0)`, whose shapes look like a column sum of the rows) in a graph with a row
+    reduction of the same x: the second reduction is not part of the row kernel's column epilogue (a
+    sweep found codegen crashing with KeyErrors), and a kernel reading another kernel's column sum reads
+    it as an input."""
+    cases = [lambda x: (x.sum(0, keepdim=True).sum(0), x.sum(1, keepdim=True)),
+             lambda x: (x.sum(0).sum(), x * x.sum(1, keepdim=True)),
+             lambda x: (x * x.sum(1, keepdim=True), x.sum(0).softmax(0)),
+             lambda x: ((x.sum(0, keepdim=True) > 0.1).float().sum(0), x.sum(1)),
+             lambda x: (x.sum(0, keepdim=True) / x.sum(0, keepdim=True).sum(0, keepdim=True),
+                        x / x.sum(1, keepdim=True))]
+    for rows in (1, 3):
+        x = torch.randn(rows, 5)
+        for fn in cases:
+            torch._dynamo.reset()
+            for got, want in zip(compile_fxopt(fn)(x), fn(x.double())):
+                torch.testing.assert_close(got.double(), want.double(), rtol=1e-5, atol=1e-6)
+
+
+def test_variance_of_a_data_dependent_selection():
+    """var over `y[y > t]` (an unbacked size, with capture_dynamic_output_shape_ops): the decomposition's
+    max(count - correction, 0) guarded on the unbacked count and compilation failed."""
+    def fn(x):
+        y = x.exp()
+        return y[y > 1.5].var()
+
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        got = compile_fxopt(fn)(x)
+    torch.testing.assert_close(got.double(), fn(x.double()), rtol=1e-5, atol=1e-6)
