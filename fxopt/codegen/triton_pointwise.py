@@ -300,7 +300,9 @@ class PointwiseEmitter:
             addr = print_index(addresses[i])
             broadcast = any(s == 0 for s in space.operand_strides[i]) or not space.operand_strides[i]
             if not index_symbols(addresses[i]):  # one element, read by every lane
-                load = f"tl.load({ptr} + {addr})"
+                # (the interpreter's comparisons of a 0-d value give floats that `|` and `&` refuse: a
+                # block of the element there)
+                load = f"tl.load({ptr} + {addr}{store_pad(set()) if self.target == 'interpret' else ''})"
             else:
                 policy = ', eviction_policy="evict_last"' if broadcast else ""
                 load = f"tl.load({ptr} + ({addr}), {load_mask(index_symbols(addresses[i]))}{policy})"

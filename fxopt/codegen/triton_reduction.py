@@ -283,7 +283,9 @@ class ReductionEmitter(PointwiseEmitter):
         policy = ', eviction_policy="evict_last"' if not has_x and has_r else ""
         if has_x and has_r and self.load_policy:  # a strided looped kernel's (reduction_schedules.strided_rows)
             policy = f', eviction_policy="{self.load_policy}"'
-        load = f"tl.load({ptr} + ({print_index(addr)}){mask}{other}{policy})"
+        # (one element on the interpreter: a [XBLOCK, 1] block of it, as in triton_pointwise)
+        pad = " + tl.zeros([XBLOCK, 1], tl.int32)" if not (has_x or has_r) and self.target == "interpret" else ""
+        load = f"tl.load({ptr} + ({print_index(addr)}){pad}{mask}{other}{policy})"
         cdt = compute_dtype(val.dtype)
         if cdt != val.dtype:
             load += f".to({TL_DTYPE[cdt]})"

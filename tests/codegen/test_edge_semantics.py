@@ -172,3 +172,16 @@ def test_clamp_by_a_zero_dim_tensor_bound_and_cosine_similarity(device):
         assert fused(fn, *args)
         got = compile_fxopt(fn)(*args)
         torch.testing.assert_close(got.double(), fn(*(to64(a) for a in args)), equal_nan=True, rtol=1e-5, atol=1e-6)
+
+
+def test_boolean_logic_on_a_zero_dim_operand(device):
+    """xlogy's backward ands two tests of a 0-d input: on the CPU the interpreter's comparison of a 0-d value
+    gave floats that `&` refused (a crash); its scalar loads are now blocks there."""
+    x = torch.randn(5, 7, device=device, requires_grad=True)
+    s = torch.tensor(0.3, device=device, requires_grad=True)
+    fn = lambda a, b: torch.xlogy(b, a.abs())  # noqa: E731
+    compile_fxopt(fn)(x, s).sum().backward()
+    x64, s64 = (t.detach().double().requires_grad_() for t in (x, s))
+    fn(x64, s64).sum().backward()
+    torch.testing.assert_close(x.grad.double(), x64.grad)
+    torch.testing.assert_close(s.grad.double(), s64.grad)
