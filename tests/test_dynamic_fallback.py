@@ -47,3 +47,25 @@ def test_explain_shows_the_symbols_and_guards_of_a_symbolic_graph():
     assert all(f"2 <= {name}" in g.guards for name in g.symbols)
     assert any("symbolic sizes" in note for note in g.notes)
     assert rep.kernels and not rep.fallbacks
+
+
+def test_sizes_equal_only_through_a_guard_stay_aten_with_the_reason():
+    """a.view(-1) - b.view(-1) of [2, 6, C] and [3, 4, C] under dynamic=True: the sizes s0*s1*C and s2*s3*C
+    are equal by a guard only, which the kernels' indexing (by the sizes' expressions) cannot use; codegen
+    crashed there (and, under automatic dynamic shapes, in label-smoothed cross-entropy of
+    logits.view(-1, V) against targets.view(-1))."""
+    import torch.nn.functional as F
+
+    def mse(a, b):
+        return F.mse_loss(a.view(-1), b.view(-1))
+
+    rep, calls = fxopt.Report(), []
+    g = torch.compile(mse, backend=_counting(rep, calls), dynamic=True)
+    for a_shape, b_shape in (((2, 6), (3, 4)), ((4, 6), (3, 8)), ((2, 10), (4, 5))):
+        a, b = torch.randn(*a_shape, 11, requires_grad=True), torch.randn(*b_shape, 11)
+        got = g(a, b)
+        a64 = a.detach().double().requires_grad_()
+        want = mse(a64, b.double())
+        torch.testing.assert_close(got.double(), want)
+        torch.testing.assert_close(torch.autograd.grad(got, a)[0].double(), torch.autograd.grad(want, a64)[0])
+    assert any("only through a guard" in reason for _, reason in rep.fallbacks), rep.fallbacks

@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
-from .symbolic import is_symbolic, sizes
+from .symbolic import is_symbolic, same, sizes
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -243,6 +243,12 @@ def _int_to_half_cast(node: fx.Node, out: torch.Tensor) -> bool:
             and not src.dtype.is_floating_point)
 
 
+def _broadcasts(src, dst) -> bool:
+    """Whether a shape broadcasts to another by its expressions: right-aligned, each size 1 or the same."""
+    pad = len(dst) - len(src)
+    return pad >= 0 and all(s == 1 or same(s, d) for s, d in zip(src, dst[pad:]))
+
+
 _CLAMPS = (aten.clamp.default, aten.clamp.Tensor, aten.clamp_min.default, aten.clamp_max.default,
            aten.hardtanh.default)
 
@@ -263,6 +269,10 @@ def pointwise_unsupported_reason(node: fx.Node, target: str) -> str | None:
             return f"input '{inp.name}' has dtype {v.dtype}, which has no Triton lowering"
         if v.device != out.device:
             return f"input '{inp.name}' is on {v.device} while the result is on {out.device}"
+        if not _broadcasts(sizes(v), sizes(out)):
+            return (f"input '{inp.name}' of shape {list(sizes(v))} matches the result's {list(sizes(out))} only "
+                    "through a guard on the symbolic sizes (e.g. a [B*T] view against a [T*B] one): the "
+                    "kernels index by the sizes' expressions")
     for a in node.all_input_nodes:
         if isinstance(a.meta.get("val"), torch.SymFloat):  # (a SymInt operand is computed in the kernel)
             return (f"operand '{a.name}' is a float computed from sizes at run time (a SymFloat, e.g. 1/(n-1) "
