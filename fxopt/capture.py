@@ -14,12 +14,16 @@ from .options import Options
 from .report import Report
 
 
-def capture(model, inputs) -> list[tuple[fx.GraphModule, list]]:
-    """The (graph, example inputs) pairs dynamo hands a backend for model(*inputs)."""
+def capture(model, inputs, on_graph=None) -> list[tuple[fx.GraphModule, list]]:
+    """The (graph, example inputs) pairs dynamo hands a backend for model(*inputs); `on_graph(gm,
+    example_inputs)` is called for each inside dynamo's backend call, where its tracing context (the shape
+    environment of data-dependent sizes and `.item()` values) is still current."""
     graphs: list[tuple[fx.GraphModule, list]] = []
 
     def recording_backend(gm: fx.GraphModule, example_inputs):
         graphs.append((gm, list(example_inputs)))
+        if on_graph is not None:
+            on_graph(gm, list(example_inputs))
         return gm.forward
 
     compiled = torch.compile(model, backend=recording_backend, dynamic=False)
@@ -37,8 +41,19 @@ def explain(model, *inputs, **options) -> Report:
     requires grad (aot_autograd compiles both)."""
     opts = Options.from_kwargs(**options).replace(keep_graphs=True)
     report = Report()
-    for gm, example_inputs in capture(model, inputs):
-        compile_dynamo_graph(gm, example_inputs, opts, report)
+    failed: list[BaseException] = []
+
+    def compile_now(gm, example_inputs):  # inside dynamo's call (a graph with `.item()` needs its context)
+        if failed:
+            return
+        try:
+            compile_dynamo_graph(gm, example_inputs, opts, report)
+        except Exception as e:  # raised as itself below, not wrapped in dynamo's BackendCompilerFailed
+            failed.append(e)
+
+    capture(model, inputs, on_graph=compile_now)
+    if failed:
+        raise failed[0]
     return report
 
 

@@ -315,3 +315,18 @@ def test_an_unusable_directory_is_named_with_its_variable(var, tmp_path, monkeyp
     monkeypatch.setenv(var, str(a_file / "sub"))
     with pytest.raises(Exception, match=var):
         torch.compile(lambda x: (x * 2 + 1).sigmoid(), backend="fxopt")(torch.randn(3, 5))
+
+
+def test_explain_a_graph_with_data_dependent_values():
+    """With capture_scalar_outputs, `.item()` stays in the graph as an unbacked value: explain compiled the
+    captured graphs after dynamo had returned, outside its tracing context, and aot_autograd failed
+    (DataDependentOutputException) where torch.compile(backend="fxopt") works. Graphs now compile inside
+    dynamo's backend call, as torch.compile's do."""
+    def f(x):
+        return x.sin() * x.sum().item() + 1
+
+    x = torch.randn(6, 8)
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        rep = fxopt.explain(f, x)
+    assert rep.kernels and rep.graphs
+
