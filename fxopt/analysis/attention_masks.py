@@ -52,6 +52,9 @@ class MaskFacts:
     buffers: tuple = ()  # module buffers the causal fact or the slopes were read from (guarded at run time)
     key_slopes: torch.Tensor | None = None  # float64 [heads or 1]: a linear position bias (ALiBi) for the kernel
     safe_softmax: bool = False  # SDPA's: a row masked entirely is 0, not NaN (attention/op.py)
+    # a causal step with a finite fill beside the input-dependent mask, and whether it applies first: both
+    # are read by the kernel as one additive mask (fold_finite_causal)
+    folded_causal: tuple[MaskStep, bool] | None = None
     described: str = "none"
 
 
@@ -190,18 +193,20 @@ def mask_facts(steps: list[MaskStep], values, score_shape, requires_grad) -> Mas
     if not symbolic:
         score_shape = tuple(d if isinstance(d, int) else 1 for d in score_shape)
     keep = torch.ones(() if symbolic else (1,) * (len(score_shape) - 2) + tuple(score_shape[-2:]), dtype=torch.bool)
-    constant_steps = []
-    for step in steps:
+    constant_steps, causal_steps, runtime_at = [], [], None
+    for at, step in enumerate(steps):
         if values.is_constant(step.tensor) and symbolic:
             raise NotAttention("a compile-time mask with symbolic (dynamic) sizes: it cannot be evaluated once "
                                "for every size")
         keep_of = lambda v, s, step=step: _keep(step, v, s)  # noqa: E731
         if symbolic and built_causal(step.tensor, keep_of, values, score_shape):
             facts.causal, facts.described = True, "causal (a triangle built in the graph over the symbolic length)"
+            causal_steps.append((at, step))
             continue
         sliced = sliced_causal(step.tensor, keep_of, values, score_shape) if symbolic else None
         if sliced is not None:  # a causal buffer sliced to the length: causal for every length
             facts.causal = True
+            causal_steps.append((at, step))
             facts.buffers = tuple(dict.fromkeys(facts.buffers + sliced))
             facts.described = f"causal (from {_describe_buffers(facts.buffers)}, sliced to the length)"
             continue
@@ -209,6 +214,7 @@ def mask_facts(steps: list[MaskStep], values, score_shape, requires_grad) -> Mas
             try:
                 keep = keep & _keep_of_step(step, values, score_shape, step.tensor)
                 constant_steps.append(step)
+                causal_steps.append((at, step))
                 continue
             except NotACausalMask:
                 if not isinstance(step.tensor, fx.Node):
@@ -225,6 +231,7 @@ def mask_facts(steps: list[MaskStep], values, score_shape, requires_grad) -> Mas
                 # padding mask; the other constant steps may still make the site causal
         _check_readable(step, facts)
         check_runtime_mask(step, score_shape)
+        runtime_at = at
         if step.kind == "add":
             _read_additive(facts, step.tensor, requires_grad)
         elif step.value == -math.inf:
@@ -243,10 +250,49 @@ def mask_facts(steps: list[MaskStep], values, score_shape, requires_grad) -> Mas
         buffers = [b for s in constant_steps if isinstance(s.tensor, fx.Node) for b in values.buffers_used(s.tensor)]
         facts.buffers = tuple(dict.fromkeys(facts.buffers + tuple(buffers)))
         facts.described = f"causal (from {_describe_buffers(dict.fromkeys(buffers))})"
+    if (facts.causal and facts.runtime_fill is not None and runtime_at is not None
+            and any(_finite_fill(s, values) for _, s in causal_steps)):
+        return fold_finite_causal(facts, causal_steps, runtime_at)
     if facts.runtime_mask is not None or facts.runtime_fill is not None:
         node = facts.runtime_mask if facts.runtime_mask is not None else facts.runtime_fill.tensor
         _describe_read_mask(facts, f"additive {list(node.meta['example_value'].shape)} read by the kernel")
     return _with_slopes_described(facts)
+
+
+def _finite_fill(step: MaskStep, values) -> bool:
+    """Whether a causal step masks with a finite value (finfo.min) rather than -inf; an additive mask whose
+    values are not known here counts as finite."""
+    if step.kind == "fill":
+        return step.value != -math.inf
+    try:
+        tensor = torch.as_tensor(values.value(step.tensor))
+    except Exception:  # (built over a symbolic length: not evaluated)
+        return True
+    return bool(((tensor != 0) & (tensor != -math.inf)).any())
+
+
+def fold_finite_causal(facts: MaskFacts, causal_steps: list, runtime_at: int) -> MaskFacts:
+    """A causal mask with a finite fill (`masked_fill(~tril, finfo.min)`) beside an input-dependent -inf
+    fill (a bool padding mask): a query row whose visible keys the padding removes (a left-padded row)
+    has only -inf there, and eager's softmax averages the future keys, which hold the finite fill; causal
+    block skipping never visits them and the row came out NaN, which the next layer's P @ V spread to
+    every row (0 * NaN). Such a site runs with the causal step folded into the mask the kernel reads
+    (built per call: no block skipping), so those rows are eager's (their gradients, where a loss reads
+    them, are not: README, Attention). Beside an *additive* input mask (HF GPT-2's `(1 - m) * finfo.min`)
+    the site stays causal: there such a row averages its visible keys, finite, where eager averages the
+    future ones too (README); folding would misplace rows whose real scores are all far below zero (a
+    -1e4 padding), which the kernels' masked score then outweighs."""
+    if len(causal_steps) != 1 or facts.key_slopes is not None or not isinstance(causal_steps[0][1].tensor, fx.Node):
+        raise NotAttention("a causal mask with a finite fill (finfo.min) beside an input-dependent mask, in a form "
+                           "the kernel cannot read as one mask: rows whose visible keys are all masked would "
+                           "differ from eager")
+    at, step = causal_steps[0]
+    facts.causal, facts.buffers = False, ()  # (the kernel reads the buffer's mask per call: nothing to guard)
+    facts.folded_causal = (step, at < runtime_at)
+    facts.described = ("causal with a finite fill beside an input-dependent mask, read by the kernel as one "
+                       "additive mask (no causal block skipping: rows whose visible keys are all masked average "
+                       "the keys at the fill value, future ones included, as in eager)")
+    return facts
 
 
 def _read_additive(facts: MaskFacts, mask: fx.Node, requires_grad) -> None:

@@ -84,14 +84,26 @@ def _call(graph, op_or_method, *args):
 
 
 def _runtime_mask(graph: fx.Graph, facts: MaskFacts) -> fx.Node | None:
-    """The additive mask node the kernel reads (a -inf fill becomes where(cond, -inf, 0))."""
-    if facts.runtime_mask is not None:
-        return facts.runtime_mask
+    """The additive mask node the kernel reads (a -inf fill becomes where(cond, -inf, 0)), with a finite
+    causal fill folded in (attention_masks.fold_finite_causal): applied before the input mask m, eager's
+    masked keys hold fill + m, so the kernel adds where(keep, 0, fill) + m; applied after it, they hold the
+    fill alone: where(keep, m, fill)."""
+    mask = facts.runtime_mask
     step = facts.runtime_fill
-    if step is None:
-        return None
-    hit, miss = (0.0, -math.inf) if step.negate else (-math.inf, 0.0)
-    return graph.call_function(torch.where, (step.tensor, hit, miss))
+    if mask is None and step is not None:
+        hit, miss = (0.0, -math.inf) if step.negate else (-math.inf, 0.0)
+        mask = graph.call_function(torch.where, (step.tensor, hit, miss))
+    if facts.folded_causal is None:
+        return mask
+    causal, causal_first = facts.folded_causal
+    if causal.kind == "add":  # additions commute
+        return graph.call_function(operator.add, (causal.tensor, mask))
+    if causal_first:
+        kept, dropped = (0.0, causal.value) if causal.negate else (causal.value, 0.0)
+        return graph.call_function(operator.add, (graph.call_function(torch.where, (causal.tensor, kept, dropped)),
+                                                  mask))
+    kept, dropped = (mask, causal.value) if causal.negate else (causal.value, mask)
+    return graph.call_function(torch.where, (causal.tensor, kept, dropped))
 
 
 def _slopes_constant(gm: fx.GraphModule, m: Match) -> fx.Node | None:

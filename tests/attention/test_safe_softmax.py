@@ -150,3 +150,35 @@ def test_a_mask_built_from_the_length_that_empties_a_row_under_dynamic_shapes(de
     for got, r in zip((out, *grads), want):
         torch.testing.assert_close(got.double(), r, equal_nan=True, **TOL)
     assert out[:, :, 0].isnan().all() and not grads[0].isnan().any()
+
+
+def _finite_causal_bool_padding(q, k, v, am):
+    """A causal fill of finfo.min, then a bool key padding mask filled with -inf (left padding)."""
+    t = q.size(-2)
+    keep = torch.tril(torch.ones(t, t, dtype=torch.bool, device=q.device))
+    s = (q @ k.transpose(-2, -1) * 0.25).masked_fill(~keep, torch.finfo(torch.float32).min)
+    return s.masked_fill(am[:, None, None, :] == 0, float("-inf")).softmax(-1) @ v
+
+
+def test_a_finite_causal_fill_beside_a_padding_fill_keeps_left_padded_rows_finite(device):
+    """Left-padded query rows see only padded (-inf) keys; eager's softmax averages the future keys, which
+    hold the causal fill's finfo.min. With causal block skipping the kernel gave those rows NaN, and the
+    next layer's P @ V spread it to every row (0 * NaN): the site now reads the causal fill folded into its
+    mask. Forward equal to eager; gradients too where the loss does not read the padding rows."""
+    q, k, v, _ = tensors(device, tq=9, tk=9)
+    am = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1], [1] * 9], device=device)
+    site = fxopt.explain(_finite_causal_bool_padding, q, k, v, am).attention[0]
+    assert site.fused and "finite fill" in site.mask, site
+    torch._dynamo.reset()
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = compile_fxopt(_finite_causal_bool_padding)(q, k, v, am)
+    two_layers = compile_fxopt(lambda q, k, v, am: _finite_causal_bool_padding(q, k, _finite_causal_bool_padding(
+        q, k, v, am), am))(q, k, v, am)
+    assert not out.isnan().any() and not two_layers.isnan().any()
+    dout = torch.randn_like(out) * (am[:, None, :, None] != 0)  # the loss reads real tokens only
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = _finite_causal_bool_padding(q64, k64, v64, am)
+    want = (ref, *torch.autograd.grad(ref, (q64, k64, v64), dout.double()))
+    for got, r in zip((out, *grads), want):
+        torch.testing.assert_close(got.double(), r, **TOL)
