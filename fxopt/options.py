@@ -51,10 +51,12 @@ class Options:
             raise TypeError(f"fxopt: dump_dir={self.dump_dir!r} must be a directory path or None")
         if isinstance(self.skip_passes, list):
             object.__setattr__(self, "skip_passes", tuple(self.skip_passes))
-        if isinstance(self.skip_passes, str) or not set(self.skip_passes) <= set(SKIPPABLE_PASSES):
+        if (not isinstance(self.skip_passes, tuple) or not all(isinstance(n, str) for n in self.skip_passes)
+                or not set(self.skip_passes) <= set(SKIPPABLE_PASSES)):
             raise ValueError(f"fxopt: skip_passes={self.skip_passes!r} must be a tuple of names from "
                              f"{SKIPPABLE_PASSES}")
-        if not isinstance(self.all_reduce_bucket_mb, (int, float)) or self.all_reduce_bucket_mb < 0:
+        mb = self.all_reduce_bucket_mb
+        if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not mb >= 0:
             raise ValueError(f"fxopt: all_reduce_bucket_mb={self.all_reduce_bucket_mb!r} must be a number of MiB "
                              "(0 issues every all-reduce on its own)")
         if self.precision_policy is not None:

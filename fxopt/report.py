@@ -35,6 +35,11 @@ class AttentionSite:
     kernel: str | None = None  # what runs the fused op
     reason: str | None = None  # why a site was left unfused
 
+    @property
+    def fallback(self) -> str | None:
+        """The contract's name (DESIGN.md) for `reason`: None for a fused site, else why it was not."""
+        return self.reason
+
     def __str__(self) -> str:
         if not self.fused:
             return f"{self.node}: not fused: {self.reason}  [{self.source}]"

@@ -280,7 +280,9 @@ def test_torch_compile_options_dict_reaches_fxopt_and_inductor_modes_are_refused
 
 
 @pytest.mark.parametrize("bad", [{"fuse": "no"}, {"attention": None}, {"verify": "yes"}, {"verify_rtol": -1},
-                                 {"verify_rtol": "a"}, {"dump_dir": 5}])
+                                 {"verify_rtol": "a"}, {"dump_dir": 5}, {"skip_passes": None},
+                                 {"skip_passes": (3,)}, {"all_reduce_bucket_mb": True},
+                                 {"all_reduce_bucket_mb": float("nan")}])
 def test_option_values_are_checked_when_given(bad):
     """A string where a bool is expected would be truthy; a negative tolerance would blame a correct pass."""
     (name,) = bad
@@ -290,6 +292,14 @@ def test_option_values_are_checked_when_given(bad):
 
 def test_skip_passes_given_as_a_list_is_taken():
     assert fxopt.Options(skip_passes=["combine_casts"]).skip_passes == ("combine_casts",)
+
+
+def test_attention_site_has_the_contracts_fallback_field():
+    """DESIGN.md's AttentionSite(..., fallback): None when fused, else the reason."""
+    rep = fxopt.explain(lambda q, k, v: torch.softmax(q @ k.transpose(-2, -1), -2) @ v,
+                        *(torch.randn(1, 2, 8, 16) for _ in range(3)))
+    site = rep.attention[0]
+    assert not site.fused and site.fallback == site.reason and "dim" in site.fallback
 
 
 def test_torch_level_pass_text_comments_every_value_with_its_type():
