@@ -35,11 +35,23 @@ def _load_factory(spec: str):
 
 
 def _model_and_inputs(spec: str):
+    """(model, inputs as a tuple): a single tensor is one input, never unpacked along its first dim."""
     factory = _load_factory(spec)
     try:
-        return factory()
+        made = factory()
     except Exception as exc:
         raise SystemExit(f"fxopt: {spec}() raised {type(exc).__name__}: {exc}") from exc
+    if not (isinstance(made, (tuple, list)) and len(made) == 2 and callable(made[0])):
+        raise SystemExit(f"fxopt: {spec}() must return (model, example_inputs), got {type(made).__name__}"
+                         f"{f' of length {len(made)}' if isinstance(made, (tuple, list)) else ''}")
+    model, inputs = made
+    import torch  # (lazily, as fxopt: argument errors print at once)
+    if isinstance(inputs, torch.Tensor):
+        return model, (inputs,)
+    if not isinstance(inputs, (tuple, list)):
+        raise SystemExit(f"fxopt: {spec}()'s example_inputs must be a tensor or a tuple of inputs, got "
+                         f"{type(inputs).__name__}")
+    return model, tuple(inputs)
 
 
 def _backend_options_parser() -> argparse.ArgumentParser:

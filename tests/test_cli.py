@@ -107,6 +107,26 @@ def test_bad_targets_name_the_problem(model_file, target, message):
         main(["profile", target.replace("{model}", str(model_file))])
 
 
+@pytest.mark.parametrize("returns, message", [
+    ("f", "must return \\(model, example_inputs\\), got function"),
+    ("f, (torch.randn(3),), 1", "got tuple of length 3"),
+    ("f, 5", "must be a tensor or a tuple"),
+])
+def test_factories_returning_something_else_are_named(tmp_path, returns, message):
+    path = tmp_path / "odd.py"
+    path.write_text(f"import torch\ndef make():\n    f = lambda x: x * 2\n    return {returns}\n")
+    with pytest.raises(SystemExit, match=message):
+        main(["explain", f"{path}:make"])
+
+
+def test_a_single_tensor_input_is_one_input_not_its_rows(tmp_path, capsys):
+    """(model, tensor) was unpacked along the tensor's first dim: each row a separate argument."""
+    path = tmp_path / "one.py"
+    path.write_text("import torch\ndef make():\n    return (lambda x: (x * 2).softmax(-1)), torch.randn(3, 5)\n")
+    main(["explain", f"{path}:make"])  # (three [5] rows would be three arguments: a TypeError)
+    assert "fused_mul_amax_sub_exp_0" in capsys.readouterr().out
+
+
 def test_fxopt_dump_all_writes_passes_that_changed_nothing(tmp_path, monkeypatch):
     x, w = torch.randn(8, 16), torch.randn(16, 4)
     rep = fxopt.explain(lambda x, w: torch.relu(x @ w), x, w)
