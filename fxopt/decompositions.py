@@ -31,7 +31,8 @@ def _var_mean(x, dim=None, *, correction=None, keepdim=False):
     mean = aten.mean.dim(x, dims, True)
     centred = x - mean
     # (sym_max: a data-dependent count, boolean-mask indexing, must not be guarded on)
-    var = aten.sum.dim_IntList(centred * centred, dims, keepdim) / torch.sym_max(_reduced_count(x, dims) - correction, 0)
+    count = torch.sym_max(_reduced_count(x, dims) - correction, 0)
+    var = aten.sum.dim_IntList(centred * centred, dims, keepdim) / count
     if not keepdim:
         mean = aten.squeeze.dims(mean, dims)
     return var, mean

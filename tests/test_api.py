@@ -128,7 +128,8 @@ def test_a_dump_removes_only_files_an_earlier_dump_wrote(tmp_path, monkeypatch):
     every *.py under kernels/ deleted); an earlier dump's files are replaced."""
     (tmp_path / "kernels").mkdir()
     (tmp_path / "passes").mkdir()
-    mine = [tmp_path / "kernels" / "my_kernel.py", tmp_path / "kernels" / "__init__.py", tmp_path / "passes" / "01_x.txt"]
+    mine = [tmp_path / "kernels" / "my_kernel.py", tmp_path / "kernels" / "__init__.py",
+            tmp_path / "passes" / "01_x.txt"]
     for path in mine:
         path.write_text("user file\n")
     monkeypatch.setenv("FXOPT_DUMP", str(tmp_path))

@@ -277,14 +277,13 @@ class ReductionEmitter(PointwiseEmitter):
         ptr = f"in_ptr{self.placeholders.index(view_root(leaf))}"
         addr = self.xaddr[i] + self.raddr[i]
         has_x, has_r = bool(index_symbols(self.xaddr[i])), bool(index_symbols(self.raddr[i]))
-        mask = {(True, True): ", xmask & rmask", (True, False): ", xmask", (False, True): ", rmask",
-                (False, False): ""}[(has_x, has_r)]
+        mask = {(1, 1): ", xmask & rmask", (1, 0): ", xmask", (0, 1): ", rmask", (0, 0): ""}[(has_x, has_r)]
         other = ", other=0" if has_r else ""
         policy = ', eviction_policy="evict_last"' if not has_x and has_r else ""
         if has_x and has_r and self.load_policy:  # a strided looped kernel's (reduction_schedules.strided_rows)
             policy = f', eviction_policy="{self.load_policy}"'
-        # (one element on the interpreter: a [XBLOCK, 1] block of it, as in triton_pointwise)
-        pad = " + tl.zeros([XBLOCK, 1], tl.int32)" if not (has_x or has_r) and self.target == "interpret" else ""
+        one = not (has_x or has_r) and self.target == "interpret"  # a block of it there (see triton_pointwise)
+        pad = " + tl.zeros([XBLOCK, 1], tl.int32)" if one else ""
         load = f"tl.load({ptr} + ({print_index(addr)}){pad}{mask}{other}{policy})"
         cdt = compute_dtype(val.dtype)
         if cdt != val.dtype:
