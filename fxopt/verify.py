@@ -95,7 +95,9 @@ class GraphVerifier:
         devices = sorted({x.device.index or 0 for x in [*self.inputs, *self.attributes]
                           if isinstance(x, torch.Tensor) and x.device.type == "cuda"})
         with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(_SEED)
+            torch.random.default_generator.manual_seed(_SEED)  # (only the generators fork_rng restores)
+            for d in devices:
+                torch.cuda.default_generators[d].manual_seed(_SEED)
             try:
                 yield
             finally:
