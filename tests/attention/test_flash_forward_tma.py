@@ -190,6 +190,26 @@ def test_gpu_tma_backward_bf16_matches_float64():
 
 
 @pytest.mark.gpu
+def test_gpu_tma_backward_bf16_reads_masks(tma_backward_calls):
+    """The TMA backward with a key padding mask (one row per key block) and a full mask, through the
+    default GPU config (TMA for 16-bit inputs up to head dim 128); unmeasured when written (2026-12-05)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("needs a CUDA device of compute capability 9.0 or newer")
+    for seq_q, seq_k in ((256, 256), (200, 300)):
+        q, k, v = (t.cuda() for t in make_qkv(2, 8, 2, seq_q, seq_k, 128, torch.bfloat16, transposed=True, seed=9))
+        config = backward_config(128, False, torch.bfloat16, seq_q, seq_k, "cuda")
+        assert config["TMA"]
+        check_backward(q, k, v, causal=False, mask=padding_mask(2, 8, seq_q, seq_k, [seq_k - 50, 77]).cuda(),
+                       config=config)
+        g = torch.Generator().manual_seed(1)
+        full = torch.randn(2, 8, seq_q, seq_k, generator=g).masked_fill(
+            torch.rand(2, 8, seq_q, seq_k, generator=g) < 0.2, float("-inf"))
+        full[..., 0] = 0.0
+        check_backward(q, k, v, causal=True, mask=full.to(torch.bfloat16).cuda(), config=config)
+    assert len(tma_backward_calls) == 4
+
+
+@pytest.mark.gpu
 def test_gpu_tma_forward_bf16_is_the_default_and_matches_float64():
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("needs a CUDA device of compute capability 9.0 or newer")
