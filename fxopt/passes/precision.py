@@ -28,12 +28,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
+import weakref
 from collections import Counter
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
+from ..analysis.mutations import Mutations
 from ..analysis.precision_policy import FP32, LOW, category_of, feeds_reduction, policy_with
 from ..analysis.torch_ops import dtype, op_of
 from ..pass_manager import PassContext, PassResult
@@ -86,23 +89,32 @@ def _exact_source(value: fx.Node, to: torch.dtype) -> fx.Node | None:
 
 
 class _Casts:
-    """Inserts `.to(dtype)` nodes: one per (value, dtype), exact round trips cancelled, each recorded."""
+    """Inserts `.to(dtype)` nodes: one per (value, dtype), exact round trips cancelled, each recorded. A
+    value the graph writes in place (analysis/mutations.py) gets a cast of its own at each consumer,
+    and no round trip through it is cancelled: a shared cast made before `u.add_(10)` would be read
+    after it, and `y = h.float(); y.add_(10)` is no longer h."""
 
     def __init__(self, graph: fx.Graph, mode, records: list):
         self.graph, self.mode, self.records = graph, mode, records
         self.made: dict[tuple[fx.Node, torch.dtype], fx.Node] = {}
+        self.each: list[fx.Node] = []  # casts of values written in place, one per consumer
         self.bypassed: set[fx.Node] = set()  # the model's casts that a cancelled round trip skipped
+        self.mutations = Mutations(graph)
 
     def to(self, value: fx.Node, to: torch.dtype, before: fx.Node, reason: str) -> fx.Node:
-        source = _exact_source(value, to)
-        if source is not None:
+        written = self.mutations.written(value)
+        source = None if written else _exact_source(value, to)
+        if source is not None and not self.mutations.written(source):
             self.bypassed.add(value)
             return source
-        if (value, to) not in self.made:
+        if written or (value, to) not in self.made:
             with self.graph.inserting_before(before):
                 cast = self.graph.call_method("to", (value, to))
             cast.meta["example_value"] = run_on_fakes(cast, self.mode)
             self.records.append(CastRecord(cast.name, LABELS[dtype(value)], LABELS[to], reason))
+            if written:
+                self.each.append(cast)
+                return cast
             self.made[(value, to)] = cast
         return self.made[(value, to)]
 
@@ -142,9 +154,9 @@ class MixedPrecision:
                 if any(n not in original or _node_dtypes(n) != original[n] for n in node.all_input_nodes):
                     stats["kept"] += self._refresh(node, original, casts, ctx, recorded)
         casts.erase_bypassed()
-        stats = {"casts": len(casts.made), "low": stats[LOW], "fp32": stats[FP32], "kept": stats["kept"],
-                 "round_trips_cancelled": len(casts.bypassed)}
-        return PassResult(gm, bool(casts.made or casts.bypassed), stats)
+        stats = {"casts": len(casts.made) + len(casts.each), "low": stats[LOW], "fp32": stats[FP32],
+                 "kept": stats["kept"], "round_trips_cancelled": len(casts.bypassed)}
+        return PassResult(gm, bool(casts.made or casts.each or casts.bypassed), stats)
 
     def _where(self, node: fx.Node) -> str | None:
         """LOW, FP32, or None (follow the inputs), by the policy table."""
@@ -178,7 +190,9 @@ class MixedPrecision:
         try:
             with _meta_errors_unlogged():
                 node.meta["example_value"] = run_on_fakes(node, casts.mode)
-            return 0
+            why = _refused(node)
+            if why is None:
+                return 0
         except Exception as exc:  # the op's own dtype check, raised on fake tensors
             why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         reason = f"{node.name} ({node.target}) does not take the new dtypes: kept in its own"
@@ -205,6 +219,33 @@ class MixedPrecision:
         output.args = (fx.node.map_arg(output.args[0], restore),)
 
 
+# ops whose real kernels want the written tensor's dtype in the source where their fake ones do not check:
+# (name, position of the source argument)
+_SAME_DTYPE_SOURCES = {"index_add": 3, "index_add_": 3, "index_copy": 3, "index_copy_": 3, "index_put": 2,
+                       "index_put_": 2}
+_FILLS = {"masked_fill", "masked_fill_", "where", "fill_", "full_like", "clamp", "clamp_min", "clamp_max"}
+
+
+def _refused(node: fx.Node) -> str | None:
+    """Why a node re-run on fake tensors with its new dtypes would still be wrong: an op whose real
+    kernel insists on equal dtypes where its meta does not (index_add of a low-precision source into an
+    fp32 tensor), or a fill that the new dtype cannot hold (dynamo baked `finfo(s.dtype).min` of the fp32
+    scores: in fp16 it is -inf, and a row masked everywhere becomes NaN instead of eager's average)."""
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    values = [node.args[0] if node.args else None, *node.args[1:], *node.kwargs.values()]
+    if name in _SAME_DTYPE_SOURCES and len(node.args) > _SAME_DTYPE_SOURCES[name]:
+        source = node.args[_SAME_DTYPE_SOURCES[name]]
+        if isinstance(source, fx.Node) and isinstance(node.args[0], fx.Node) and dtype(source) != dtype(node.args[0]):
+            return f"{name} needs its source in the written tensor's dtype"
+    out = node.meta.get("example_value")
+    if name in _FILLS and isinstance(out, torch.Tensor) and out.dtype in LABELS and out.dtype != torch.float32:
+        largest = torch.finfo(out.dtype).max
+        for v in values:
+            if isinstance(v, float) and math.isfinite(v) and abs(v) > largest:
+                return f"the fill {v:g} overflows {LABELS[out.dtype]}"
+    return None
+
+
 def _restore_recorded(node: fx.Node, recorded_inputs: list, original: dict, casts: _Casts, reason: str) -> bool:
     """Put each input of `node` back to the dtype dynamo recorded for it (False: the inputs no longer
     line up with the recorded ones, nothing changed)."""
@@ -229,7 +270,9 @@ def _uncast(value: fx.Node, want: torch.dtype, original: dict) -> fx.Node | None
 @dataclass
 class CachedCast:
     """A parameter's low-precision copy, kept across calls of one compiled inference graph and made
-    again when the parameter changes in place (its version counter moves) or is swapped (its pointer)."""
+    again when the parameter changes in place (its version counter moves), is swapped (its pointer), is
+    another tensor (a new model at a freed parameter's address, version 1 like the old one's), or an
+    optimizer stepped since (fused optimizers write parameters without moving their version)."""
 
     index: int  # the parameter's position among the graph's inputs
     dtype: torch.dtype
@@ -237,13 +280,28 @@ class CachedCast:
     version: int = -1
     pointer: int = 0
     example: torch.Tensor | None = None  # dynamo's fake value of the cast (static shape), what aot_autograd traces with
+    param: weakref.ref | None = None
+    steps: int = -1  # optimizer steps taken in the process when the copy was made
 
     def get(self, param: torch.Tensor) -> torch.Tensor:
-        if self.value is None or param._version != self.version or param.data_ptr() != self.pointer:
+        if (self.value is None or param._version != self.version or param.data_ptr() != self.pointer
+                or self.param is None or self.param() is not param or self.steps != _OPTIMIZER_STEPS[0]):
             with torch.no_grad():
                 self.value = param.detach().to(self.dtype)
             self.version, self.pointer = param._version, param.data_ptr()
+            self.param, self.steps = weakref.ref(param), _OPTIMIZER_STEPS[0]
         return self.value
+
+
+_OPTIMIZER_STEPS = [0]  # optimizer.step() calls in this process, counted once a cast is cached
+
+
+@functools.lru_cache(maxsize=1)
+def _count_optimizer_steps() -> None:
+    def counted(optimizer, args, kwargs):
+        _OPTIMIZER_STEPS[0] += 1
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    register_optimizer_step_post_hook(counted)
 
 
 def lift_parameter_casts(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, list[CachedCast]]:
@@ -256,6 +314,7 @@ def lift_parameter_casts(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.Graph
     gm = _copy_of(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     records = {c.node: c for c in ctx.casts}
+    mutations = Mutations(gm.graph)  # a parameter the graph writes (Embedding's max_norm) is cast where read
     last, lifted = placeholders[-1], []
     for node in list(gm.graph.nodes):
         record = records.get(node.name)
@@ -263,7 +322,7 @@ def lift_parameter_casts(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.Graph
         if source is None or source.op != "placeholder" or source not in placeholders:
             continue  # (a cast of a cast already lifted stays a cast)
         index = placeholders.index(source)
-        if not isinstance(ctx.example_inputs[index], torch.nn.Parameter):
+        if not isinstance(ctx.example_inputs[index], torch.nn.Parameter) or mutations.written(source):
             continue
         with gm.graph.inserting_after(last):
             last = gm.graph.placeholder(f"{source.name}_{record.to_dtype}")
@@ -272,6 +331,8 @@ def lift_parameter_casts(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.Graph
         gm.graph.erase_node(node)
         record.reason += "; inference: cast once and cached until the parameter changes"
         lifted.append(CachedCast(index, dtype(last), example=node.meta["example_value"]))
+    if lifted:
+        _count_optimizer_steps()
     gm.recompile()
     return gm, lifted
 
