@@ -351,9 +351,9 @@ def _runtime_scalar(scale, graph: fx.Graph):
     return None
 
 
-def _requires_grad(node) -> bool:
+def _requires_grad(node) -> bool:  # (under no_grad, which dynamo guards, no backward is built: nothing needs one)
     v = meta(node)
-    return isinstance(v, torch.Tensor) and v.requires_grad
+    return isinstance(v, torch.Tensor) and v.requires_grad and torch.is_grad_enabled()
 
 
 def match_sdpa(node: fx.Node, values: ConstantValues) -> Match:

@@ -105,3 +105,20 @@ def test_a_nan_fill_is_not_a_mask(device):
     got = compile_fxopt(f)(*_qkv(device))
     torch.testing.assert_close(got, f(*_qkv(device)), equal_nan=True)
     assert got[..., :-1, :].isnan().all() and not got[..., -1, :].isnan().any()
+
+
+def test_a_mask_that_requires_grad_fuses_under_no_grad(device):
+    """No backward is built under no_grad, so the kernel's missing mask gradient does not matter (the site
+    stayed unfused with 'the additive mask requires grad'); with grad enabled it stays unfused."""
+    q, k, v = _qkv(device)
+    mask = torch.randn(1, 1, T, T, device=device, requires_grad=True)
+
+    def f(q, k, v, m):
+        return torch.softmax(q @ k.mT * 0.25 + m, -1) @ v
+
+    with torch.no_grad():
+        site = fxopt.explain(f, q, k, v, mask).attention[0]
+        assert site.fused, site
+        torch.testing.assert_close(compile_fxopt(f)(q, k, v, mask), f(q, k, v, mask), rtol=1e-4, atol=1e-5)
+    torch._dynamo.reset()
+    assert not fxopt.explain(f, q, k, v, mask).attention[0].fused
