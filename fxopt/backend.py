@@ -16,6 +16,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from . import pipeline
 from .codegen import compile_pool
 from .codegen.precompile import start_own_op_compiles, warm_before_tracing, warm_compile_keys
+from .analysis.symbolic import shape_env_of_value
 from .aot import aot_compile
 from .compile import compile_aten_graph
 from .cudagraphs import graphed_compiler
@@ -52,7 +53,7 @@ def compile_dynamo_graph(gm: fx.GraphModule, example_inputs, options: Options, r
     marks = _marks(report)
     pre = pipeline.pre_autograd_passes(options)
     if pre:
-        symbolic = options.verify and _has_symbols(example_inputs)
+        symbolic = options.verify and shape_env_of_value(list(example_inputs)) is not None
         if symbolic:  # (as compile.py does for the ATen graphs)
             report.pre_autograd_notes.append("verify=True is skipped for the torch-level graph under symbolic "
                                              "shapes (it runs the graph on example tensors)")
@@ -84,16 +85,6 @@ def compile_dynamo_graph(gm: fx.GraphModule, example_inputs, options: Options, r
 
 
 _REPORT_LISTS = ("graphs", "pre_autograd", "pre_autograd_notes", "attention", "casts")
-
-
-def _has_symbols(example_inputs) -> bool:
-    """Whether dynamo passed symbolic sizes: SymInt inputs or tensors with symbolic shapes or strides."""
-    for x in example_inputs:
-        if isinstance(x, torch.SymInt):
-            return True
-        if isinstance(x, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in (*x.shape, *x.stride())):
-            return True
-    return False
 
 
 def _marks(report: Report) -> dict[str, int]:

@@ -29,14 +29,14 @@ from torch import Tensor
 from ..codegen.jit_keys import settle as settle_cache_keys
 from ..codegen.wrapper_runtime import cdiv, next_power_of_2
 from .flash_common import (
-    LOG2E, add_key_slope, add_mask, backward_config, check_attention_inputs, check_device, check_key_slopes,
-    dot_precision, head_slope, key_ranges, launcher, load_rows, load_tile, mask_arguments, query_ranges,
-    resolve_config, store_rows, store_tile, tile_ptrs, visible,
+    LOG2E, add_key_slope, backward_config, check_attention_inputs, check_device, check_key_slopes, dot_precision,
+    head_slope, key_ranges, launcher, load_rows, load_tile, query_ranges, resolve_config, store_rows, store_tile,
+    tile_ptrs, visible,
 )
 from .flash_backward_tma import flash_backward_tma
 from .flash_forward_tma import tiles_fit, tma_applies, tma_readable
 from .launch_plans import frozen, planned
-from .mask_tiles import FILL_MASK, mask_kind
+from .mask_tiles import FILL_MASK, add_mask, mask_arguments, mask_kind
 
 __all__ = ["flash_backward", "backward_config"]
 

@@ -24,11 +24,9 @@ from torch import Tensor
 
 from ..codegen.jit_keys import settle as settle_cache_keys
 from ..codegen.wrapper_runtime import cdiv
-from .flash_common import (
-    LOG2E, add_key_slope, add_mask, head_slope, key_ranges, launcher, load_rows, mask_arguments, query_ranges, visible,
-)
+from .flash_common import LOG2E, add_key_slope, head_slope, key_ranges, launcher, load_rows, query_ranges, visible
 from .flash_forward_tma import descriptor, query_block_program
-from .mask_tiles import FILL_MASK, load_mask_block, mask_kind, reads_mask_row
+from .mask_tiles import FILL_MASK, add_mask, load_mask_block, mask_arguments, mask_kind, reads_mask_row
 
 __all__ = ["flash_backward_tma"]
 

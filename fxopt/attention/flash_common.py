@@ -24,10 +24,6 @@ from ..codegen.wrapper_runtime import next_power_of_2
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # scores are kept in base 2: exp(x) = exp2(x * LOG2E)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
-# A finite mask value at or below this whose sum with the score rounds to the mask value itself (eager's
-# fp32 `s + finfo.min` is finfo.min) masks its key: the score becomes MASKED_SCORE (see add_mask)
-MASK_DROPS_AT: tl.constexpr = tl.constexpr(-65504.0)
-MASKED_SCORE: tl.constexpr = tl.constexpr(-1024.0)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 HEAD_DIMS = (16, 256)
 MAX_GRID_AXIS_1 = 65535  # CUDA's limit on the grid's y axis, which carries batch * heads
@@ -215,32 +211,9 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def mask_arguments(mask: Tensor | None, placeholder: Tensor) -> tuple:
-    """(pointer, 4 strides) for the kernels' Mask argument; without a mask, an unread placeholder."""
-    return (mask, *mask.stride()) if mask is not None else (placeholder, 0, 0, 0, 0)
-
-
 def launcher(kernel, grid: tuple, device: torch.device):
     """`kernel[grid]`, interpreted for CPU tensors and compiled for CUDA ones (see interpreter_guard)."""
     return launch_guarded(kernel, grid, device, "fxopt flash attention")
-
-
-@triton.jit
-def add_mask(s, bias):
-    """Base-2 scores `s` plus an additive mask tile, added as eager adds them: in fp32 and natural-log
-    units (t = s ln 2 + b), then back to base 2. Where that sum rounds to the mask value itself, a finite
-    value at or below MASK_DROPS_AT (eager's `s + finfo.min` is finfo.min), the score was lost and the key
-    becomes MASKED_SCORE: a row masked everywhere that way is the uniform average of its keys, as in eager.
-    MASKED_SCORE is near enough to 0 for such a row's stored log-sum-exp to keep log2(keys) (with scores
-    near -1e30 it was lost to rounding and the backward's exp2(s - lse) gave 1 instead of 1/keys), and far
-    enough below real scores that those keys weigh nothing in any row with a real score above -1000
-    (base-2 units). A large mask value that keeps the score (fp16's finfo.min, -65504, in an fp32 sum)
-    stays a real score, so a row masked everywhere with it is softmax(s), as in eager (until 2026-12-05
-    every value at or below -65504 was dropped: the uniform average). -inf stays -inf."""
-    b = bias.to(tl.float32)
-    t = s * LN2 + b
-    lost = (t == b) & (b <= MASK_DROPS_AT) & (b != float("-inf"))
-    return tl.where(lost, MASKED_SCORE, t * LOG2E)
 
 
 @triton.jit

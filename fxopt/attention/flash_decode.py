@@ -41,9 +41,10 @@ from torch import Tensor
 from ..codegen.jit_keys import settle as settle_cache_keys
 from ..codegen.wrapper_runtime import cdiv, next_power_of_2
 from .flash_common import (
-    add_mask, check_attention_inputs, dot_precision, is_power_of_two, launcher, log_sum_exp, mask_arguments,
-    running_max, softmax_denominator,
+    check_attention_inputs, dot_precision, is_power_of_two, launcher, log_sum_exp, running_max,
+    softmax_denominator,
 )
+from .mask_tiles import add_mask, mask_arguments
 
 MAX_QUERY_ROWS = 16  # decode packs queries into a tile's rows; longer queries go to the main forward kernel
 MIN_DECODE_KEYS = 256  # below this one program per head has little to walk: splitting buys nothing
@@ -51,8 +52,6 @@ MIN_KEYS_PER_SPLIT = 256  # a split must stream enough keys to amortise its part
 PROGRAMS_PER_SM = 1.5  # measured best on an H200 (see default_num_splits)
 DEFAULT_SM_COUNT = 132  # H200, for the interpreter (CPU tensors have no SM count)
 CONFIG_KEYS = ("BLOCK_N", "BLOCK_M", "num_warps", "num_stages")
-
-LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
 
 def decode_applies(seq_q: int, seq_k: int) -> bool:

@@ -34,10 +34,11 @@ from torch import Tensor
 from ..codegen.jit_keys import settle as settle_cache_keys
 from ..codegen.wrapper_runtime import cdiv, next_power_of_2
 from .flash_common import (
-    LOG2E, add_key_slope, add_mask, check_attention_inputs, check_key_slopes, dot_precision, forward_config,
-    head_slope, key_ranges, launcher, load_tile, log_sum_exp, mask_arguments, resolve_config, running_max,
-    softmax_denominator, store_rows, store_tile, tile_ptrs, visible,
+    LOG2E, add_key_slope, check_attention_inputs, check_key_slopes, dot_precision, forward_config, head_slope,
+    key_ranges, launcher, load_tile, log_sum_exp, resolve_config, running_max, softmax_denominator, store_rows,
+    store_tile, tile_ptrs, visible,
 )
+from .mask_tiles import add_mask, mask_arguments
 from .flash_forward_tma import flash_forward_tma, tiles_fit, tma_applies
 from .launch_plans import frozen, planned
 

@@ -35,10 +35,10 @@ from torch import Tensor
 from ..codegen.jit_keys import settle as settle_cache_keys
 from ..codegen.wrapper_runtime import cdiv
 from .flash_common import (
-    add_key_slope, add_mask, head_slope, key_ranges, launcher, log_sum_exp, mask_arguments, running_max,
-    softmax_denominator, store_rows, visible,
+    add_key_slope, head_slope, key_ranges, launcher, log_sum_exp, running_max, softmax_denominator, store_rows,
+    visible,
 )
-from .mask_tiles import load_mask_block, reads_mask_row
+from .mask_tiles import add_mask, load_mask_block, mask_arguments, reads_mask_row
 
 try:  # triton >= 3.4
     from triton.tools.tensor_descriptor import TensorDescriptor

@@ -1,4 +1,5 @@
-"""How the TMA kernels read an additive mask: through pointers, since a mask is not a TMA operand.
+"""How the attention kernels take an additive mask: its arguments, its addition to the scores as eager
+adds it (`add_mask`), and how the TMA kernels read it (through pointers: a mask is not a TMA operand).
 
 A mask arrives expanded to [B, H, Tq, Tk], usually with stride 0 somewhere: a key padding mask
 [B, 1, 1, Tk] broadcasts over heads and queries. Where it broadcasts over the queries (MASK_ROW), one
@@ -13,12 +14,23 @@ import triton.language as tl
 from torch import Tensor
 
 from ..codegen.jit_keys import settle as settle_cache_keys
+from .flash_common import LN2, LOG2E
 
-__all__ = ["FILL_MASK", "mask_kind", "reads_mask_row", "load_mask_block"]
+__all__ = ["FILL_MASK", "mask_arguments", "mask_kind", "reads_mask_row", "add_mask", "load_mask_block"]
+
+# A finite mask value at or below this whose sum with the score rounds to the mask value itself (eager's
+# fp32 `s + finfo.min` is finfo.min) masks its key: the score becomes MASKED_SCORE (see add_mask)
+MASK_DROPS_AT: tl.constexpr = tl.constexpr(-65504.0)
+MASKED_SCORE: tl.constexpr = tl.constexpr(-1024.0)
 
 # The kernels' HAS_MASK: 0 no mask, 1 an additive mask, FILL_MASK a mask made from a -inf fill, whose
 # backward gives a query row masked entirely 0 in dq and dk (flash_backward's zero_empty_rows)
 FILL_MASK: tl.constexpr = tl.constexpr(2)
+
+
+def mask_arguments(mask: Tensor | None, placeholder: Tensor) -> tuple:
+    """(pointer, 4 strides) for the kernels' Mask argument; without a mask, an unread placeholder."""
+    return (mask, *mask.stride()) if mask is not None else (placeholder, 0, 0, 0, 0)
 
 
 def mask_kind(mask: Tensor | None, zero_empty_rows: bool) -> int:
@@ -29,6 +41,24 @@ def mask_kind(mask: Tensor | None, zero_empty_rows: bool) -> int:
 def reads_mask_row(mask: Tensor | None) -> bool:
     """The kernels' MASK_ROW: the mask broadcasts over the queries (stride 0 on Tq)."""
     return mask is not None and mask.stride(2) == 0
+
+
+@triton.jit
+def add_mask(s, bias):
+    """Base-2 scores `s` plus an additive mask tile, added as eager adds them: in fp32 and natural-log
+    units (t = s ln 2 + b), then back to base 2. Where that sum rounds to the mask value itself, a finite
+    value at or below MASK_DROPS_AT (eager's `s + finfo.min` is finfo.min), the score was lost and the key
+    becomes MASKED_SCORE: a row masked everywhere that way is the uniform average of its keys, as in eager.
+    MASKED_SCORE is near enough to 0 for such a row's stored log-sum-exp to keep log2(keys) (with scores
+    near -1e30 it was lost to rounding and the backward's exp2(s - lse) gave 1 instead of 1/keys), and far
+    enough below real scores that those keys weigh nothing in any row with a real score above -1000
+    (base-2 units). A large mask value that keeps the score (fp16's finfo.min, -65504, in an fp32 sum)
+    stays a real score, so a row masked everywhere with it is softmax(s), as in eager (until 2026-12-05
+    every value at or below -65504 was dropped: the uniform average). -inf stays -inf."""
+    b = bias.to(tl.float32)
+    t = s * LN2 + b
+    lost = (t == b) & (b <= MASK_DROPS_AT) & (b != float("-inf"))
+    return tl.where(lost, MASKED_SCORE, t * LOG2E)
 
 
 @triton.jit
