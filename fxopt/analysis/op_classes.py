@@ -294,6 +294,9 @@ def pointwise_unsupported_reason(node: fx.Node, target: str) -> str | None:
             return "unknown gelu approximation"
         if t is aten.gelu_backward.default and node.kwargs.get("approximate", "none") == "tanh":
             return "tanh-approximate gelu_backward is not lowered yet"
+    if (t is aten.pow.Tensor_Scalar and not out.dtype.is_floating_point and isinstance(node.args[1], (int, float))
+            and node.args[1] < 0):
+        return "an integer tensor to a negative power: eager raises, so ATen runs it (and raises)"
     if t in (aten.clamp.default, aten.clamp.Tensor, aten.hardtanh.default):
         if any(isinstance(a, torch.Tensor) for a in node.args[1:]):
             return "clamp bounds given as constants tensors"

@@ -75,6 +75,8 @@ def reduction_unsupported_reason(node: fx.Node, target: str) -> str | None:
     out = node.meta.get("val")
     if not isinstance(out, torch.Tensor) or out.dtype not in SUPPORTED_DTYPES or x.dtype not in SUPPORTED_DTYPES:
         return f"reduction over dtype {x.dtype} has no Triton lowering"
+    if out.dtype == torch.bool:
+        return "a reduction to bool (sum(dtype=torch.bool) is a logical any) is left to ATen"
     if any(s == 0 for s in info.in_shape):
         return "empty reduction: left to ATen, which defines (or rejects) it"
     if x.dim() == 0:

@@ -30,3 +30,17 @@ def literal(value, dtype: torch.dtype) -> str:
             return 'float("inf")' if v > 0 else 'float("-inf")'
         return repr(v)
     return str(int(value))
+
+
+def cast_via(source: torch.dtype | None, out: torch.dtype) -> str | None:
+    """The Triton dtype a cast from `source` to `out` must pass through to round or wrap as eager's
+    does, or None. Eager converts float64 and integers to bf16/fp16 through float32 (two roundings;
+    the GPU's one-step cvt rounds 2^24 + 2^16 + 1 differently), and floats to 8/16-bit integers through
+    int64 (wrapping: -1.5 -> uint8 255; the GPU's cvt to a narrow integer saturates negatives to 0)."""
+    if source is None or source == torch.bool:
+        return None
+    if out in LOW_PRECISION and (source == torch.float64 or not source.is_floating_point):
+        return "tl.float32"
+    if out in (torch.int8, torch.uint8, torch.int16) and source.is_floating_point:
+        return "tl.int64"
+    return None

@@ -169,7 +169,7 @@ def _pow_scalar(c, x, e):
         return f"({x} * {x} * {x})"
     if not c.compute.is_floating_point and e.is_integer() and e > 0:
         # integer base: exact repeated products (exp2/log2 and libdevice.pow take floats only);
-        # a negative integer exponent is rejected by torch before it reaches here
+        # (a negative integer exponent stays ATen, which raises: op_classes.pointwise_unsupported_reason)
         return "(" + " * ".join([x] * int(e)) + ")"
     if e == 0.5:
         return _sqrt(c, x)
@@ -365,7 +365,9 @@ UNCAST_OPERANDS = {aten._to_copy.default, prims.convert_element_type.default, at
 # gives fp16(0.1)); arithmetic computes a scalar in fp32 (opmath), as fxopt does.
 COMPARISONS = PROMOTED_OPERANDS - {aten.isnan.default, aten.isinf.default}
 SELECTIONS = {aten.where.self, aten.clamp.default, aten.clamp.Tensor, aten.clamp_min.default,
-              aten.clamp_max.default, aten.hardtanh.default}
+              aten.clamp_max.default, aten.hardtanh.default,
+              # not selections, but their ATen kernels take a scalar divisor in the tensor's dtype (no opmath)
+              aten.remainder.Scalar, aten.remainder.Tensor, aten.fmod.Scalar, aten.fmod.Tensor}
 
 
 def _promoted(node: fx.Node) -> tuple[torch.dtype, torch.dtype]:

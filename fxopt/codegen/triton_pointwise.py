@@ -42,7 +42,7 @@ import torch.fx as fx
 from ..analysis.op_classes import is_view
 from ..analysis.symbolic import expr, hint, is_symbolic, pexpr, shape_env_of, sizes, storage_offset, strides
 from ..printing import describe_value, target_name
-from .dtypes import LOW_PRECISION, TL_DTYPE, compute_dtype, literal
+from .dtypes import LOW_PRECISION, TL_DTYPE, cast_via, compute_dtype, literal
 from .cat_pieces import (cat_pieces, cat_value, coordinate_layout, coordinate_name, is_gather, piece_layout,
                          piece_mask)
 from .erf_poly import with_erf_helper
@@ -341,9 +341,11 @@ class PointwiseEmitter:
         if isinstance(arg, fx.Node):
             have = self.vdtype[arg]
             var = self._var(arg)
-            if common is not None and arg.meta["val"].dtype not in (common, torch.bool):
+            dtype = getattr(arg.meta["val"], "dtype", have)  # (a SymInt operand has none: an int)
+            if common is not None and dtype != torch.bool and (dtype != common or have == torch.float32):
                 # through float32, as eager's conversions to bf16/fp16 go (c10's Half and BFloat16 take a float;
-                # the interpreter would also reinterpret an int's bits as bf16)
+                # the interpreter would also reinterpret an int's bits as bf16); a bf16 value the kernel holds
+                # in fp32 is rounded too (amax's backward compares its recomputed input with the saved max)
                 via = "" if have == torch.float32 else ".to(tl.float32)"
                 return f"{var}{via}.to({TL_DTYPE[common]}).to({TL_DTYPE[want]})"
             if want is None or want == have:
@@ -378,8 +380,9 @@ class PointwiseEmitter:
             operands = [self._operand(args[0], torch.bool)] + [self._operand(a, want, common) for a in args[1:]]
         else:
             operands = [self._operand(a, want, common) for a in args]
-        if n.target in UNCAST_OPERANDS and out in LOW_PRECISION and self.vdtype.get(args[0]) == torch.float64:
-            operands[0] = f"{operands[0]}.to(tl.float32)"  # eager's float64 -> bf16/fp16 goes through float32
+        via = cast_via(self.vdtype.get(args[0]), out) if n.target in UNCAST_OPERANDS else None
+        if via is not None:  # eager's float64 -> bf16 goes through float32, float -> uint8 through int64
+            operands[0] = f"{operands[0]}.to({via})"
         ctx = LowerCtx(self.target, out, want if want is not None else compute_dtype(out), self.rounds_to)
         expr = LOWERINGS[n.target](ctx, n, operands)
         result = compute_dtype(out)

@@ -173,8 +173,7 @@ def generate_wrapper(gm: fx.GraphModule, kernels: dict[str, Kernel], graph: str,
     arena = "arena" if "arena" not in names.values() else "arena_"
     replaced = {dying: born for dying, born in getattr(plan, "inplace", ()) if born in slots}
     # without an applied plan the same pairs still hold: the kernel writes into the dying buffer itself
-    reused = {} if plan is not None or mode != "triton" else \
-        {born: dying for dying, born in inplace_pairs(gm, buffer_intervals(gm))}
+    reused = {} if plan is not None or mode != "triton" else _reused_buffers(gm)
     dies: dict[int, list[BufferRecord]] = {}
     for rec, _ in slots.values():
         if rec.name not in replaced:  # a region written in place lives on in its successor: no poison
@@ -342,6 +341,14 @@ def _arena_view(name: str, slot, arena: str, replaced) -> str:
             f"{_in_place_of(name, replaced)}")
 
 
+def _reused_buffers(gm: fx.GraphModule) -> dict[str, tuple[str, bool]]:
+    """{born: (dying, same dtype)} for the kernels that write into a dying input without an applied plan
+    (liveness.inplace_pairs); one of another dtype is viewed as the output's, or the kernel's stores
+    would convert to the input's (an int64 argmax reused for a float64 result came back int64)."""
+    dtype = {n.name: getattr(n.meta.get("val"), "dtype", None) for n in gm.graph.nodes}
+    return {born: (dying, dtype[dying] == dtype[born]) for dying, born in inplace_pairs(gm, buffer_intervals(gm))}
+
+
 def _launch(n: fx.Node, k: Kernel, names, mode: str, slots=None, arena: str = "arena",
             replaced=None, guarded: int | None = None, reused=None) -> list[str]:
     """Allocate the group's outputs (planned ones as arena views) and launch its kernel (or call its
@@ -364,8 +371,9 @@ def _launch(n: fx.Node, k: Kernel, names, mode: str, slots=None, arena: str = "a
             lines.append(_arena_view(name, slots[name], arena, replaced))
             continue
         if reused and name in reused:  # (a reshaped matmul result: the same bytes under the output's shape)
-            dying = reused[name]
-            lines.append(f"{name} = reinterpret_tensor({dying}, {ptuple(sizes(o))}, {ptuple(strides(o))}, 0)"
+            dying, same_dtype = reused[name]
+            source = dying if same_dtype else f"{dying}.view({o.dtype})"  # (equal element sizes)
+            lines.append(f"{name} = reinterpret_tensor({source}, {ptuple(sizes(o))}, {ptuple(strides(o))}, 0)"
                          f"  # in place: {dying} dies at this kernel")
             continue
         lines.append(f"{name} = {allocation(o, guarded)}")

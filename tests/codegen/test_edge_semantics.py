@@ -183,5 +183,5 @@ def test_boolean_logic_on_a_zero_dim_operand(device):
     compile_fxopt(fn)(x, s).sum().backward()
     x64, s64 = (t.detach().double().requires_grad_() for t in (x, s))
     fn(x64, s64).sum().backward()
-    torch.testing.assert_close(x.grad.double(), x64.grad)
-    torch.testing.assert_close(s.grad.double(), s64.grad)
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-5, atol=1e-6)  # fp32 against float64
+    torch.testing.assert_close(s.grad.double(), s64.grad, rtol=1e-5, atol=1e-6)
