@@ -45,14 +45,14 @@ def format_value(a, names) -> str:
         return str(a)
     if isinstance(a, torch.device):
         return f"torch.device({_dev(a)})"
-    if isinstance(a, torch.layout):
-        return str(a)
-    if isinstance(a, torch.memory_format):
+    if isinstance(a, (torch.layout, torch.memory_format)):
         return str(a)
     if isinstance(a, float) and (math.isinf(a) or math.isnan(a)):
         return f'float("{a}")'
     if a is None or isinstance(a, (bool, int, float, str)):
         return repr(a)
+    if isinstance(a, complex):  # a complex op's scalar (polar's backward multiplies by 1j)
+        return f"complex({format_value(a.real, names)}, {format_value(a.imag, names)})"
     raise NotImplementedError(f"cannot print argument {a!r} of type {type(a).__name__}")
 
 
