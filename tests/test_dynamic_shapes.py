@@ -346,3 +346,17 @@ def test_a_symbolic_row_kernel_file_runs_on_its_own(tmp_path):
     run = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "output 0" in run.stdout
+
+
+def test_size_arithmetic_left_after_a_symbol_is_specialised():
+    """Square inputs share one size symbol; a split of the matmul with a last piece of 1 specialises it,
+    and the wrapper still computed `operator.sub(20, s0)` without importing operator (a NameError)."""
+    def f(x, w):
+        y = x @ w
+        return (y * 2, *y.split(5, 0))
+    for n in (16, 18):
+        torch._dynamo.reset()
+        x, w = torch.randn(n, n), torch.randn(n, n)
+        out = torch.compile(f, backend="fxopt", dynamic=True)(x, w)
+        for a, b in zip(out, f(x, w)):
+            torch.testing.assert_close(a, b)

@@ -262,7 +262,8 @@ class PointwiseEmitter:
             mask = f"{load_mask(index_symbols(addr) | index_symbols(coords[p.dim]))} & " \
                    f"{piece_mask(p, p.end == sizes(p.cat.meta['val'])[p.dim])}"
             val = p.source.meta["val"]
-            load = f"tl.load({ptr_of[view_root(p.source)]} + ({print_index(addr)}), {mask}, other=0)"
+            ptr = f"{ptr_of[view_root(p.source)]} + ({print_index(addr)})"  # no index: one element (stride 0)
+            load = f"tl.load({ptr}, {mask}, other=0)" if index_symbols(addr) else f"tl.where({mask}, tl.load({ptr}), 0)"
             cdt = compute_dtype(val.dtype)
             lines.append(f"{p.name} = {load}{f'.to({TL_DTYPE[cdt]})' if cdt != val.dtype else ''}"
                          f"  # piece {p.index} of {p.cat.name}: {describe_value(val)}")

@@ -261,7 +261,7 @@ def generate_wrapper(gm: fx.GraphModule, kernels: dict[str, Kernel], graph: str,
             body.append(f"del {arena}  # every planned buffer is placed; its memory goes when the last view dies")
     uses_libdevice = any("libdevice." in k.full_source() for k in kernels.values())
     libdevice = "from triton.language.extra import libdevice" if uses_libdevice else ""
-    extra = "\nimport operator" if bindings else ""
+    extra = "\nimport operator" if bindings or "operator." in "".join(body) else ""  # (operator.sub(20, s0))
     if any(isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "fxopt" for n in gm.graph.nodes):
         extra += "\nfrom fxopt.codegen import direct_calls as fxopt_ops"
     src = KERNELS_HEADER.format(graph=graph, filename=filename, libdevice=libdevice)

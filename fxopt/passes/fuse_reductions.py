@@ -71,6 +71,8 @@ class _ReductionGroupSupport(OperatorSupportBase):
         if node.meta.get(RESERVED_FOR, self.key) != self.key:
             return False  # a copy made for another group's reduction (passes/recompute.py)
         if is_view(node):  # squeezing/unsqueezing a row scalar between its kept and dropped shapes
+            if any(u.op == "output" for u in node.users):
+                return False  # a view the caller gets stays a view in the wrapper: it aliases its base (y.view, y)
             src, val = node.args[0].meta.get("val"), node.meta.get("val")
             if node.target not in _RESHAPES and node.target is not torch.ops.aten.expand.default:
                 return False  # a transpose of a square [N, N] row scalar has the shape, not the order

@@ -111,13 +111,15 @@ EDGE_CASES = {
     "an expanded piece": (lambda a, b: torch.cat([a.expand(4, 3), b], 1) * 2, [(1, 3), (4, 6)]),
     "transposed pieces": (lambda a, b: torch.cat([a.t(), b.t()], 0) + 0.5, [(40, 8), (40, 24)]),
     "a strided piece": (lambda a, b: torch.cat([a[:, ::2], b], 1) * 2, [(6, 8), (6, 3)]),
+    # pieces of one element (stride 0 everywhere): a scalar load, not a pointer block (a Triton error)
+    "expanded 0-d pieces": (lambda a, b, y: torch.cat([a.expand(4, 3), b.expand(4, 4)], 1) * y, [(), (), (4, 7)]),
 }
 
 
 @pytest.mark.parametrize("case", sorted(EDGE_CASES))
 def test_cat_edge_cases_fuse_and_match_float64(device, case):
     fn, shapes = EDGE_CASES[case]
-    inputs = [torch.randn(*s, device=device) for s in shapes]
+    inputs = [torch.randn(s, device=device) for s in shapes]
     ops, _, _ = ops_and_wrapper(fn, *inputs)
     assert "aten.cat.default" in ops
     check(fn, *inputs, dtype=torch.float32)
@@ -160,3 +162,13 @@ def test_a_cat_along_a_symbolic_dim_stays_aten_with_its_reason():
         a, b = torch.randn(n, 4), torch.randn(n + 1, 4)
         torch.testing.assert_close(compiled(a, b), f(a, b))
     assert any("cat along a symbolic size" in why for _, why in be.report.fallbacks)
+
+
+def test_the_backward_of_summing_split_pieces(device):
+    """Its backward cats expanded 0-d gradients (one per piece): the case the sweep found crashing."""
+    fn = lambda t: sum(p.sum() for p in t.split(3, 1)) + t  # noqa: E731
+    x = torch.randn(4, 7, device=device, requires_grad=True)
+    x64 = x.detach().double().requires_grad_()
+    compile_fxopt(fn)(x).square().sum().backward()
+    fn(x64).square().sum().backward()
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-5, atol=1e-5)

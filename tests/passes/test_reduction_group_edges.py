@@ -68,3 +68,20 @@ def test_variance_of_a_data_dependent_selection():
     with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
         got = compile_fxopt(fn)(x)
     torch.testing.assert_close(got.double(), fn(x.double()), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["expand", "view", "unsqueeze"])
+def test_a_returned_view_of_a_reduction_aliases_its_base(case):
+    """`y = x.sum(1, keepdim=True); return y.expand(5, 6), y`: the view was stored by the kernel as a
+    separate output, so a caller's y.mul_(-3) no longer showed in it (eager's outputs alias)."""
+    fn = {"expand": lambda x: (lambda y: (y.expand(5, 6), y))(x.sum(1, keepdim=True)),
+          "view": lambda x: (lambda y: (y.view(5), y))(x.sum(1, keepdim=True) * 2),
+          "unsqueeze": lambda x: (lambda y: (y.unsqueeze(0), y))(x.amax(1))}[case]
+    x = torch.randn(5, 6)
+    v, y = compile_fxopt(fn)(x)
+    ve, ye = fn(x)
+    torch.testing.assert_close(v, ve)
+    y.mul_(-3)
+    ye.mul_(-3)
+    torch.testing.assert_close(v, ve)
+    assert v.untyped_storage().data_ptr() == y.untyped_storage().data_ptr()
