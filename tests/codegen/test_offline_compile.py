@@ -72,6 +72,12 @@ PROGRAMS = [  # (name, fn, inputs, explain options)
      lambda x, w, b: F.layer_norm(x, (1,), w, b).square().sum(),
      lambda: (torch.randn(6, 1, requires_grad=True), torch.randn(1, requires_grad=True),
               torch.randn(1, requires_grad=True)), {}),
+    ("two-step casts, cat pieces of one element, comparisons of rounded 16-bit values",
+     lambda x, i, a, h: ((x * 1).to(torch.uint8), (i * 3).to(torch.bfloat16),
+                         torch.cat([a.expand(4, 3), x[:4, :2]], 1) * 2, torch.where(h.exp() > 1.5, h, 0),
+                         torch.remainder(h * 1, 0.1)),
+     lambda: (torch.randn(8, 33), torch.randint(-50, 50, (8, 33), dtype=torch.int32), torch.tensor(2.0),
+              torch.randn(8, 33).half()), {}),
     ("bf16 casts and matmuls", lambda x, w: F.silu(x @ w).softmax(-1),
      lambda: (torch.randn(16, 32), torch.randn(32, 32)), {"precision": "bf16"}),
 ]
