@@ -174,7 +174,8 @@ def main(argv=None) -> int:
         ms = do_bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=bool(causal)), warmup=10, rep=40)
         print(f"causal={causal} sdpa {ms:.4f} ms {flops / ms / 1e9:.1f} TFLOP/s")
         base = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
-        ms0 = do_bench(lambda: flash_forward_tma(q, k, v, scale=dim ** -0.5, causal=bool(causal), cfg=base), warmup=10, rep=40)
+        ms0 = do_bench(lambda: flash_forward_tma(q, k, v, scale=dim ** -0.5, causal=bool(causal), cfg=base),
+                       warmup=10, rep=40)
         print(f"causal={causal} fxopt tma {ms0:.4f} ms {flops / ms0 / 1e9:.1f} TFLOP/s")
         for cfg, ws in RUNS:
             try:

@@ -73,7 +73,8 @@ def test_comparisons_with_a_symbolic_int_round_it(device):
     """Under dynamic shapes an int argument or a size is a SymInt node: comparing or clamping a 16-bit
     tensor with it crashed codegen (no .dtype); eager rounds it to fp16 (2049 -> 2048)."""
     x = torch.tensor([2047.0, 2048.0, 2050.0, -3.0], dtype=torch.float16, device=device)
-    fns = [lambda t, n: t < n, lambda t, n: t == n, lambda t, n: t.clamp(max=n), lambda t, n: t.clamp(max=t.shape[0] - 5)]
+    fns = [lambda t, n: t < n, lambda t, n: t == n, lambda t, n: t.clamp(max=n),
+           lambda t, n: t.clamp(max=t.shape[0] - 5)]
     for fn in fns:
         torch._dynamo.reset()
         got = torch.compile(fn, backend="fxopt", dynamic=True)(x, 2049)
