@@ -192,15 +192,16 @@ def _aten_under_functorch(call, gm: fx.GraphModule):
     """A backward run under a functorch transform (vmap: autograd.grad(is_grads_batched=True),
     jacobian(vectorize=True)) gets batched tensors, which Triton kernels cannot read: there the fused
     graph runs as ATen ops (each fused group is an fx submodule of them), with vmap's batching rules."""
-    def _batched(t):
-        return torch._C._functorch.is_batchedtensor(t) or torch._C._functorch.is_legacy_batchedtensor(t)
-
     def backward(args):
         if args and isinstance(args[-1], torch.Tensor) and _batched(args[-1]):  # (a tangent: the last input)
             return gm(*args)
         return call(args)
     backward._boxed_call = True
     return backward
+
+
+def _batched(t: torch.Tensor) -> bool:
+    return torch._C._functorch.is_batchedtensor(t) or torch._C._functorch.is_legacy_batchedtensor(t)
 
 
 def _run_as_aten(gm: fx.GraphModule, record: GraphReport, report: Report, on_done, start: float, why: str):

@@ -360,14 +360,14 @@ PROMOTED_OPERANDS = {aten.eq.Tensor, aten.eq.Scalar, aten.ne.Tensor, aten.ne.Sca
                      aten.ge.Tensor, aten.ge.Scalar, aten.isnan.default, aten.isinf.default}
 UNCAST_OPERANDS = {aten._to_copy.default, prims.convert_element_type.default, aten.clone.default}
 
-# Comparisons and selections: eager casts every operand to the common dtype before it compares or picks,
-# so with bf16/fp16 tensors a scalar bound is rounded (`h == 0.1` compares with fp16(0.1), `clamp(h, 0.1)`
-# gives fp16(0.1)); arithmetic computes a scalar in fp32 (opmath), as fxopt does.
+# Comparisons, selections and remainders: eager casts every operand to the common (for selections and
+# remainders, the result's) dtype first, so with bf16/fp16 tensors a scalar is rounded (`h == 0.1` compares
+# with fp16(0.1), `clamp(h, 0.1)` gives fp16(0.1), `h % 0.1` divides by fp16(0.1): ATen's remainder kernels
+# take no opmath scalar); arithmetic computes a scalar in fp32 (opmath), as fxopt does.
 COMPARISONS = PROMOTED_OPERANDS - {aten.isnan.default, aten.isinf.default}
-SELECTIONS = {aten.where.self, aten.clamp.default, aten.clamp.Tensor, aten.clamp_min.default,
-              aten.clamp_max.default, aten.hardtanh.default,
-              # not selections, but their ATen kernels take a scalar divisor in the tensor's dtype (no opmath)
-              aten.remainder.Scalar, aten.remainder.Tensor, aten.fmod.Scalar, aten.fmod.Tensor}
+RESULT_DTYPE_OPERANDS = {aten.where.self, aten.clamp.default, aten.clamp.Tensor, aten.clamp_min.default,
+                         aten.clamp_max.default, aten.hardtanh.default, aten.remainder.Scalar,
+                         aten.remainder.Tensor, aten.fmod.Scalar, aten.fmod.Tensor}
 
 
 def _promoted(node: fx.Node) -> tuple[torch.dtype, torch.dtype]:
@@ -377,10 +377,10 @@ def _promoted(node: fx.Node) -> tuple[torch.dtype, torch.dtype]:
 
 
 def rounded_operands(node: fx.Node) -> torch.dtype | None:
-    """The bf16/fp16 dtype a comparison's or selection's operands are rounded to first, or None."""
+    """The bf16/fp16 dtype a comparison's, selection's or remainder's operands are rounded to first, or None."""
     if node.target in COMPARISONS:
         common = _promoted(node)[1]
-    elif node.target in SELECTIONS:
+    elif node.target in RESULT_DTYPE_OPERANDS:
         common = node.meta["val"].dtype
     else:
         return None
