@@ -176,9 +176,9 @@ def check_attention_inputs(who: str, q, k, v, mask, causal: bool, scale) -> None
         raise ValueError(f"{who}: scale must be a float, got {scale!r}")
     if mask is not None:
         expected = [batch, heads, seq_q, seq_k]
-        if not isinstance(mask, Tensor) or mask.dtype not in DTYPES:
-            raise ValueError(f"{who}: mask must be an additive float tensor of {DTYPES}, "
-                             f"got {getattr(mask, 'dtype', type(mask).__name__)}")
+        if not isinstance(mask, Tensor) or mask.dtype not in (*DTYPES, torch.bool):
+            raise ValueError(f"{who}: mask must be an additive float tensor of {DTYPES} or a bool one (True "
+                             f"keeps the score), got {getattr(mask, 'dtype', type(mask).__name__)}")
         if list(mask.shape) != expected:
             raise ValueError(f"{who}: mask must be expanded to [B, H, Tq, Tk] = {expected}, got {list(mask.shape)}")
         check_device(who, q, mask=mask)

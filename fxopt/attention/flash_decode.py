@@ -66,7 +66,7 @@ def flash_decode(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool,
     (out, None) with lse=False.
 
     out [B, H, Tq, D] contiguous in q's dtype; lse [B, H, Tq] float32, the natural-log log-sum-exp of
-    the scaled, masked scores. `mask`: None or an additive float [B, H, Tq, Tk] (any strides).
+    the scaled, masked scores. `mask`: None, an additive float or a bool (True keeps) [B, H, Tq, Tk] (any strides).
     `num_splits`: how many chunks the keys are cut into (default: `default_num_splits`).
     `config`: overrides of BLOCK_N, BLOCK_M (most packed rows per tile), num_warps, num_stages.
     `safe_softmax`: a row that sees no key gives 0 and lse +inf (SDPA's softmax), not NaN and -inf.

@@ -52,11 +52,12 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool
     the statistics, so they are neither allocated nor stored).
 
     q [B, H, Tq, D]; k, v [B, Hkv, Tk, D] with H a multiple of Hkv (query head h reads kv head
-    h // (H // Hkv)); any strides; float16, bfloat16 or float32. `mask`: None or an additive float tensor
-    expanded to [B, H, Tq, Tk] (any strides, 0 where it broadcasts). `causal`: query i sees key j iff
-    j <= i + Tk - Tq. `config`: overrides of `forward_config`'s BLOCK_M, BLOCK_N, num_warps, num_stages and
-    TMA (read q, k, v through TMA descriptors where flash_forward_tma.tma_applies; the default on CUDA
-    devices for 16-bit inputs; a mask is read through pointers there).
+    h // (H // Hkv)); any strides; float16, bfloat16 or float32. `mask`: None, an additive float tensor or
+    a bool one (True keeps the score; mask_tiles.add_mask) expanded to [B, H, Tq, Tk] (any strides, 0 where
+    it broadcasts). `causal`: query i sees key j iff j <= i + Tk - Tq. `config`: overrides of
+    `forward_config`'s BLOCK_M, BLOCK_N, num_warps, num_stages and TMA (read q, k, v through TMA descriptors
+    where flash_forward_tma.tma_applies; the default on CUDA devices for 16-bit inputs; a mask is read through
+    pointers there).
 
     out: [B, H, Tq, D] in q's dtype, laid out like q (`torch.empty_like(q)`: for
     q = x.view(B, T, H, D).transpose(1, 2) its memory is [B, T, H, D], so the model's

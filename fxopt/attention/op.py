@@ -11,12 +11,13 @@ node. The op picks its implementation when it runs:
   - other CPU tensors: `reference.attention` in plain torch ops.
 
 Contract (the matcher builds calls that meet it): q [B, H, Tq, D], k and v [B, Hkv, Tk, D] with H a
-multiple of Hkv (grouped-query attention), any strides; `mask` None or an additive float mask
-broadcastable to [B, H, Tq, Tk]; causal is aligned bottom-right; `scale` None means 1/sqrt(D) of the
-tensors of each call (SDPA's default: what a graph with a symbolic head dim computes); `scale_by`, a 0-d
-tensor, multiplies the scale by its value to `scale_power` (a float attribute dynamo made an input). A head dim
-outside the kernels' range (possible only when it is symbolic: the matcher checks static ones) runs
-the reference, logged once. `key_slopes`, None or float32 [H]: a linear position bias (ALiBi) the
+multiple of Hkv (grouped-query attention), any strides; `mask` None, an additive float mask or a
+bool one (True keeps the score, False makes it -inf, as a -inf fill does) broadcastable to [B, H, Tq, Tk];
+causal is aligned bottom-right; `scale` None means 1/sqrt(D) of the tensors of each call (SDPA's
+default: what a graph with a symbolic head dim computes); `scale_by`, a 0-d tensor, multiplies the
+scale by its value to `scale_power` (a float attribute dynamo made an input). A head dim outside the kernels'
+range (possible only when it is symbolic: the matcher checks static ones) runs the reference, logged once.
+`key_slopes`, None or float32 [H]: a linear position bias (ALiBi) the
 kernels compute, slopes[h] * (j - i - (Tk - Tq)) added to head h's scaled scores before the mask (the
 decode kernel and the reference read it as an added mask instead). Returns (out [B, H, Tq, D] in q's
 dtype, lse [B, H, Tq] float32: the natural-log log-sum-exp of each row, saved for the backward).

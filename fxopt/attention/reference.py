@@ -2,7 +2,8 @@
 
 Same contract as the Triton kernels: q [B, H, Tq, D], k and v [B, Hkv, Tk, D] (H a multiple of Hkv),
 scores and softmax in float32, causal masks aligned bottom-right (query i sees key j <= i + Tk - Tq),
-an optional additive mask broadcastable to [B, H, Tq, Tk]. Returns (out in q's dtype, lse float32).
+an optional mask broadcastable to [B, H, Tq, Tk], additive (float) or bool (False masks the score: -inf).
+Returns (out in q's dtype, lse float32).
 `safe`: a row with no visible key gives 0 and lse +inf (SDPA's softmax), not NaN and -inf.
 """
 from __future__ import annotations
@@ -33,13 +34,22 @@ def with_key_slopes(mask, key_slopes, seq_q: int, seq_k: int):
     if key_slopes is None:
         return mask
     bias = key_slope_bias(key_slopes, seq_q, seq_k)
-    return bias if mask is None else bias + mask.float()
+    return bias if mask is None else bias + additive(mask)
+
+
+def additive(mask: torch.Tensor) -> torch.Tensor:
+    """A mask as float32 added to the scores: a bool mask keeps its True scores (0) and drops the rest (-inf)."""
+    if mask.dtype == torch.bool:
+        return torch.where(mask, 0.0, float("-inf"))
+    return mask.float()
 
 
 def scores(q, k, *, scale, causal, mask) -> torch.Tensor:
     """scale * q k^T (+ mask), float32, with causal positions at -inf."""
     s = torch.matmul(q.float(), expand_kv(k, q.shape[1]).float().transpose(-2, -1)) * scale
-    if mask is not None:
+    if mask is not None and mask.dtype == torch.bool:
+        s = s.masked_fill(~mask, float("-inf"))  # (as a fill: -inf whatever the score, NaN included)
+    elif mask is not None:
         s = s + mask.float()
     if causal:
         s = s.masked_fill(~causal_keep(q.shape[-2], k.shape[-2], q.device), float("-inf"))

@@ -178,7 +178,7 @@ def _bad_call(case):
         "head_dim_too_large": lambda: flash_decode(*(torch.randn(1, 2, 2, 512) for _ in range(3)), **kw),
         "causal_query_longer_than_keys": lambda: flash_decode(q, k[:, :, :1], v[:, :, :1], scale=1.0, causal=True),
         "mask_not_expanded": lambda: flash_decode(q, k, v, mask=torch.zeros(1, 1, 1, 40), **kw),
-        "mask_bool": lambda: flash_decode(q, k, v, mask=torch.ones(1, 4, 2, 40, dtype=torch.bool), **kw),
+        "mask_int": lambda: flash_decode(q, k, v, mask=torch.ones(1, 4, 2, 40, dtype=torch.int32), **kw),
         "meta_device": lambda: flash_decode(q.to("meta"), k.to("meta"), v.to("meta"), **kw),
         "unknown_config_key": lambda: flash_decode(q, k, v, config={"BLOCK_K": 16}, **kw),
         "block_n_not_power_of_two": lambda: flash_decode(q, k, v, config={"BLOCK_N": 24}, **kw),
@@ -190,7 +190,7 @@ def _bad_call(case):
 @pytest.mark.parametrize("case", ["dtype_mismatch", "int_dtype", "float64", "three_dims", "long_query",
                                   "heads_not_multiple", "head_dim_mismatch", "head_dim_too_small",
                                   "head_dim_too_large", "causal_query_longer_than_keys", "mask_not_expanded",
-                                  "mask_bool", "meta_device", "unknown_config_key", "block_n_not_power_of_two",
+                                  "mask_int", "meta_device", "unknown_config_key", "block_n_not_power_of_two",
                                   "zero_splits"])
 def test_bad_inputs_raise_value_error(case):
     with pytest.raises(ValueError, match="flash_decode"):

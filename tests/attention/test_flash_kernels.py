@@ -208,7 +208,7 @@ def bad_inputs():
         "3-D q": ((q[0], k, v), {}, "4-D"),
         "causal Tq > Tk": ((torch.randn(1, 4, 9, 16), k, v), dict(causal=True), "Tq <= Tk"),
         "mask shape": ((q, k, v), dict(mask=torch.zeros(1, 1, 1, 8)), r"\[1, 4, 8, 8\]"),
-        "mask dtype": ((q, k, v), dict(mask=torch.zeros(1, 4, 8, 8, dtype=torch.bool)), "additive float"),
+        "mask dtype": ((q, k, v), dict(mask=torch.zeros(1, 4, 8, 8, dtype=torch.int32)), "additive float"),
         "device": ((q, k.to("meta"), v), {}, "device"),
         "unknown config key": ((q, k, v), dict(config=dict(BLOCK_K=16)), "unknown config keys"),
         "bad block": ((q, k, v), dict(config=dict(BLOCK_M=48)), "power of two"),

@@ -146,12 +146,14 @@ OWN_KERNELS = textwrap.dedent("""\
             mask = torch.randn(1, 1, T, T, dtype=dtype).expand(1, 2, T, T)
             cfg = forward_config(head_dim, False, dtype, T, T, "cuda", has_mask=True)
             rows = mask[:, :, :1].expand(1, 2, T, T)  # a key padding mask: one row for every query
-            for m, safe in ((rows, False), (rows, True), (mask, True), (mask, False)):  # (SDPA's safe softmax)
+            keep_rows, keep = rows > 0, mask > 0  # bool masks (a -inf fill, SDPA's bool attn_mask)
+            for m, safe in ((rows, False), (rows, True), (mask, True), (mask, False), (keep_rows, True), (keep, False)):
                 out, lse = flash_forward(q, k, v, scale=0.125, causal=False, mask=m, config=cfg, safe_softmax=safe)
-            for m, fill in ((mask, False), (mask, True), (rows, False)):  # (fill: rows masked entirely get 0)
+            for m, fill in ((mask, False), (mask, True), (rows, False), (keep_rows, True)):  # (fill: empty rows get 0)
                 flash_backward(torch.randn_like(q), q, k, v, out, lse, scale=0.125, causal=False, mask=m,
                                config=backward_config(head_dim, False, dtype, T, T, "cuda"), zero_empty_rows=fill)
-            for decode_mask, safe in ((None, False), (mask[:, :, :1], False), (mask[:, :, :1], True)):
+            decode_masks = ((None, False), (mask[:, :, :1], False), (mask[:, :, :1], True), (keep[:, :, :1], True))
+            for decode_mask, safe in decode_masks:
                 flash_decode(q[:, :, :1], k, v, scale=0.125, causal=False, num_splits=4, mask=decode_mask,
                              config={"BLOCK_N": 64, "BLOCK_M": 64, "num_warps": 4, "num_stages": 3}, safe_softmax=safe)
         logits, target = torch.randn(64, 5000, dtype=torch.bfloat16), torch.randint(0, 5000, (64,))
