@@ -44,3 +44,22 @@ def cast_via(source: torch.dtype | None, out: torch.dtype) -> str | None:
     if out in (torch.int8, torch.uint8, torch.int16) and source.is_floating_point:
         return "tl.int64"
     return None
+
+
+# PTX conversions of wide integers to float32 (the operand type and its register constraint)
+_INT_TO_F32 = {torch.int32: ("s32", "r"), torch.int64: ("s64", "l")}
+
+
+def cast_operand(x: str, source: torch.dtype | None, out: torch.dtype, target: str) -> str:
+    """Triton source for `x` (of dtype `source`) on its way to a cast to `out`, through what cast_via
+    names. On the GPU a wide integer's step to float32 is one PTX instruction the compiler cannot see
+    through: LLVM folds `int -> float32 -> bf16/fp16` into a single cvt.rn.bf16.s32 (one rounding:
+    2^24 + 2^16 + 1 became 16908288 where eager's two give 16777216; found on an H100, 2026-12-06)."""
+    via = cast_via(source, out)
+    if via is None:
+        return x
+    if via == "tl.float32" and target == "cuda" and source in _INT_TO_F32:
+        kind, register = _INT_TO_F32[source]
+        return (f'tl.inline_asm_elementwise("cvt.rn.f32.{kind} $0, $1;", "=r,{register}", [{x}], '
+                "dtype=tl.float32, is_pure=True, pack=1)")
+    return f"{x}.to({via})"

@@ -42,7 +42,7 @@ import torch.fx as fx
 from ..analysis.op_classes import is_view
 from ..analysis.symbolic import expr, hint, is_symbolic, pexpr, shape_env_of, sizes, storage_offset, strides
 from ..printing import describe_value, target_name
-from .dtypes import LOW_PRECISION, TL_DTYPE, cast_via, compute_dtype, literal
+from .dtypes import LOW_PRECISION, TL_DTYPE, cast_operand, compute_dtype, literal
 from .cat_pieces import (cat_pieces, cat_value, coordinate_layout, coordinate_name, is_gather, piece_layout,
                          piece_mask)
 from .erf_poly import with_erf_helper
@@ -381,9 +381,8 @@ class PointwiseEmitter:
             operands = [self._operand(args[0], torch.bool)] + [self._operand(a, want, common) for a in args[1:]]
         else:
             operands = [self._operand(a, want, common) for a in args]
-        via = cast_via(self.vdtype.get(args[0]), out) if n.target in UNCAST_OPERANDS else None
-        if via is not None:  # eager's float64 -> bf16 goes through float32, float -> uint8 through int64
-            operands[0] = f"{operands[0]}.to({via})"
+        if n.target in UNCAST_OPERANDS:  # eager's float64 -> bf16 goes through float32, float -> uint8 through int64
+            operands[0] = cast_operand(operands[0], self.vdtype.get(args[0]), out, self.target)
         ctx = LowerCtx(self.target, out, want if want is not None else compute_dtype(out), self.rounds_to)
         expr = LOWERINGS[n.target](ctx, n, operands)
         result = compute_dtype(out)

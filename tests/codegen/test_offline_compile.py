@@ -195,3 +195,28 @@ def test_compiling_needs_the_compiler_and_a_named_target():
     assert parse_target("cuda:80") == ("cuda", 80, 32)
     with pytest.raises(ValueError, match="cuda:90"):
         parse_target("sm_90")
+
+
+def test_wide_integers_reach_16_bit_floats_in_two_roundings(tmp_path, monkeypatch):
+    """Eager casts int32/int64 -> bf16/fp16 through float32 (two roundings); LLVM folded the kernel's
+    `.to(tl.float32).to(tl.bfloat16)` into one cvt.rn.bf16.s32 (one rounding: 2^24 + 2^16 + 1 became
+    16908288, eager's 16777216; an H100 test caught it). The GPU variants take the float32 step in PTX the
+    compiler cannot fold. (The interpreter leaves these casts to ATen: the group is fused here as on a GPU.)"""
+    import fxopt.analysis.op_classes as op_classes
+    monkeypatch.setattr(op_classes, "_int_to_half_cast", lambda *args: False)
+    made = []
+    install(made.append, monkeypatch.setattr)
+    for source in (torch.int32, torch.int64):
+        for out in (torch.bfloat16, torch.float16):
+            fxopt.explain(lambda t: (t * 1).to(out), torch.arange(64).to(source))
+    paths = []
+    for i, k in enumerate(made):
+        path = tmp_path / f"{i:02d}_{k.name}.py"
+        path.write_text(fxopt_compile.standalone_source(k))
+        paths.append(str(path))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    assert not any(compile_files(paths, "cuda:90", timeout=600).values())
+    ptx = "\n".join(p.read_text() for p in (tmp_path / "triton").rglob("*.ptx"))
+    assert len(made) == 4 and ptx.count("cvt.rn.f32.s32") >= 2 and ptx.count("cvt.rn.f32.s64") >= 2, ptx[-2000:]
+    for single in ("cvt.rn.bf16.s32", "cvt.rn.bf16.s64", "cvt.rn.f16.s32", "cvt.rn.f16.s64"):
+        assert single not in ptx
