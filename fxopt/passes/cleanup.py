@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from ..analysis.aliasing import returned_through_views, storage_root, written_roots
 from ..analysis.op_classes import is_collective, is_wait
 from ..analysis.symbolic import row_major_strides, sizes, storage_offset, strides
 from ..pass_manager import PassContext, PassResult
@@ -63,22 +64,27 @@ def _view_chain_root(node: fx.Node) -> fx.Node | None:
     return found
 
 
-def _is_noop(node: fx.Node) -> bool:
-    """A view or cast whose result has exactly its input's dtype, shape and strides."""
+def _is_noop(node: fx.Node, written: set[fx.Node]) -> bool:
+    """A view or cast whose result has exactly its input's dtype, shape and strides. `written`: the
+    storage roots the graph writes in place (aliasing.written_roots)."""
     if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
         return False
     t = node.target
     if t is aten.lift_fresh_copy.default:
         # a `torch.tensor(...)` constant (attention's position-bias slopes): a graph aot_autograd
-        # functionalised writes no intermediate, so only a returned copy must stay a copy
-        return node.args[0].op == "get_attr" and not any(u.op == "output" for u in node.users)
+        # functionalised writes no intermediate, so only a copy returned (or a view of it) must stay a copy
+        return node.args[0].op == "get_attr" and not returned_through_views(node)
     if t in VIEWS:
         return _same_meta(node, node.args[0])
     if t in (prims.convert_element_type.default, aten._to_copy.default, aten.clone.default):
-        # a copy: only dropped when its result is not returned (an output must not alias an input), or
-        # when what it copies is a collective's result that nothing else reads (a buffer of its own)
-        returned = any(u.op == "output" for u in node.users)
-        return (not returned or _owned_collective_result(node.args[0])) and _same_meta(node, node.args[0])
+        # a copy: only dropped when neither it nor a view of it is returned (an output must not alias an
+        # input: `x.clone().t()`) and nothing writes what it copies (`old = x.clone(); x.mul_(2)`, a buffer
+        # swap: the epilogue's copy_ into x runs before a reader of `old`), or when what it copies is a
+        # collective's result that nothing else reads (a buffer of its own)
+        if storage_root(node.args[0]) in written:
+            return False
+        return ((not returned_through_views(node) or _owned_collective_result(node.args[0]))
+                and _same_meta(node, node.args[0]))
     return False
 
 
@@ -117,8 +123,9 @@ class Cleanup:
         stats = {"noops_removed": 0, "view_chains_folded": 0,
                  "copies_as_clones": sum(_copy_as_clone(n) for n in list(gm.graph.nodes)),
                  "cse_merged": 0, "dead_removed": 0}
+        written = written_roots(gm.graph)
         for node in list(gm.graph.nodes):
-            if _is_noop(node):
+            if _is_noop(node, written):
                 node.replace_all_uses_with(node.args[0])
                 gm.graph.erase_node(node)
                 stats["noops_removed"] += 1

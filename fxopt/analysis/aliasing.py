@@ -1,0 +1,66 @@
+"""Which nodes of an ATen graph share storage, and which storages the graph writes.
+
+Aot_autograd's functional graphs still alias: views (`t`, `slice`, `split` and its getitems, ...) share
+their input's storage, outputs may be views, and a graph input the program mutates is written back by an
+`aten.copy_` at the end (the input-mutation epilogue). A pass that removes a copy (cleanup's no-op
+clones) must keep it where the copy's reader would otherwise see a storage that something writes, or
+where a returned value would alias what the copy protected.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from .op_classes import is_view
+
+
+def view_source(node: fx.Node) -> fx.Node | None:
+    """The node whose storage `node` shares: a view op's input, or the list a getitem takes from a view
+    op (split, unbind); None for anything else."""
+    if is_view(node) and node.args and isinstance(node.args[0], fx.Node):
+        return node.args[0]
+    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node) \
+            and is_view(node.args[0]) and isinstance(node.args[0].args[0], fx.Node):
+        return node.args[0].args[0]
+    return None
+
+
+def storage_root(node: fx.Node) -> fx.Node:
+    """The node at the top of `node`'s chain of views: the one whose storage it is."""
+    while (source := view_source(node)) is not None:
+        node = source
+    return node
+
+
+def returned_through_views(node: fx.Node) -> bool:
+    """`node`, or any view of it (a view of a view, ...), is an output of the graph."""
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for u in n.users:
+            if u.op == "output":
+                return True
+            if view_source(u) is n or (u.op == "call_function" and u.target is operator.getitem and is_view(n)):
+                todo.append(u)
+    return False
+
+
+def written_roots(graph: fx.Graph) -> set[fx.Node]:
+    """The storage roots of every argument some node writes in place (its schema marks it `a!`):
+    `aten.copy_(input, new)` of the input-mutation epilogue, `index_put_`, an optimizer's `add_`."""
+    roots = set()
+    for n in graph.nodes:
+        schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
+        if not isinstance(n.target, torch._ops.OpOverload) or schema is None:
+            continue
+        for i, spec in enumerate(schema.arguments):
+            if spec.alias_info is not None and spec.alias_info.is_write:
+                value = n.args[i] if i < len(n.args) else n.kwargs.get(spec.name)
+                if isinstance(value, fx.Node):
+                    roots.add(storage_root(value))
+    return roots
