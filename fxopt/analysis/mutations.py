@@ -18,8 +18,11 @@ _VIEWS = frozenset({
     "view", "view_as", "reshape", "transpose", "t", "permute", "unsqueeze", "squeeze", "expand", "expand_as",
     "narrow", "select", "__getitem__", "getitem", "flatten", "unflatten", "split", "chunk", "unbind", "diagonal",
     "as_strided", "detach", "movedim", "swapaxes", "swapdims", "unfold", "contiguous", "view_as_real",
-    "view_as_complex",
+    "view_as_complex", "_get_data_attr", "ravel", "split_with_sizes", "tensor_split", "hsplit", "vsplit", "dsplit",
+    "alias", "moveaxis", "broadcast_to", "unsafe_split", "unsafe_chunk", "real", "imag", "adjoint",
 })
+# tensor attributes that are views: `b.T.mul_(0.5)` reaches the graph as getattr(b, "T")
+_VIEW_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "data", "real", "imag"})
 _IN_PLACE_OPERATORS = frozenset({
     operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
     operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift,
@@ -59,11 +62,27 @@ def writes_in_place(node: fx.Node) -> bool:
     return name.endswith("_") and not name.endswith("__")
 
 
+def _is_view(node: fx.Node) -> bool:
+    if node.op == "call_function" and node.target is getattr:
+        return len(node.args) == 2 and node.args[1] in _VIEW_ATTRIBUTES
+    return _name(node) in _VIEWS
+
+
 def storage_root(value) -> fx.Node | None:
     """The node whose storage `value` views (itself when it is not a view)."""
-    while isinstance(value, fx.Node) and _name(value) in _VIEWS and value.args:
+    while isinstance(value, fx.Node) and value.args and _is_view(value):
         value = value.args[0]
     return value if isinstance(value, fx.Node) else None
+
+
+def written_by(node: fx.Node) -> list[fx.Node]:
+    """The values `node` writes in place: an in-place op's first argument, an `out=` tensor, the weight
+    F.embedding(max_norm=...) renormalises."""
+    written = [node.args[0]] if writes_in_place(node) and node.args and isinstance(node.args[0], fx.Node) else []
+    if isinstance(node.kwargs.get("out"), fx.Node):  # torch.add(a, b, out=c)
+        written.append(node.kwargs["out"])
+    renormalised = _renormalised(node)
+    return written + ([renormalised] if isinstance(renormalised, fx.Node) else [])
 
 
 class Mutations:
@@ -72,13 +91,7 @@ class Mutations:
     def __init__(self, graph: fx.Graph):
         self.roots: set[fx.Node] = set()
         for n in graph.nodes:
-            written = []
-            if writes_in_place(n) and n.args:
-                written.append(n.args[0])
-            if isinstance(n.kwargs.get("out"), fx.Node):  # torch.add(a, b, out=c)
-                written.append(n.kwargs["out"])
-            written.append(_renormalised(n))
-            self.roots.update(r for r in map(storage_root, written) if r is not None)
+            self.roots.update(r for r in map(storage_root, written_by(n)) if r is not None)
 
     def written(self, value) -> bool:
         """Whether `value`, or any value sharing its storage, is written in place somewhere in the graph."""

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from ..analysis.mutations import Mutations
+from ..analysis.mutations import Mutations, storage_root, written_by
 from ..analysis.precision_policy import FP32, LOW, category_of, feeds_reduction, policy_with
 from ..analysis.torch_ops import dtype, op_of
 from ..pass_manager import PassContext, PassResult
@@ -75,9 +75,11 @@ def _meta_errors_unlogged():
 
 def _operands(node: fx.Node) -> list[fx.Node]:
     """The inputs a policy casts: every input, except the fused attention op's additive mask (the
-    kernel adds it in fp32; SDPA, by contrast, wants its float mask in the query's dtype)."""
+    kernel adds it in fp32; SDPA, by contrast, wants its float mask in the query's dtype) and what the
+    node writes in place (a write into a cast would be lost)."""
     inputs = node.args[:ATTENTION_OPERANDS] if node.target is FUSED_OP else node.all_input_nodes
-    return [n for n in inputs if isinstance(n, fx.Node)]
+    written = written_by(node)
+    return [n for n in inputs if isinstance(n, fx.Node) and n not in written]
 
 
 def _exact_source(value: fx.Node, to: torch.dtype) -> fx.Node | None:
@@ -153,6 +155,7 @@ class MixedPrecision:
                 stats[self._place(node, casts)] += 1
                 if any(n not in original or _node_dtypes(n) != original[n] for n in node.all_input_nodes):
                     stats["kept"] += self._refresh(node, original, casts, ctx, recorded)
+                _keep_written_storage_dtype(node, original, casts)
         casts.erase_bypassed()
         stats = {"casts": len(casts.made) + len(casts.each), "low": stats[LOW], "fp32": stats[FP32],
                  "kept": stats["kept"], "round_trips_cancelled": len(casts.bypassed)}
@@ -168,7 +171,7 @@ class MixedPrecision:
     def _place(self, node: fx.Node, casts: _Casts) -> str | None:
         """Cast the node's float inputs to the dtype the policy wants it to compute in."""
         where = self._where(node)
-        if where is None:
+        if where is None or isinstance(node.kwargs.get("out"), fx.Node):  # (an out= tensor keeps its dtype)
             return None
         to = self.low if where == LOW else torch.float32
         castable = (torch.float32, torch.float16, torch.bfloat16) if where == LOW else tuple(LOW_DTYPES.values())
@@ -196,8 +199,9 @@ class MixedPrecision:
         except Exception as exc:  # the op's own dtype check, raised on fake tensors
             why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         reason = f"{node.name} ({node.target}) does not take the new dtypes: kept in its own"
+        written = written_by(node)
         for value in node.all_input_nodes:
-            if value in original and _node_dtypes(value) != original[value]:
+            if value in original and _node_dtypes(value) != original[value] and value not in written:
                 node.replace_input_with(value, casts.to(value, original[value], node, reason))
         try:
             node.meta["example_value"] = run_on_fakes(node, casts.mode)
@@ -246,14 +250,29 @@ def _refused(node: fx.Node) -> str | None:
     return None
 
 
+def _keep_written_storage_dtype(node: fx.Node, original: dict, casts: _Casts) -> None:
+    """A value the graph writes in place keeps the dtype the model gave it: where the policy changed it
+    (`s = x @ w` now bf16, then `s.masked_fill_(m, finfo(float32).min)` or `s[idx] = y`), it is cast
+    back right where it is made and every use reads that one cast, so the write lands where the model's
+    later reads look (a write into a per-reader cast was lost) and in the dtype it was written for."""
+    was = original.get(node)
+    if not (isinstance(was, torch.dtype) and was in LABELS and _node_dtypes(node) != was
+            and casts.mutations.written(node) and storage_root(node) is node):
+        return
+    cast = casts.to(node, was, node.next, f"{node.name} is written in place: keeps the model's {LABELS[was]}")
+    node.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)
+    casts.mutations.roots.add(cast)
+
+
 def _restore_recorded(node: fx.Node, recorded_inputs: list, original: dict, casts: _Casts, reason: str) -> bool:
     """Put each input of `node` back to the dtype dynamo recorded for it (False: the inputs no longer
     line up with the recorded ones, nothing changed)."""
     inputs = list(node.all_input_nodes)
     if len(inputs) != len(recorded_inputs):
         return False
+    written = written_by(node)
     for value, want in zip(inputs, recorded_inputs):
-        if isinstance(want, torch.dtype) and want in LABELS and _node_dtypes(value) != want:
+        if isinstance(want, torch.dtype) and want in LABELS and _node_dtypes(value) != want and value not in written:
             node.replace_input_with(value, _uncast(value, want, original) or casts.to(value, want, node, reason))
     return True
 

@@ -113,3 +113,99 @@ def test_ops_that_need_equal_dtypes_and_fills_too_large_for_fp16_stay_in_fp32():
         got = fp16(masked)(x, m)
         assert not got.isnan().any()
         torch.testing.assert_close(got, masked(x, m), **FP16_TOL)
+
+
+def _masked_in_place(x, w, m):
+    s = x @ w
+    s.masked_fill_(m, torch.finfo(torch.float32).min)
+    return s.softmax(-1)
+
+
+def _index_add_in_place(x, w, y, idx):
+    s = x @ w
+    s.index_add_(0, idx, y)
+    return s
+
+
+def _set_rows(x, w, y, idx):
+    s = x @ w
+    s[idx] = y
+    return s * 2
+
+
+def _matmul_out(x, w, o):
+    torch.mm(x, w, out=o)
+    return o + 0
+
+
+def test_a_low_precision_result_written_in_place_keeps_the_write():
+    """The mutation sweep of 2026-12-06: `s = x @ w` computes in fp16, then the model writes `s` in place
+    with what fp16 cannot hold or take (a finfo(float32).min fill, an fp32 index_add_ source, `s[idx] = y`).
+    The op was kept in fp32 by casting its *written* argument, so the write went into a temporary and
+    was lost (the mask, the update), or raised in the wrapper (index_put: Half vs Float). The written
+    value now keeps the model's fp32 from where it is made."""
+    torch.manual_seed(0)
+    x, w = torch.randn(4, 8), torch.randn(8, 8) / 3
+    m = torch.zeros(4, 8, dtype=torch.bool)
+    m[:, :4] = True
+    y, idx = torch.full((2, 8), 100.0), torch.tensor([0, 2])
+    for fn, args in ((_masked_in_place, (x, w, m)), (_index_add_in_place, (x, w, y, idx)), (_set_rows, (x, w, y, idx))):
+        want = fn(*args)
+        got = fp16(fn)(*args)
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, **FP16_TOL)
+
+
+def test_a_matmul_into_an_out_tensor_writes_the_callers_tensor():
+    """`torch.mm(x, w, out=o)`: the policy cast `o` too, so the product went into a copy (o stayed 0)."""
+    torch.manual_seed(1)
+    x, w = torch.randn(2, 3), torch.randn(3, 3)
+    o_eager, o_fxopt = torch.zeros(2, 3), torch.zeros(2, 3)
+    want = _matmul_out(x, w, o_eager)
+    got = fp16(_matmul_out)(x, w, o_fxopt)
+    torch.testing.assert_close(got, want, **FP16_TOL)
+    torch.testing.assert_close(o_fxopt, o_eager, **FP16_TOL)
+
+
+class _HalvedBuffer(nn.Module):
+    def __init__(self, spelling):
+        super().__init__()
+        self.register_buffer("b", torch.eye(4))
+        self.spelling = spelling
+
+    def forward(self, x):
+        y1 = x @ self.b
+        {"T": lambda: self.b.T, "mT": lambda: self.b.mT, "data": lambda: self.b.data,
+         "ravel": lambda: self.b.ravel(), "split_with_sizes": lambda: self.b.split_with_sizes([2, 2])[0],
+         "hsplit": lambda: self.b.hsplit(2)[0]}[self.spelling]().mul_(0.5)
+        return y1 + x @ self.b
+
+
+def test_writes_through_every_spelling_of_a_view_are_seen():
+    """`b.T.mul_(0.5)` between two reads of `b`: views the mutation analysis did not know (getattr T/mT,
+    .data, ravel, split_with_sizes, hsplit) hid the write, and both matmuls shared one cast of `b` made
+    before it ([2, 2, 2, 2] instead of [1.5, ...])."""
+    x = torch.ones(1, 4)
+    for spelling in ("T", "mT", "data", "ravel", "split_with_sizes", "hsplit"):
+        want = _HalvedBuffer(spelling)(x)
+        got = fp16(_HalvedBuffer(spelling))(x)
+        torch.testing.assert_close(got, want, **FP16_TOL)
+
+
+def test_a_weight_scaled_through_data_in_forward_is_cast_after_the_write():
+    """Inference with cached parameter casts: `self.lin.weight.data.mul_(2)` (dynamo's _get_data_attr) was
+    not seen as a write to the weight, so the cached cast was one call stale."""
+    torch.manual_seed(2)
+    eager = nn.Linear(4, 4)
+    compiled_model = copy.deepcopy(eager)
+
+    def step(model):
+        def forward(x):
+            model.weight.data.mul_(2)
+            return model(x)
+        return forward
+    run = fp16(step(compiled_model))
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(2, 4)
+            torch.testing.assert_close(run(x), step(eager)(x), **FP16_TOL)
