@@ -152,7 +152,8 @@ def compile_aten_graph(gm: fx.GraphModule, example_inputs, *, options: Options, 
     if applied is not None and plans is not None:
         applied = plans.template()  # symbolic byte counts; offsets come from PLANS per call
     record.wrapper_source = generate_wrapper(gm, kernels, graph_name, mode, filename, options.profile,
-                                             plan=applied, poison=applied is not None and env.poison_freed)
+                                             plan=applied, poison=applied is not None and env.poison_freed,
+                                             reuse=bool(options.memory_plan))
     # a training step's graphs compile their kernels in the background, the forward's while the
     # backward graph is made and compiled (backend.py compiles it with the forward), each waited for
     # at its graph's first call; explain() (keep_graphs) times them in the foreground

@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from .op_classes import is_collective, is_view, is_wait, out_variant
-from .symbolic import row_major_strides, sizes, strides
+from .symbolic import row_major_strides, sizes, storage_offset, strides
 
 
 @dataclass
@@ -129,7 +129,9 @@ def _row_major(t) -> bool:
 
 def _elementwise_from(sub: fx.GraphModule, index: int) -> bool:
     """Inside a fused group, the index-th input reaches the output only through pointwise ops, so the
-    kernel reads input element i only while computing output element i (no view re-indexes it)."""
+    kernel reads input element i only while computing output element i (no view re-indexes it, no op
+    broadcasts it: `y * y[0]` reads row 0 of y for every row of the output, and a kernel writing over y
+    gave every block after the first the overwritten row: the fuzzer of 2026-12-06)."""
     from .op_classes import classify
 
     placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
@@ -143,15 +145,27 @@ def _elementwise_from(sub: fx.GraphModule, index: int) -> bool:
                 continue
             if u.op != "call_function" or not (classify(u) == "pointwise" or _flat_view(u)):
                 return False
+            if _numel(node.meta.get("val")) != _numel(u.meta.get("val")):  # broadcast, or a smaller view
+                return False
             seen.add(u)
             todo.append(u)
     return True
 
 
 def _flat_view(node: fx.Node) -> bool:
-    """A view from row-major to row-major (a reshape): element i stays element i."""
-    return (is_view(node) and isinstance(node.args[0], fx.Node) and _row_major(node.args[0].meta.get("val"))
-            and _row_major(node.meta.get("val")))
+    """A view from row-major to row-major of all the elements at the same offset (a reshape): element i
+    stays element i (a row-major `select(0, k)` or `[:1]` is not one)."""
+    if not (is_view(node) and isinstance(node.args[0], fx.Node)):
+        return False
+    before, after = node.args[0].meta.get("val"), node.meta.get("val")
+    return (_row_major(before) and _row_major(after) and _numel(before) == _numel(after)
+            and storage_offset(before) == storage_offset(after))
+
+
+def _numel(t):
+    """The element count (a sympy expression under symbolic sizes: compared exactly, no guards); None for
+    what is not a tensor."""
+    return math.prod(sizes(t)) if isinstance(t, torch.Tensor) else None
 
 
 def _base(node):

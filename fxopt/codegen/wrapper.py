@@ -162,18 +162,19 @@ def _arena_slots(gm: fx.GraphModule, kernels: dict[str, Kernel], plan: MemoryPla
 
 def generate_wrapper(gm: fx.GraphModule, kernels: dict[str, Kernel], graph: str,
                      mode: str, filename: str = "wrapper.py", profile: bool = False,
-                     plan: MemoryPlan | None = None, poison: bool = False) -> str:
+                     plan: MemoryPlan | None = None, poison: bool = False, reuse: bool = True) -> str:
     """Python source of the wrapper module. mode: "triton" launches kernels, "eager" runs subgraphs.
     profile: bracket every launch and ATen call with a named timing region (for fxopt.profile).
     plan: a memory plan to apply (kernel outputs become arena views); poison: fill each arena region
-    with 0xFF bytes after its last use (debugging: a later read sees NaN)."""
+    with 0xFF bytes after its last use (debugging: a later read sees NaN); reuse: False (memory_plan=False)
+    keeps a kernel from writing in place of a dying input where no plan is applied."""
     names: dict[fx.Node, str] = {n: n.name for n in gm.graph.nodes}
     guarded = cuda_device_index(gm) if mode == "triton" else None
     slots, arena_device = _arena_slots(gm, kernels, plan, mode)
     arena = "arena" if "arena" not in names.values() else "arena_"
     replaced = {dying: born for dying, born in getattr(plan, "inplace", ()) if born in slots}
-    # without an applied plan the same pairs still hold: the kernel writes into the dying buffer itself
-    reused = {} if plan is not None or mode != "triton" else _reused_buffers(gm)
+    # without an applied plan the same pairs hold: the kernel writes into the dying buffer itself
+    reused = {} if plan is not None or mode != "triton" or not reuse else _reused_buffers(gm)
     dies: dict[int, list[BufferRecord]] = {}
     for rec, _ in slots.values():
         if rec.name not in replaced:  # a region written in place lives on in its successor: no poison
@@ -342,9 +343,8 @@ def _arena_view(name: str, slot, arena: str, replaced) -> str:
 
 
 def _reused_buffers(gm: fx.GraphModule) -> dict[str, tuple[str, bool]]:
-    """{born: (dying, same dtype)} for the kernels that write into a dying input without an applied plan
-    (liveness.inplace_pairs); one of another dtype is viewed as the output's, or the kernel's stores
-    would convert to the input's (an int64 argmax reused for a float64 result came back int64)."""
+    """{born: (dying, same dtype)}: kernels writing into a dying input without an applied plan (inplace_pairs);
+    one of another dtype is viewed as the output's (else an int64 argmax reused for float64 stayed int64)."""
     dtype = {n.name: getattr(n.meta.get("val"), "dtype", None) for n in gm.graph.nodes}
     return {born: (dying, dtype[dying] == dtype[born]) for dying, born in inplace_pairs(gm, buffer_intervals(gm))}
 

@@ -56,3 +56,37 @@ def test_a_graph_input_is_never_written():
     out = compile_fxopt(scaled)(x)
     assert torch.equal(x, keep)
     assert_close_to_reference(out, scaled(x.double()), torch.float32)
+
+
+def _row_zero_broadcast(x0, x1):
+    y = x0 * x1
+    return y * y[0]
+
+
+def _matmul_first_row(a, w):
+    m = a @ w.t()
+    return m * m[:1]
+
+
+def test_a_kernel_reading_a_row_of_the_dying_buffer_for_every_row_writes_elsewhere():
+    """`y * y[0]`: the kernel reads row 0 of y for every output row. It was paired with y (a row-major
+    `select` taken for a reshape) and wrote over it, so every block after the first read an overwritten
+    row 0 (the fuzzer of 2026-12-06: 2,176 of 2,400 elements wrong, blocks run in order here; a race on
+    a GPU). Shapes of more than one 1024-element block."""
+    g = torch.Generator().manual_seed(0)
+    x0, x1 = torch.randn(15, 5, 16, generator=g), torch.randn(5, 16, generator=g)
+    a, w = torch.randn(75, 16, generator=g), torch.randn(64, 16, generator=g)
+    for fn, args in ((_row_zero_broadcast, (x0, x1)), (_matmul_first_row, (a, w))):
+        assert "in place" not in wrapper_of(fn, *args)
+        out = compile_fxopt(fn)(*args)
+        assert_close_to_reference(out, fn(*(t.double() for t in args)), torch.float32)
+
+
+def test_memory_plan_false_writes_nothing_in_place():
+    """The README's `memory_plan=False: off` includes the default in-place reuse."""
+    args = inputs()
+    assert "in place" in wrapper_of(mlp_up, *args)
+    source = fxopt.explain(mlp_up, *args, memory_plan=False).graphs[0].wrapper_source
+    assert "in place" not in source
+    out = compile_fxopt(mlp_up, memory_plan=False)(*args)
+    assert_close_to_reference(out, mlp_up(*(a.double() for a in args)), torch.float32)
