@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
+from .division import lower_div
 from .dtypes import LOW_PRECISION, TL_DTYPE, compute_dtype
 from .erf_poly import erf_call, gelu_call
 
@@ -305,7 +306,7 @@ LOWERINGS = {
     aten.rsub.Scalar: lambda c, n, o: f"({o[1]} - {o[0]})" if len(o) < 3 else f"({o[1]} - {o[2]} * {o[0]})",
     aten.mul.Tensor: lambda c, n, o: f"({o[0]} * {o[1]})",
     aten.mul.Scalar: lambda c, n, o: f"({o[0]} * {o[1]})",
-    aten.div.Tensor: lambda c, n, o: f"({o[0]} / {o[1]})",
+    aten.div.Tensor: lower_div,
     aten.div.Scalar: lambda c, n, o: f"({o[0]} / {o[1]})",
     aten.eq.Tensor: lambda c, n, o: f"({o[0]} == {o[1]})",
     aten.eq.Scalar: lambda c, n, o: f"({o[0]} == {o[1]})",

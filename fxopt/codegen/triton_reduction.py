@@ -39,7 +39,7 @@ from .kernel import Kernel
 from .reduction_schedules import (COMBINE, EVEN_PER_CALL, LoopedSchedule, even_source, floating, inner_view,
                                   lane_reduce, mask_line, per_call_xblock, persistent_per_call, split_kernel,
                                   per_call_config, strided_config, strided_rows)
-from .pointwise_ops import LOWERINGS, LowerCtx, operand_dtype
+from .pointwise_ops import LOWERINGS, LowerCtx
 from .triton_pointwise import PointwiseEmitter, cdiv_source, view_root
 
 PERSISTENT_MAX = ROW_IN_REGISTERS  # widest row (elements) kept whole in registers
@@ -290,18 +290,6 @@ class ReductionEmitter(PointwiseEmitter):
             load += f".to({TL_DTYPE[cdt]})"
         self.vdtype[leaf] = cdt
         return f"{var}{self.suffix if has_r else ''} = {load}  # {describe_value(val)}"
-
-    def _compute(self, n: fx.Node) -> str:
-        """As for pointwise kernels, except a row value divided by a row scalar (softmax's exp / sum)
-        multiplies by the reciprocal: one correctly rounded division (a dozen instructions) per row,
-        not per element; the product is within an ulp of the quotient."""
-        a, b = (n.args + (None, None))[:2]
-        if (n.target is torch.ops.aten.div.Tensor and not n.kwargs and isinstance(a, fx.Node)
-                and isinstance(b, fx.Node) and self.is_row.get(n) and not self.is_row.get(b, b in self.row_leaves)
-                and compute_dtype(n.meta["val"].dtype) == torch.float32 and operand_dtype(n) == torch.float32):
-            self.vdtype[n] = torch.float32
-            return f"({self._operand(a, torch.float32)} * (1.0 / {self._operand(b, torch.float32)}))"
-        return super()._compute(n)
 
     def _node(self, n: fx.Node) -> str:
         if inner_view(n):  # [XBLOCK, 1] either way: the same registers under another name

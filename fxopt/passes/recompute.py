@@ -27,6 +27,13 @@ from ..analysis.reductions import is_column_sum_of, reduction_info, reduction_un
 from ..pass_manager import PassContext, PassResult
 
 MAX_CHAIN = 32
+# reductions whose result is one of their input's elements, which a backward finds again by equality
+# (amax's gradient goes where input == amax): their input is never recomputed when another kernel also
+# makes it, since the two kernels may round it differently (softmax as exp * (1/sum) in the row kernel,
+# exp / sum in a copy) and no element would then equal the result (gradients 0/0 = NaN)
+SELECTIONS = frozenset({torch.ops.aten.amax.default, torch.ops.aten.amin.default, torch.ops.aten.max.dim,
+                        torch.ops.aten.min.dim, torch.ops.aten.max.default, torch.ops.aten.min.default,
+                        torch.ops.aten.argmax.default, torch.ops.aten.argmin.default})
 RESERVED_FOR = "fxopt_reduction_key"  # node.meta key: the reduction group a copied op belongs to
 
 
@@ -73,7 +80,7 @@ class RecomputeForReductions:
             chain = _chain(r, info.in_shape, ctx.target)
             inside = set(chain)
             shared = [n for n in chain if any(u not in inside and u is not r for u in n.users)]
-            if not shared or len(chain) > MAX_CHAIN:
+            if not shared or len(chain) > MAX_CHAIN or (r.target in SELECTIONS and r.args[0] in shared):
                 continue
             numel = 1
             for s in info.in_shape:

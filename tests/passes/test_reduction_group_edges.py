@@ -85,3 +85,29 @@ def test_a_returned_view_of_a_reduction_aliases_its_base(case):
     ye.mul_(-3)
     torch.testing.assert_close(v, ve)
     assert v.untyped_storage().data_ptr() == y.untyped_storage().data_ptr()
+
+
+SELECTIONS_OF_NORMALISED_ROWS = {
+    "softmax(x).amax(0)": lambda x: torch.softmax(x, -1).amax(0),
+    "(e / e.sum(-1)).amax(0)": lambda x: (lambda e: (e / e.sum(-1, keepdim=True)).amax(0))(x.exp()),
+    "softmax(x).amin(0)": lambda x: torch.softmax(x, -1).amin(0),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SELECTIONS_OF_NORMALISED_ROWS))
+def test_a_column_selection_of_normalised_rows_has_finite_gradients(case):
+    """amax's backward sends the gradient where input == amax. The row kernel computed the softmax as
+    exp * (1/sum) and the column amax's copy of the chain (or the backward's recompute) as exp / sum: an
+    ulp apart, no element equalled the result and the gradient was 0/0 = NaN (92-104 of 104 elements;
+    the fuzzer of 2026-12-06). Every kernel now divides by a per-row value the same way."""
+    fn = SELECTIONS_OF_NORMALISED_ROWS[case]
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        x, w = torch.randn(8, 13, generator=g), torch.randn(13, generator=g)
+        leaf = x.clone().requires_grad_()
+        torch._dynamo.reset()
+        got, = torch.autograd.grad((compile_fxopt(fn)(leaf) * w).sum(), leaf)
+        ref = x.double().requires_grad_()
+        want, = torch.autograd.grad((fn(ref) * w.double()).sum(), ref)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+
