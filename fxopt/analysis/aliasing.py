@@ -36,18 +36,11 @@ def storage_root(node: fx.Node) -> fx.Node:
 
 def returned_through_views(node: fx.Node) -> bool:
     """`node`, or any view of it (a view of a view, ...), is an output of the graph."""
-    todo, seen = [node], set()
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        for u in n.users:
-            if u.op == "output":
-                return True
-            if view_source(u) is n or (u.op == "call_function" and u.target is operator.getitem and is_view(n)):
-                todo.append(u)
-    return False
+    if any(u.op == "output" for u in node.users):
+        return True
+    views = [u for u in node.users if view_source(u) is node
+             or (u.op == "call_function" and u.target is operator.getitem and is_view(node))]
+    return any(returned_through_views(v) for v in views)  # (views form a tree: no cycles)
 
 
 def written_roots(graph: fx.Graph) -> set[fx.Node]:
