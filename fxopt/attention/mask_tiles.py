@@ -4,8 +4,8 @@
 A mask is additive (float: added to the scaled scores) or a bool "keep" mask (False sets the score to
 -inf: what a -inf fill, `masked_fill(~keep, -inf)` or SDPA's bool attn_mask, computes). The bool form
 costs one select per score where an additive mask costs the rounding-faithful sum of `add_mask` (a
-padded SDPA forward ran 0.79 ms against 0.67 for SDPA on an H100 with the -inf fill read as an additive
-float mask), and its tiles are a quarter of an fp32 mask's bytes.
+padded SDPA forward, B8 H16 T2048 hd128 bf16 on an H100: 0.79 ms with the fill read as an additive
+float mask, 0.60 ms as a bool one, SDPA 0.68), and its tiles are a quarter of an fp32 mask's bytes.
 
 A mask arrives expanded to [B, H, Tq, Tk], usually with stride 0 somewhere: a key padding mask
 [B, 1, 1, Tk] broadcasts over heads and queries. Where it broadcasts over the queries (MASK_ROW), one

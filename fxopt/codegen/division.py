@@ -6,9 +6,9 @@ product within an ulp of the quotient. The same expression evaluated by another 
 chain for a column reduction, a backward that recomputes the softmax) must round the same way, or values
 equal in eager differ across kernels: amax's backward finds its element by equality, and
 `softmax(x).amax(0)` had NaN gradients (0/0) where one kernel multiplied by the reciprocal and another
-divided (the fuzzer of 2026-12-06). So every
-kernel, pointwise or reduction, writes a float32 division by a value broadcast along the last dim (size
-1 there, the result's larger) as the product with its reciprocal.
+divided (the fuzzer of 2026-12-06). So every kernel, pointwise or reduction, writes a float32 division
+by a value broadcast along the last dim (size 1 there, the result's larger) as the product with its
+reciprocal.
 """
 from __future__ import annotations
 

@@ -29,8 +29,9 @@ from ..pass_manager import PassContext, PassResult
 MAX_CHAIN = 32
 # reductions whose result is one of their input's elements, which a backward finds again by equality
 # (amax's gradient goes where input == amax): their input is never recomputed when another kernel also
-# makes it, since the two kernels may round it differently (softmax as exp * (1/sum) in the row kernel,
-# exp / sum in a copy) and no element would then equal the result (gradients 0/0 = NaN)
+# makes it, since two kernels may round it differently (softmax as exp * (1/sum) in the row kernel and
+# exp / sum in a copy did, before codegen/division.py; exact and approximate math still may) and no
+# element would then equal the result (gradients 0/0 = NaN)
 SELECTIONS = frozenset({torch.ops.aten.amax.default, torch.ops.aten.amin.default, torch.ops.aten.max.dim,
                         torch.ops.aten.min.dim, torch.ops.aten.max.default, torch.ops.aten.min.default,
                         torch.ops.aten.argmax.default, torch.ops.aten.argmin.default})
