@@ -68,7 +68,7 @@ def _matmul_first_row(a, w):
     return m * m[:1]
 
 
-def test_a_kernel_reading_a_row_of_the_dying_buffer_for_every_row_writes_elsewhere():
+def test_a_kernel_reading_a_row_of_the_dying_buffer_for_every_row_writes_elsewhere(device):
     """`y * y[0]`: the kernel reads row 0 of y for every output row. It was paired with y (a row-major
     `select` taken for a reshape) and wrote over it, so every block after the first read an overwritten
     row 0 (the fuzzer of 2026-12-06: 2,176 of 2,400 elements wrong, blocks run in order here; a race on
@@ -77,6 +77,7 @@ def test_a_kernel_reading_a_row_of_the_dying_buffer_for_every_row_writes_elsewhe
     x0, x1 = torch.randn(15, 5, 16, generator=g), torch.randn(5, 16, generator=g)
     a, w = torch.randn(75, 16, generator=g), torch.randn(64, 16, generator=g)
     for fn, args in ((_row_zero_broadcast, (x0, x1)), (_matmul_first_row, (a, w))):
+        args = tuple(t.to(device) for t in args)
         assert "in place" not in wrapper_of(fn, *args)
         out = compile_fxopt(fn)(*args)
         assert_close_to_reference(out, fn(*(t.double() for t in args)), torch.float32)

@@ -95,7 +95,7 @@ SELECTIONS_OF_NORMALISED_ROWS = {
 
 
 @pytest.mark.parametrize("case", sorted(SELECTIONS_OF_NORMALISED_ROWS))
-def test_a_column_selection_of_normalised_rows_has_finite_gradients(case):
+def test_a_column_selection_of_normalised_rows_has_finite_gradients(case, device):
     """amax's backward sends the gradient where input == amax. The row kernel computed the softmax as
     exp * (1/sum) and the column amax's copy of the chain (or the backward's recompute) as exp / sum: an
     ulp apart, no element equalled the result and the gradient was 0/0 = NaN (92-104 of 104 elements;
@@ -103,7 +103,7 @@ def test_a_column_selection_of_normalised_rows_has_finite_gradients(case):
     fn = SELECTIONS_OF_NORMALISED_ROWS[case]
     for seed in range(3):
         g = torch.Generator().manual_seed(seed)
-        x, w = torch.randn(8, 13, generator=g), torch.randn(13, generator=g)
+        x, w = torch.randn(8, 13, generator=g).to(device), torch.randn(13, generator=g).to(device)
         leaf = x.clone().requires_grad_()
         torch._dynamo.reset()
         got, = torch.autograd.grad((compile_fxopt(fn)(leaf) * w).sum(), leaf)
