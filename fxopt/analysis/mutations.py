@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import operator
 
+import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
@@ -45,12 +46,36 @@ def _renormalised(node: fx.Node):
     return weight if max_norm is not None else None
 
 
-def _name(node: fx.Node) -> str:
+def op_name(node: fx.Node) -> str:
+    """A call's name without namespace or overload: `masked_fill_` for x.masked_fill_(...) and for
+    torch.ops.aten.masked_fill_.Scalar(x, ...) alike."""
     if node.op == "call_method":
         return str(node.target)
     if node.op == "call_function":
-        return getattr(node.target, "__name__", "")
+        return getattr(node.target, "__name__", "").split(".")[0]
     return ""
+
+
+def _schema_writes(node: fx.Node) -> list:
+    """The arguments an operator's schema marks written (`Tensor(a!)`): explicit aten overloads, custom ops
+    declared with mutates_args."""
+    target = node.target
+    schema = getattr(target, "_schema", None) or getattr(getattr(target, "default", None), "_schema", None)
+    if node.op != "call_function" or not isinstance(schema, torch._C.FunctionSchema):
+        return []
+    return [node.args[i] if i < len(node.args) else node.kwargs.get(spec.name)
+            for i, spec in enumerate(schema.arguments) if spec.alias_info is not None and spec.alias_info.is_write]
+
+
+# casts that return their input itself when nothing changes (`s.float()` of an fp32 `s`): a write through
+# one writes the input, in eager; the precision pass must see it before it makes the cast a copy
+_CASTS = frozenset({"float", "double", "half", "bfloat16", "to", "type", "type_as"})
+
+
+def _same_dtype_cast(node: fx.Node) -> bool:
+    source, out = (getattr(a, "meta", {}).get("example_value") for a in (node.args[0], node))
+    return (isinstance(source, torch.Tensor) and isinstance(out, torch.Tensor) and source.dtype == out.dtype
+            and source.device == out.device and not node.kwargs.get("copy", False))
 
 
 def writes_in_place(node: fx.Node) -> bool:
@@ -58,14 +83,15 @@ def writes_in_place(node: fx.Node) -> bool:
     argument."""
     if node.op == "call_function" and node.target in _IN_PLACE_OPERATORS:
         return True
-    name = _name(node)
-    return name.endswith("_") and not name.endswith("__")
+    name = op_name(node)
+    return (name.endswith("_") and not name.endswith("__")) or node.kwargs.get("inplace") is True
 
 
 def _is_view(node: fx.Node) -> bool:
     if node.op == "call_function" and node.target is getattr:
         return len(node.args) == 2 and node.args[1] in _VIEW_ATTRIBUTES
-    return _name(node) in _VIEWS
+    name = op_name(node)
+    return name in _VIEWS or (name in _CASTS and isinstance(node.args[0], fx.Node) and _same_dtype_cast(node))
 
 
 def storage_root(value) -> fx.Node | None:
@@ -76,13 +102,19 @@ def storage_root(value) -> fx.Node | None:
 
 
 def written_by(node: fx.Node) -> list[fx.Node]:
-    """The values `node` writes in place: an in-place op's first argument, an `out=` tensor, the weight
-    F.embedding(max_norm=...) renormalises."""
-    written = [node.args[0]] if writes_in_place(node) and node.args and isinstance(node.args[0], fx.Node) else []
-    if isinstance(node.kwargs.get("out"), fx.Node):  # torch.add(a, b, out=c)
-        written.append(node.kwargs["out"])
-    renormalised = _renormalised(node)
-    return written + ([renormalised] if isinstance(renormalised, fx.Node) else [])
+    """The values `node` writes in place: an in-place op's first argument (each tensor of a foreach op's
+    list; `inplace=True` functions), `out=` tensors, what an operator's schema marks written, the running
+    statistics F.batch_norm updates in training, the weight F.embedding(max_norm=...) renormalises."""
+    written = [node.args[0]] if writes_in_place(node) and node.args else []
+    written.append(node.kwargs.get("out"))  # torch.add(a, b, out=c); torch.sort(x, out=(values, indices))
+    written += _schema_writes(node) + [_renormalised(node)]
+    if node.op == "call_function" and node.target is F.batch_norm:
+        training = node.args[5] if len(node.args) > 5 else node.kwargs.get("training", False)
+        written += list(node.args[1:3]) if training else []
+    flat = []
+    for w in written:
+        flat += [v for v in w if isinstance(v, fx.Node)] if isinstance(w, (tuple, list)) else [w]
+    return [w for w in flat if isinstance(w, fx.Node)]
 
 
 class Mutations:

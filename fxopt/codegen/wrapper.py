@@ -103,18 +103,18 @@ def _last_uses(gm: fx.GraphModule) -> dict[fx.Node, list[fx.Node]]:
     return frees
 
 
-_ABSOLUTE_OFFSET_VIEWS = (torch.ops.aten.as_strided.default, torch.ops.aten.as_strided_.default)
+_ABSOLUTE_OFFSET_VIEWS = (torch.ops.aten.as_strided.default, torch.ops.aten.as_strided_.default,
+                          torch.ops.aten.as_strided_scatter.default)
 
 
 def _storage_offset_bases(gm: fx.GraphModule) -> set[str]:
-    """Values an ATen as_strided reads (itself or through views of it): its storage_offset counts from the
-    start of the storage, which for an arena view is the arena's, not the fresh tensor's eager made, so
-    such a value keeps its own allocation. (Where the wrapper proves the layout it makes the view
-    relative to its base instead, but not under symbolic sizes: a sweep found an as_strided there reading
-    another intermediate of the arena.)"""
+    """Values an ATen as_strided (or as_strided_scatter, and its out= result) indexes: its storage_offset
+    counts from the start of the storage, for an arena view the arena's, so such a value keeps its own
+    allocation (a sweep found as_strided_scatter's window clamped 64 floats early, memory_plan="apply")."""
     bases = set()
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target in _ABSOLUTE_OFFSET_VIEWS:
+            bases.add(n.name)
             base = n.args[0]
             while isinstance(base, fx.Node):
                 bases.add(base.name)

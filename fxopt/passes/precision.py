@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from ..analysis.mutations import Mutations, storage_root, written_by
+from ..analysis.mutations import Mutations, op_name, storage_root, written_by
 from ..analysis.precision_policy import FP32, LOW, category_of, feeds_reduction, policy_with
 from ..analysis.torch_ops import dtype, op_of
 from ..pass_manager import PassContext, PassResult
@@ -227,7 +227,10 @@ class MixedPrecision:
 # (name, position of the source argument)
 _SAME_DTYPE_SOURCES = {"index_add": 3, "index_add_": 3, "index_copy": 3, "index_copy_": 3, "index_put": 2,
                        "index_put_": 2}
-_FILLS = {"masked_fill", "masked_fill_", "where", "fill_", "full_like", "clamp", "clamp_min", "clamp_max"}
+_FILLS = {"masked_fill", "masked_fill_", "where", "fill_", "full_like", "clamp", "clamp_min", "clamp_max",
+          "index_fill", "index_fill_"}
+# a fill made in the graph: where its value is among the maker's arguments
+_CONSTANT_MAKERS = {torch.full: 1, torch.tensor: 0, torch.scalar_tensor: 0}
 
 
 def _refused(node: fx.Node) -> str | None:
@@ -235,8 +238,8 @@ def _refused(node: fx.Node) -> str | None:
     kernel insists on equal dtypes where its meta does not (index_add of a low-precision source into an
     fp32 tensor), or a fill that the new dtype cannot hold (dynamo baked `finfo(s.dtype).min` of the fp32
     scores: in fp16 it is -inf, and a row masked everywhere becomes NaN instead of eager's average)."""
-    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-    values = [node.args[0] if node.args else None, *node.args[1:], *node.kwargs.values()]
+    name = op_name(node)
+    values = [_constant_fill(v) for v in (*node.args, *node.kwargs.values())]
     if name in _SAME_DTYPE_SOURCES and len(node.args) > _SAME_DTYPE_SOURCES[name]:
         source = node.args[_SAME_DTYPE_SOURCES[name]]
         if isinstance(source, fx.Node) and isinstance(node.args[0], fx.Node) and dtype(source) != dtype(node.args[0]):
@@ -262,6 +265,13 @@ def _keep_written_storage_dtype(node: fx.Node, original: dict, casts: _Casts) ->
     cast = casts.to(node, was, node.next, f"{node.name} is written in place: keeps the model's {LABELS[was]}")
     node.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)
     casts.mutations.roots.add(cast)
+
+
+def _constant_fill(value):
+    """A fill's value: a Python float, or the float a 0-d tensor made in the graph holds (HF GPT-2's
+    `torch.full([], finfo(s.dtype).min)`, `torch.tensor(-1e9)`)."""
+    at = _CONSTANT_MAKERS.get(value.target) if isinstance(value, fx.Node) and value.op == "call_function" else None
+    return value.args[at] if at is not None and len(value.args) > at else value
 
 
 def _restore_recorded(node: fx.Node, recorded_inputs: list, original: dict, casts: _Casts, reason: str) -> bool:

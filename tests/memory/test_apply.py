@@ -329,3 +329,25 @@ def test_as_strided_reads_its_own_storage_not_the_arena(dynamic, monkeypatch):
         x, xe = torch.arange(n, dtype=torch.float32), torch.arange(n, dtype=torch.float32)
         torch.testing.assert_close(g(x, x[0:3], x[5:8]), _two_views_mutated(xe, xe[0:3], xe[5:8]))
         torch.testing.assert_close(x, xe)
+
+
+def _clamp_a_window(a, b):
+    a.add_(1)
+    a.as_strided((2, 2), (4, 1), 1).clamp_(-0.5, 0.5)
+    b.mul_(b.sum())
+    return b + 0
+
+
+def test_as_strided_scatter_keeps_its_own_allocation():
+    """as_strided_scatter (a write through as_strided, functionalised) indexes from the start of its
+    storage; placed in the arena at an offset, its window landed 64 floats early and the caller's `a` was
+    wrong (the second mutation sweep of 2026-12-06)."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(4, 4, generator=g), torch.randn(4, 4, generator=g)
+    want_a, want_b = a.clone(), b.clone()
+    want = _clamp_a_window(want_a, want_b)
+    torch._dynamo.reset()
+    got = torch.compile(_clamp_a_window, backend=fxopt.backend(memory_plan="apply"))(a, b)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(a, want_a)
+    torch.testing.assert_close(b, want_b)

@@ -209,3 +209,99 @@ def test_a_weight_scaled_through_data_in_forward_is_cast_after_the_write():
         for _ in range(3):
             x = torch.randn(2, 4)
             torch.testing.assert_close(run(x), step(eager)(x), **FP16_TOL)
+
+
+class _WrittenBetweenReads(nn.Module):
+    """A buffer read by a matmul, written in place by `spelling`, read again (fp16 shares one cast of a
+    value nothing writes: a write the analysis misses leaves the second read with the old value)."""
+
+    def __init__(self, spelling):
+        super().__init__()
+        self.register_buffer("b", torch.eye(4) * 2)
+        self.spelling = spelling
+
+    def forward(self, x):
+        y1 = x @ self.b
+        write = {
+            "foreach": lambda b: torch._foreach_mul_([b], 0.5),
+            "aten overload": lambda b: torch.ops.aten.mul_.Tensor(b, 0.5),
+            "inplace=True": lambda b: F.hardtanh(b, -1.0, 1.0, inplace=True),
+            "out tuple": lambda b: torch.sort(-b, dim=-1, out=(b, torch.empty(4, 4, dtype=torch.long))),
+            "no-op float()": lambda b: b.float().mul_(0.5),
+            "no-op type_as": lambda b: b.type_as(x).mul_(0.5),
+        }[self.spelling]
+        write(self.b)
+        return y1 + x @ self.b
+
+
+def test_every_spelling_of_a_write_is_seen():
+    """The second mutation sweep (2026-12-06): foreach ops (a list), explicit aten overloads
+    (`mul_.Tensor`), `inplace=True` functions, tuple `out=`, and a write through a cast that changes
+    nothing (`b.float()` of fp32 `b` is `b` in eager) were not seen as writes under precision="fp16"."""
+    x = torch.ones(1, 4)
+    for spelling in ("foreach", "aten overload", "inplace=True", "out tuple", "no-op float()", "no-op type_as"):
+        eager, compiled = _WrittenBetweenReads(spelling), _WrittenBetweenReads(spelling)
+        run = fp16(compiled)
+        for _ in range(2):
+            torch.testing.assert_close(run(x), eager(x), **FP16_TOL, msg=spelling)
+        torch.testing.assert_close(compiled.b, eager.b, **FP16_TOL, msg=spelling)
+
+
+def _cast_then_write(a, w):
+    s = a @ w
+    s.float().sub_(100)  # s itself, in eager: the write lands in s
+    return s
+
+
+def _running_stats(x, w, rm, rv):
+    y1 = x @ w
+    F.batch_norm(x, rm, rv, training=True)
+    return y1 + rm.sum() + rv.sum()
+
+
+def test_writes_through_no_op_casts_and_batch_norm_statistics():
+    torch.manual_seed(3)
+    a, w = torch.randn(4, 8), torch.randn(8, 8)
+    torch.testing.assert_close(fp16(_cast_then_write)(a, w), _cast_then_write(a, w), **FP16_TOL)
+    x = torch.randn(6, 8)
+    stats_eager, stats_fxopt = (torch.zeros(8), torch.ones(8)), (torch.zeros(8), torch.ones(8))
+    run = fp16(_running_stats)
+    for _ in range(2):
+        torch.testing.assert_close(run(x, w, *stats_fxopt), _running_stats(x, w, *stats_eager), **FP16_TOL)
+    for got, want in zip(stats_fxopt, stats_eager):
+        torch.testing.assert_close(got, want, **FP16_TOL)
+
+
+def _gpt2_where(x, w, keep):
+    s = x @ w
+    s = torch.where(keep, s, torch.full([], torch.finfo(s.dtype).min, dtype=s.dtype))
+    return s.softmax(-1)
+
+
+def _aten_masked_fill_(x, w, drop):
+    s = x @ w
+    torch.ops.aten.masked_fill_.Scalar(s, drop, torch.finfo(torch.float32).min)
+    return s.softmax(-1)
+
+
+def _aten_index_put_(x, w, idx, y):
+    s = x @ w
+    torch.ops.aten.index_put_.default(s, [idx], y)
+    return s
+
+
+def test_fills_made_in_the_graph_and_aten_overloads_keep_fp32():
+    """HF GPT-2's `where(keep, s, full([], finfo(float32).min))`, `index_fill`, and explicit aten overloads of
+    masked_fill_/index_put_: the fill became -inf in fp16 (a row masked everywhere NaN instead of eager's
+    average) or index_put raised (Half vs Float)."""
+    torch.manual_seed(4)
+    x, w = torch.randn(4, 8), torch.randn(8, 8) / 3
+    keep = torch.ones(4, 8, dtype=torch.bool)
+    keep[0] = False  # row 0 masked everywhere: eager gives the average, 1/8
+    y, idx = torch.full((2, 8), 100.0), torch.tensor([0, 2])
+    cases = ((_gpt2_where, (x, w, keep)), (_aten_masked_fill_, (x, w, ~keep)), (_aten_index_put_, (x, w, idx, y)),
+             (lambda x, w, i: (x @ w).index_fill(0, i, -1e9).softmax(0), (x, w, idx)))
+    for fn, args in cases:
+        got = fp16(fn)(*args)
+        assert not got.isnan().any()
+        torch.testing.assert_close(got, fn(*args), **FP16_TOL)
