@@ -10,6 +10,7 @@ from collections import OrderedDict
 import torch
 import torch.fx as fx
 
+from .analysis.aliasing import written_roots
 from .analysis.op_classes import is_collective, is_cpu_scalar, is_wait
 
 MAX_GRAPHS = 8  # captured signatures kept per compiled graph (least recently used evicted)
@@ -103,20 +104,7 @@ def mutated_inputs(gm: fx.GraphModule) -> set[int]:
     """Positions of the inputs the graph writes in place (through views too): they must be read in
     place, since a write to a static copy would never reach the caller's tensor."""
     index = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
-    written = set()
-    for n in gm.graph.nodes:
-        schema = getattr(n.target, "_schema", None)
-        if n.op != "call_function" or schema is None:
-            continue
-        for i, spec in enumerate(schema.arguments):
-            if spec.alias_info is None or not spec.alias_info.is_write:
-                continue
-            value = n.args[i] if i < len(n.args) else n.kwargs.get(spec.name)
-            while isinstance(value, fx.Node) and getattr(value.target, "is_view", False):
-                value = value.args[0]
-            if value in index:
-                written.add(index[value])
-    return written
+    return {index[root] for root in written_roots(gm.graph) if root in index}
 
 
 def signature(args, cpu_ok: bool = False) -> tuple[tuple, int]:

@@ -43,17 +43,18 @@ def returned_through_views(node: fx.Node) -> bool:
     return any(returned_through_views(v) for v in views)  # (views form a tree: no cycles)
 
 
+def written_arguments(node: fx.Node) -> list:
+    """The arguments a call's operator schema marks written (`Tensor(a!)`): `aten.copy_(input, new)` of the
+    input-mutation epilogue, `index_put_`, explicit overloads in torch-level graphs, custom ops declared
+    with mutates_args (a packet through its default overload)."""
+    target = node.target
+    schema = getattr(target, "_schema", None) or getattr(getattr(target, "default", None), "_schema", None)
+    if node.op != "call_function" or not isinstance(schema, torch._C.FunctionSchema):
+        return []
+    return [node.args[i] if i < len(node.args) else node.kwargs.get(spec.name)
+            for i, spec in enumerate(schema.arguments) if spec.alias_info is not None and spec.alias_info.is_write]
+
+
 def written_roots(graph: fx.Graph) -> set[fx.Node]:
-    """The storage roots of every argument some node writes in place (its schema marks it `a!`):
-    `aten.copy_(input, new)` of the input-mutation epilogue, `index_put_`, an optimizer's `add_`."""
-    roots = set()
-    for n in graph.nodes:
-        schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
-        if not isinstance(n.target, torch._ops.OpOverload) or schema is None:
-            continue
-        for i, spec in enumerate(schema.arguments):
-            if spec.alias_info is not None and spec.alias_info.is_write:
-                value = n.args[i] if i < len(n.args) else n.kwargs.get(spec.name)
-                if isinstance(value, fx.Node):
-                    roots.add(storage_root(value))
-    return roots
+    """The storage roots of every argument some node writes in place (written_arguments)."""
+    return {storage_root(v) for n in graph.nodes for v in written_arguments(n) if isinstance(v, fx.Node)}

@@ -120,7 +120,7 @@ def _same_layout(a, b) -> bool:
         return False
     # sizes as sympy terms, never SymInts: comparing those would add a guard
     return (sizes(a) == sizes(b) and strides(a) == strides(b)) or (
-        _row_major(a) and _row_major(b) and math.prod(sizes(a)) == math.prod(sizes(b)))
+        _row_major(a) and _row_major(b) and _numel(a) == _numel(b))
 
 
 def _row_major(t) -> bool:

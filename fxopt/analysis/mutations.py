@@ -14,6 +14,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from .aliasing import written_arguments
+
 # torch-level ops whose result shares args[0]'s storage (a write through one is a write to the other)
 _VIEWS = frozenset({
     "view", "view_as", "reshape", "transpose", "t", "permute", "unsqueeze", "squeeze", "expand", "expand_as",
@@ -56,17 +58,6 @@ def op_name(node: fx.Node) -> str:
     return ""
 
 
-def _schema_writes(node: fx.Node) -> list:
-    """The arguments an operator's schema marks written (`Tensor(a!)`): explicit aten overloads, custom ops
-    declared with mutates_args."""
-    target = node.target
-    schema = getattr(target, "_schema", None) or getattr(getattr(target, "default", None), "_schema", None)
-    if node.op != "call_function" or not isinstance(schema, torch._C.FunctionSchema):
-        return []
-    return [node.args[i] if i < len(node.args) else node.kwargs.get(spec.name)
-            for i, spec in enumerate(schema.arguments) if spec.alias_info is not None and spec.alias_info.is_write]
-
-
 # casts that return their input itself when nothing changes (`s.float()` of an fp32 `s`): a write through
 # one writes the input, in eager; the precision pass must see it before it makes the cast a copy
 _CASTS = frozenset({"float", "double", "half", "bfloat16", "to", "type", "type_as"})
@@ -107,7 +98,7 @@ def written_by(node: fx.Node) -> list[fx.Node]:
     statistics F.batch_norm updates in training, the weight F.embedding(max_norm=...) renormalises."""
     written = [node.args[0]] if writes_in_place(node) and node.args else []
     written.append(node.kwargs.get("out"))  # torch.add(a, b, out=c); torch.sort(x, out=(values, indices))
-    written += _schema_writes(node) + [_renormalised(node)]
+    written += written_arguments(node) + [_renormalised(node)]
     if node.op == "call_function" and node.target is F.batch_norm:
         training = node.args[5] if len(node.args) > 5 else node.kwargs.get("training", False)
         written += list(node.args[1:3]) if training else []
