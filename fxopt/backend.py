@@ -26,7 +26,7 @@ from .pass_manager import PassContext, PassManager
 from .passes.cse import eliminate_common_subexpressions
 from .passes.precision import lift_parameter_casts, with_cached_casts
 from .report import Report
-from .verify import GraphVerifier
+from .verify import GraphVerifier, graph_dtypes
 
 _DUMP_REPORTS: dict[str, Report] = {}  # one accumulating report per dump directory in this process
 _lock = threading.Lock()
@@ -57,8 +57,8 @@ def compile_dynamo_graph(gm: fx.GraphModule, example_inputs, options: Options, r
         if symbolic:  # (as compile.py does for the ATen graphs)
             report.pre_autograd_notes.append("verify=True is skipped for the torch-level graph under symbolic "
                                              "shapes (it runs the graph on example tensors)")
-        verifier = (GraphVerifier(gm, example_inputs, options.verify_tolerance, "torch-level")
-                    if options.verify and not symbolic else None)
+        rtol = options.verify_tolerance_for(graph_dtypes(gm))
+        verifier = GraphVerifier(gm, example_inputs, rtol, "torch-level") if options.verify and not symbolic else None
         gm, records, _ = PassManager(pre, verifier).run(gm, ctx)
         report.pre_autograd.extend(records)
         report.attention.extend(ctx.attention)

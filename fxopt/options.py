@@ -7,6 +7,8 @@ from dataclasses import dataclass, fields
 
 PRECISIONS = (None, "fp32", "bf16", "fp16")
 MEMORY_PLANS = (False, True, "apply")
+VERIFY_RTOL = {"bf16": 3e-2, "fp16": 5e-3}  # verify's default tolerance per precision (1e-3 otherwise)
+LOW_PRECISION_NAMES = {"torch.bfloat16": "bf16", "torch.float16": "fp16"}  # str(dtype): no torch import here
 # passes that only make the result faster and can be left out one by one (fuse=False, attention=False and
 # precision=None switch off the others)
 SKIPPABLE_PASSES = ("cpu_scalars_to_device", "sums_through_views", "fold_matmul_casts", "recompute_for_reductions",
@@ -67,9 +69,16 @@ class Options:
     @property
     def verify_tolerance(self) -> float:
         """verify_rtol, or a default that a correct bf16/fp16 precision pass stays within."""
+        return self.verify_tolerance_for(())
+
+    def verify_tolerance_for(self, dtypes) -> float:
+        """verify_rtol, or the default for a graph computing in `dtypes` under this precision: the
+        lowest precision's (a graph's own fp16/bf16 chains run in fp32 and round once, where the
+        captured graph rounds after every op)."""
         if self.verify_rtol is not None:
             return self.verify_rtol
-        return {"bf16": 3e-2, "fp16": 5e-3}.get(self.precision, 1e-3)
+        names = {self.precision} | {LOW_PRECISION_NAMES.get(str(d)) for d in dtypes}
+        return max(VERIFY_RTOL.get(name, 1e-3) for name in names)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "Options":

@@ -19,6 +19,17 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from .errors import VerifyError
 
 
+def graph_dtypes(gm: fx.GraphModule) -> set:
+    """The dtypes of the tensors a graph's nodes compute (ATen graphs' `val`, dynamo's `example_value`)."""
+    found = set()
+    for n in gm.graph.nodes:
+        value = n.meta.get("val", n.meta.get("example_value"))
+        for v in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(v, torch.Tensor):
+                found.add(v.dtype)
+    return found
+
+
 def real_inputs(example_inputs) -> list:
     """Real tensors for fake ones (same shape, strides, dtype, device): random floats, zero ints."""
     out = []
@@ -41,6 +52,10 @@ def real_inputs(example_inputs) -> list:
 
 
 def rel_error(a, b) -> float:
+    """Norm-wise relative error of `a` (a pass's or the generated code's value) against `b` (the captured
+    graph's). Where `b` is NaN nothing is compared: verify feeds random values (a backward graph's saved
+    log-sum-exp or rstd among them), which can leave the captured graph's own result undefined there;
+    a NaN in `a` where `b` has a number is an infinite error."""
     if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):  # a higher-order op's outputs
         if len(a) != len(b):
             return float("inf")
@@ -55,9 +70,10 @@ def rel_error(a, b) -> float:
     if not a.dtype.is_floating_point:
         return 0.0 if torch.equal(a.cpu(), b.cpu()) else float("inf")
     a64, b64 = a.detach().double().cpu(), b.detach().double().cpu()
-    if torch.isnan(a64).ne(torch.isnan(b64)).any():
+    undefined = torch.isnan(b64)  # where the captured graph itself gives NaN on verify's random inputs
+    if torch.isnan(a64).logical_and(~undefined).any():
         return float("inf")
-    a64, b64 = torch.nan_to_num(a64), torch.nan_to_num(b64)
+    a64, b64 = torch.nan_to_num(a64).masked_fill(undefined, 0.0), torch.nan_to_num(b64).masked_fill(undefined, 0.0)
     denom = b64.norm().item()
     return (a64 - b64).norm().item() / (denom if denom > 0 else 1.0)
 

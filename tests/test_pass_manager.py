@@ -156,3 +156,38 @@ def test_verify_takes_expanded_inputs_and_skips_symbolic_torch_graphs():
     torch._dynamo.reset()
     torch.testing.assert_close(torch.compile(causal, backend=fxopt.backend(verify=True), dynamic=True)(q, k, v),
                                causal(q, k, v))
+
+
+def test_verify_tolerance_follows_the_graphs_own_low_precision():
+    """An fp16 model without `precision=`: fxopt computes its pointwise chains in fp32 and rounds once,
+    the captured graph rounds after every op, so the two differ by fp16 rounding (1.1e-3 here, while
+    fxopt is 3x closer to float64 than eager). verify's default tolerance is the graph's lowest
+    precision's (5e-3 for fp16), not 1e-3: it raised "the fault is in codegen" on a correct model."""
+    def chain(x, w):
+        h = x.float()
+        h = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+        g = torch.nn.functional.silu(h) * (h * 1.7 + 0.3)
+        for _ in range(6):
+            g = g + torch.tanh(g * 1.3) * 0.9 - g.sigmoid() * 0.45
+        return g
+
+    torch.manual_seed(0)
+    x, w = torch.randn(24, 64, dtype=torch.float16), (1 + 0.1 * torch.randn(64)).half()
+    rep = fxopt.explain(chain, x, w, verify=True)
+    assert rep.passes[-1].name == "codegen" and 1e-3 < rep.passes[-1].max_rel_error < 5e-3
+    assert fxopt.Options().verify_tolerance_for({torch.float32, torch.float16}) == 5e-3
+    assert fxopt.Options(precision="fp16").verify_tolerance_for({torch.bfloat16}) == 3e-2
+    assert fxopt.Options(verify_rtol=1e-4).verify_tolerance_for({torch.bfloat16}) == 1e-4
+
+
+def test_verify_ignores_what_the_captured_graph_leaves_undefined():
+    """verify runs a backward graph on random saved values (a log-sum-exp, an rstd), where the captured
+    graph itself can give NaN: those places are not compared (it reported an infinite error, "the fault
+    is in codegen", for a correct GQA + RMSNorm block under precision="fp16"). A NaN where the captured
+    graph has a number is still an infinite error."""
+    from fxopt.verify import rel_error
+    ref = torch.tensor([1.0, float("nan"), 2.0])
+    assert rel_error(torch.tensor([1.0, 5.0, 2.0]), ref) == 0.0
+    assert rel_error(torch.tensor([1.0, float("nan"), 2.0]), ref) == 0.0
+    assert rel_error(torch.tensor([float("nan"), 0.0, 2.0]), ref) == float("inf")
+    assert rel_error(torch.tensor([1.0, 0.0, 2.2]), ref) == pytest.approx(0.2 / 5 ** 0.5)
