@@ -18,6 +18,7 @@ from .codegen import compile_pool
 from .codegen.precompile import start_own_op_compiles, warm_before_tracing, warm_compile_keys
 from .analysis.symbolic import shape_env_of_value
 from .aot import aot_compile
+from .buffer_guards import guarded
 from .compile import compile_aten_graph
 from .cudagraphs import graphed_compiler
 from .decompositions import decomposition_table
@@ -81,7 +82,7 @@ def compile_dynamo_graph(gm: fx.GraphModule, example_inputs, options: Options, r
         _roll_back(report, marks)
         raise
     compiled = with_cached_casts(compiled, cached_casts) if cached_casts else compiled
-    return _guarded(compiled, ctx.input_guards) if ctx.input_guards else compiled
+    return guarded(compiled, ctx.input_guards, ctx.unspecialised) if ctx.input_guards else compiled
 
 
 _REPORT_LISTS = ("graphs", "pre_autograd", "pre_autograd_notes", "attention", "casts")
@@ -95,17 +96,6 @@ def _roll_back(report: Report, marks: dict[str, int]) -> None:
     """Drop what a failed or restarted compile added to the report, so that it lists what runs."""
     for name, length in marks.items():
         del getattr(report, name)[length:]
-
-
-def _guarded(compiled, guards):
-    """Check compile-time facts about buffers (a causal mask buffer) before every call."""
-    @functools.wraps(compiled)
-    def call(*args):
-        flat = args[0] if len(args) == 1 and isinstance(args[0], list) else args  # boxed or not
-        for guard in guards:
-            guard.check(flat[guard.index])
-        return compiled(*args)
-    return call
 
 
 def _partition(joint: fx.GraphModule, joint_inputs, **kwargs):

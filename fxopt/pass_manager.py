@@ -40,6 +40,7 @@ class PassContext:
     attention: list = field(default_factory=list)  # AttentionSite records from the attention matcher
     casts: list = field(default_factory=list)  # CastRecord of every cast the precision pass inserted
     input_guards: list = field(default_factory=list)  # InputGuard: facts about inputs checked every call
+    unspecialised: object = None  # buffer_guards.UnspecialisedGraph: what runs when an input guard fails
 
     def note(self, node_name: str, reason: str) -> None:
         self.notes.append((node_name, reason))

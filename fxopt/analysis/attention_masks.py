@@ -240,15 +240,17 @@ def mask_facts(steps: list[MaskStep], values, score_shape, requires_grad) -> Mas
             raise NotAttention(f"an input-dependent mask fills with {step.value:g}, not -inf: rows it masks "
                                "completely would differ from eager")
     seq_q, seq_k = score_shape[-2], score_shape[-1]
+    if not bool(keep.all()) and (seq_q > seq_k or not bool((keep == causal_keep(seq_q, seq_k)).all())):
+        facts.runtime_fill = _fill_read_by_the_kernel(constant_steps, keep, facts)
+        shape_of = list(facts.runtime_fill.tensor.meta["example_value"].shape)
+        facts.described = f"compile-time fill, as additive {shape_of} read by the kernel"
+        return _with_slopes_described(facts)
+    # a causal fact, or a mask that hides nothing (an all-ones buffer, a zero bias: dropped from the site):
+    # either way the buffers it was read from are guarded, since a later write changes what is right
+    buffers = [b for s in constant_steps if isinstance(s.tensor, fx.Node) for b in values.buffers_used(s.tensor)]
+    facts.buffers = tuple(dict.fromkeys(facts.buffers + tuple(buffers)))
     if not bool(keep.all()):
-        if seq_q > seq_k or not bool((keep == causal_keep(seq_q, seq_k)).all()):
-            facts.runtime_fill = _fill_read_by_the_kernel(constant_steps, keep, facts)
-            shape_of = list(facts.runtime_fill.tensor.meta["example_value"].shape)
-            facts.described = f"compile-time fill, as additive {shape_of} read by the kernel"
-            return _with_slopes_described(facts)
         facts.causal = True
-        buffers = [b for s in constant_steps if isinstance(s.tensor, fx.Node) for b in values.buffers_used(s.tensor)]
-        facts.buffers = tuple(dict.fromkeys(facts.buffers + tuple(buffers)))
         facts.described = f"causal (from {_describe_buffers(dict.fromkeys(buffers))})"
     if (facts.causal and facts.runtime_fill is not None and runtime_at is not None
             and any(_finite_fill(s, values) for _, s in causal_steps)):

@@ -12,16 +12,15 @@ import math
 import operator
 import os
 import re
-from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensor
 
 from ..analysis.attention_masks import MaskFacts, NotAttention
 from ..analysis.constant_values import ConstantValues
 from ..analysis.torch_ops import dtype, meta, op_of, shape
 from ..attention.op import flash_attention
+from ..buffer_guards import InputGuard, UnspecialisedGraph
 from ..pass_manager import PassContext, PassResult
 from ..report import AttentionSite
 from .attention_match import Match, is_candidate, match_sdpa, match_site
@@ -31,50 +30,6 @@ from .graph_edit import erase_unused
 _log = logging.getLogger("fxopt.attention")
 
 FUSED_OP = flash_attention._opoverload  # torch.ops.fxopt.flash_attention.default
-
-
-@dataclass
-class InputGuard:
-    """A compile-time fact about a module buffer (its value, e.g. a causal tril or ALiBi slopes), checked on
-    every call (see backend.py) before anything runs.
-
-    Unchanged version and address: nothing to check. Otherwise the value is compared with the
-    snapshot: on the CPU with torch.equal (a clear FxoptError when it differs); on a GPU on the device,
-    with torch._assert_async, because reading the answer back would stall the host until every queued
-    kernel finished, on every call where something rewrites the buffer in place (DDP broadcasts module
-    buffers before each forward: a 9 ms stall per buffer per step waiting for the other rank's
-    all-reduce, measured on two H200s). A buffer changed on a GPU therefore stops the process with a
-    device-side assertion instead of a Python error; either way no result is computed from the old
-    fact."""
-
-    index: int  # position among the graph's inputs
-    name: str
-    snapshot: torch.Tensor
-    version: int
-    site: str
-
-    def check(self, tensor: torch.Tensor) -> None:
-        if isinstance(tensor, FakeTensor):  # dynamo's DDP optimizer runs each compiled piece on fake
-            return                          # inputs to find the next piece's: nothing real is computed
-        if tensor._version == self.version and tensor.data_ptr() == self.snapshot_ptr:
-            return
-        if tensor.device.type == "cpu" or tensor.shape != self.snapshot.shape:
-            if not torch.equal(tensor.detach().cpu(), self.snapshot):
-                from ..errors import FxoptError
-                raise FxoptError(f"fxopt: buffer '{self.name}' changed after compilation; attention at node "
-                                 f"'{self.site}' was compiled from its old value (a causal mask or position-bias "
-                                 "slopes). Fix: call torch._dynamo.reset() and compile again after changing it")
-        else:
-            if self._on_device is None or self._on_device.device != tensor.device:
-                self._on_device = self.snapshot.to(tensor.device)
-            torch._assert_async((tensor.detach() == self._on_device).all(),
-                                f"fxopt: buffer '{self.name}' changed after compilation (attention at node "
-                                f"'{self.site}' was compiled from its old value)")
-        self.version, self.snapshot_ptr = tensor._version, tensor.data_ptr()
-
-    def __post_init__(self):
-        self.snapshot_ptr = 0
-        self._on_device = None
 
 
 def _call(graph, op_or_method, *args):
@@ -221,10 +176,10 @@ class FuseAttention:
 
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         values = ConstantValues(gm, ctx.example_inputs)
-        fused = self._fuse_in(gm, values, ctx, prefix="")
+        fused = self._fuse_in(gm, values, ctx, prefix="", root=gm)
         matched = set()
         for name, body, operands in _checkpoint_bodies(gm):
-            n = self._fuse_in(body, ConstantValues.for_body(body, operands, values), ctx, prefix=f"{name}.")
+            n = self._fuse_in(body, ConstantValues.for_body(body, operands, values), ctx, prefix=f"{name}.", root=gm)
             if n:
                 body.recompile()
             fused += n
@@ -234,7 +189,8 @@ class FuseAttention:
             _fill_example_values(gm)
         return PassResult(gm, fused > 0, {"fused": fused, "unfused": sum(not s.fused for s in ctx.attention)})
 
-    def _fuse_in(self, gm: fx.GraphModule, values: ConstantValues, ctx: PassContext, prefix: str) -> int:
+    def _fuse_in(self, gm: fx.GraphModule, values: ConstantValues, ctx: PassContext, prefix: str,
+                 root: fx.GraphModule) -> int:
         fused = 0
         for node in list(gm.graph.nodes):
             if node.graph is not gm.graph or node.op not in ("call_function", "call_method"):
@@ -258,15 +214,17 @@ class FuseAttention:
             site.node, site.fused, site.causal, site.scale = prefix + m.out.name, True, m.facts.causal, m.scale
             site.mask, site.kv_groups, site.kernel = m.facts.described, m.kv_groups, _kernel_name(m)
             site.recognised = list(dict.fromkeys(m.recognised))
-            self._guard(ctx, values, m, site)
+            self._guard(ctx, values, m, site, root)
             rewrite(gm, m)
             ctx.attention.append(site)
             fused += 1
         return fused
 
     @staticmethod
-    def _guard(ctx: PassContext, values: ConstantValues, m: Match, site: AttentionSite) -> None:
+    def _guard(ctx: PassContext, values: ConstantValues, m: Match, site: AttentionSite, root: fx.GraphModule) -> None:
+        """Guard the buffers the site's facts were read from; before the first such rewrite, keep the graph as
+        it is (earlier rewrites depend on no buffer) for calls whose buffers differ (buffer_guards.py)."""
+        if m.facts.buffers and ctx.unspecialised is None:
+            ctx.unspecialised = UnspecialisedGraph(root)
         for buf in m.facts.buffers:
-            tensor = values.buffers[buf]
-            ctx.input_guards.append(InputGuard(values.index[buf], buf.name, tensor.detach().cpu().clone(),
-                                               tensor._version, site.node))
+            ctx.input_guards.append(InputGuard.of(values.index[buf], buf.name, values.buffers[buf], site.node))

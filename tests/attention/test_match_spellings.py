@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 
 import fxopt
-from fxopt.errors import FxoptError
 from tests.helpers import assert_close_to_reference, compile_fxopt, to64
 
 B, H, T, D = 2, 2, 12, 16
@@ -252,8 +251,8 @@ def test_causal_buffer_changed_in_place_is_caught(device):
                              cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
         assert run.returncode != 0 and "device-side assert" in run.stderr, run.stderr[-2000:]
         return
-    with pytest.raises(FxoptError, match="buffer .*changed after compilation"):
-        _change_causal_buffer_after_compiling(device)
+    mod, got, q, k, v = _change_causal_buffer_after_compiling(device)  # on the CPU: the graph runs unfused
+    torch.testing.assert_close(got, mod(q, k, v), rtol=1e-4, atol=1e-5)
 
 
 def _change_causal_buffer_after_compiling(device):
@@ -263,7 +262,7 @@ def _change_causal_buffer_after_compiling(device):
     torch.testing.assert_close(compiled(q, k, v), mod(q, k, v), rtol=1e-4, atol=1e-5)
     mod.bias.zero_()
     mod.bias[:, 0] = True  # no longer causal: the compiled kernel would be wrong
-    compiled(q, k, v)
+    return mod, compiled(q, k, v), q, k, v
 
 
 def test_buffer_rewritten_with_the_same_values_is_accepted(device):

@@ -119,14 +119,13 @@ def _ddp_attention_steps(rank, device):
     compiled = torch.compile(ddp, backend=backend)
     losses = _steps_side_by_side(compiled, ddp, ref, 256, rank, device, (2, 4, 256))
     sites = [(s.fused, s.causal, s.mask) for s in backend.report.attention]
-    refused = None
-    if device == "cpu":  # a changed mask buffer is refused (on a GPU: a device-side assertion, fatal)
+    changed_error = None
+    if device == "cpu":  # a changed mask buffer: the piece runs unfused (on a GPU: a device-side assertion)
         model.blocks[1].attn.bias.fill_(1.0)
-        try:
-            compiled(torch.randn(2, 4, 256))
-        except Exception as e:  # noqa: BLE001 (the message is what the test checks)
-            refused = str(e)
-    return {"losses": losses, "graphs": backend.calls, "sites": sites, "refused": refused}
+        x = torch.randn(2, 4, 256)
+        with torch.no_grad():
+            changed_error = (compiled(x) - model(x)).abs().max().item()
+    return {"losses": losses, "graphs": backend.calls, "sites": sites, "changed_error": changed_error}
 
 
 class Block(nn.Module):
@@ -276,7 +275,7 @@ def test_ddp_split_graphs_keep_the_causal_fact_of_a_mask_buffer(device):
         assert [mask for fused, causal, mask in r["sites"] if fused and causal] == [
             f"causal (from l_self_modules_blocks_modules_{i}_modules_attn_buffers_bias_)" for i in (0, 1)], r["sites"]
         if device == "cpu":  # the piece's guard watches the real buffer: no answer from the old fact
-            assert r["refused"] and "changed after compilation" in r["refused"], r["refused"]
+            assert r["changed_error"] < 1e-4, r["changed_error"]
         _assert_losses_follow_eager(rank, r)
 
 
