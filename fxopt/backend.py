@@ -25,7 +25,7 @@ from .decompositions import decomposition_table
 from .options import Environment, Options, backward_with_forward
 from .pass_manager import PassContext, PassManager
 from .passes.cse import eliminate_common_subexpressions
-from .passes.precision import lift_parameter_casts, with_cached_casts
+from .passes.cached_casts import lift_parameter_casts, with_cached_casts
 from .report import Report
 from .verify import GraphVerifier, graph_dtypes
 

@@ -19,17 +19,15 @@ consumers, an exact round trip (a model's `.float()` of a bf16 value cast back t
 and after autograd the post-grad fusion folds `convert_element_type` into the neighbouring kernel.
 Left alone are casts between a parameter or matmul and a matmul or output: a parameter's cast in
 training (every call, as torch.autocast), the fp32 output of a last matmul, bf16 weight gradients
-into fp32. In inference `lift_parameter_casts` turns parameter casts into cached inputs.
+into fp32. In inference `cached_casts.lift_parameter_casts` turns parameter casts into cached inputs.
 A node that cannot take the new dtypes (an op that insists on equal dtypes) gets its inputs cast back
 and is noted. Every inserted cast is recorded in `rep.casts` with its reason.
 """
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import math
-import weakref
 from collections import Counter
 from dataclasses import dataclass
 
@@ -147,6 +145,7 @@ class MixedPrecision:
         original = {n: _node_dtypes(n) for n in graph.nodes}
         casts = _Casts(graph, mode, ctx.casts)
         stats = Counter()
+        shared = _returned_together(graph)
         for node in list(graph.nodes):
             if node.op == "output":
                 self._restore_outputs(node, original, casts)
@@ -155,7 +154,7 @@ class MixedPrecision:
                 stats[self._place(node, casts)] += 1
                 if any(n not in original or _node_dtypes(n) != original[n] for n in node.all_input_nodes):
                     stats["kept"] += self._refresh(node, original, casts, ctx, recorded)
-                _keep_written_storage_dtype(node, original, casts)
+                _keep_storage_dtype(node, original, casts, shared)
         casts.erase_bypassed()
         stats = {"casts": len(casts.made) + len(casts.each), "low": stats[LOW], "fp32": stats[FP32],
                  "kept": stats["kept"], "round_trips_cancelled": len(casts.bypassed)}
@@ -253,16 +252,28 @@ def _refused(node: fx.Node) -> str | None:
     return None
 
 
-def _keep_written_storage_dtype(node: fx.Node, original: dict, casts: _Casts) -> None:
+def _returned_together(graph: fx.Graph) -> set[fx.Node]:
+    """Storages the graph returns through more than one output (`y, y.t(), y[1]`): the caller sees them
+    alias, and a write to one shows in the others."""
+    returned = []
+    for out in graph.find_nodes(op="output"):
+        fx.node.map_arg(out.args[0], lambda v: returned.append(storage_root(v)))
+    return {r for r in returned if returned.count(r) > 1}
+
+
+def _keep_storage_dtype(node: fx.Node, original: dict, casts: _Casts, shared: set) -> None:
     """A value the graph writes in place keeps the dtype the model gave it: where the policy changed it
     (`s = x @ w` now bf16, then `s.masked_fill_(m, finfo(float32).min)` or `s[idx] = y`), it is cast
     back right where it is made and every use reads that one cast, so the write lands where the model's
-    later reads look (a write into a per-reader cast was lost) and in the dtype it was written for."""
+    later reads look (a write into a per-reader cast was lost) and in the dtype it was written for. So
+    does a value returned through several outputs (`shared`): cast once, they are views of one tensor
+    as in eager (cast per output, they were separate tensors)."""
     was = original.get(node)
     if not (isinstance(was, torch.dtype) and was in LABELS and _node_dtypes(node) != was
-            and casts.mutations.written(node) and storage_root(node) is node):
+            and (casts.mutations.written(node) or node in shared) and storage_root(node) is node):
         return
-    cast = casts.to(node, was, node.next, f"{node.name} is written in place: keeps the model's {LABELS[was]}")
+    why = "is written in place" if casts.mutations.written(node) else "is returned through several views"
+    cast = casts.to(node, was, node.next, f"{node.name} {why}: keeps the model's {LABELS[was]}")
     node.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)
     casts.mutations.roots.add(cast)
 
@@ -294,98 +305,3 @@ def _uncast(value: fx.Node, want: torch.dtype, original: dict) -> fx.Node | None
         return None
     source = value.args[0]
     return source if isinstance(source, fx.Node) and _node_dtypes(source) == want else None
-
-
-@dataclass
-class CachedCast:
-    """A parameter's low-precision copy, kept across calls of one compiled inference graph and made
-    again when the parameter changes in place (its version counter moves), is swapped (its pointer), is
-    another tensor (a new model at a freed parameter's address, version 1 like the old one's), or an
-    optimizer stepped since (fused optimizers write parameters without moving their version)."""
-
-    index: int  # the parameter's position among the graph's inputs
-    dtype: torch.dtype
-    value: torch.Tensor | None = None
-    version: int = -1
-    pointer: int = 0
-    example: torch.Tensor | None = None  # dynamo's fake value of the cast (static shape), what aot_autograd traces with
-    param: weakref.ref | None = None
-    steps: int = -1  # optimizer steps taken in the process when the copy was made
-
-    def get(self, param: torch.Tensor) -> torch.Tensor:
-        if (self.value is None or param._version != self.version or param.data_ptr() != self.pointer
-                or self.param is None or self.param() is not param or self.steps != _OPTIMIZER_STEPS[0]):
-            with torch.no_grad():
-                self.value = param.detach().to(self.dtype)
-            self.version, self.pointer = param._version, param.data_ptr()
-            self.param, self.steps = weakref.ref(param), _OPTIMIZER_STEPS[0]
-        return self.value
-
-
-_OPTIMIZER_STEPS = [0]  # optimizer.step() calls in this process, counted once a cast is cached
-
-
-@functools.lru_cache(maxsize=1)
-def _count_optimizer_steps() -> None:
-    def counted(optimizer, args, kwargs):
-        _OPTIMIZER_STEPS[0] += 1
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-    register_optimizer_step_post_hook(counted)
-
-
-def lift_parameter_casts(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, list[CachedCast]]:
-    """Inference only: each parameter's inserted cast becomes a new graph input that `with_cached_casts`
-    fills from a cache, so a call reads the bf16/fp16 copy instead of casting the fp32 weight again.
-    Works on a copy (dynamo reads its own graph's inputs after the backend returns) and runs after the
-    pre-autograd passes (the verifier compares graphs with the same inputs)."""
-    if not ctx.casts or not _is_inference(ctx.example_inputs):
-        return gm, []
-    gm = _copy_of(gm)
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    records = {c.node: c for c in ctx.casts}
-    mutations = Mutations(gm.graph)  # a parameter the graph writes (Embedding's max_norm) is cast where read
-    last, lifted = placeholders[-1], []
-    for node in list(gm.graph.nodes):
-        record = records.get(node.name)
-        source = node.args[0] if record is not None and node.op == "call_method" else None
-        if source is None or source.op != "placeholder" or source not in placeholders:
-            continue  # (a cast of a cast already lifted stays a cast)
-        index = placeholders.index(source)
-        if not isinstance(ctx.example_inputs[index], torch.nn.Parameter) or mutations.written(source):
-            continue
-        with gm.graph.inserting_after(last):
-            last = gm.graph.placeholder(f"{source.name}_{record.to_dtype}")
-        last.meta["example_value"] = node.meta["example_value"]
-        node.replace_all_uses_with(last)
-        gm.graph.erase_node(node)
-        record.reason += "; inference: cast once and cached until the parameter changes"
-        lifted.append(CachedCast(index, dtype(last), example=node.meta["example_value"]))
-    if lifted:
-        _count_optimizer_steps()
-    gm.recompile()
-    return gm, lifted
-
-
-def _copy_of(gm: fx.GraphModule) -> fx.GraphModule:
-    """A plain GraphModule with the same nodes: no dynamo metadata, so aot_autograd asks nothing of
-    its (new) inputs beyond their example values."""
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    return fx.GraphModule(gm, graph)
-
-
-def _is_inference(example_inputs) -> bool:
-    """What aot_autograd compiles as an inference graph: grad disabled, or nothing requires it."""
-    return not torch.is_grad_enabled() or not any(isinstance(t, torch.Tensor) and t.requires_grad
-                                                  for t in example_inputs)
-
-
-def with_cached_casts(compiled, cached: list[CachedCast]):
-    """The compiled graph, called with the cached parameter casts appended to its inputs."""
-    @functools.wraps(compiled)
-    def call(*args):
-        boxed = len(args) == 1 and isinstance(args[0], list)
-        flat = list(args[0] if boxed else args)
-        flat += [c.get(flat[c.index]) for c in cached]
-        return compiled(flat) if boxed else compiled(*flat)
-    return call

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 import fxopt
 from fxopt.passes.fuse import FUSED_PREFIX
-from fxopt.passes.precision import CachedCast
+from fxopt.passes.cached_casts import CachedCast
 from tests.helpers import compile_fxopt
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))

@@ -305,3 +305,25 @@ def test_fills_made_in_the_graph_and_aten_overloads_keep_fp32():
         got = fp16(fn)(*args)
         assert not got.isnan().any()
         torch.testing.assert_close(got, fn(*args), **FP16_TOL)
+
+
+def test_outputs_that_are_views_of_one_low_precision_value_still_alias():
+    """`y = lin(x); return y, y.t(), y[1]` under precision=: each output was cast back on its own, three
+    separate fp32 tensors, so a write to one no longer showed in the others (eager, autocast and fxopt
+    without precision return views of one tensor). The value is now cast once where it is made."""
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+
+    def f(x):
+        y = lin(x)
+        return y, y.t(), y[1]
+
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        a, b, c = fp16(f)(x)
+        expected = lin(x)
+        torch.testing.assert_close(a, expected, **FP16_TOL)
+        assert a.dtype == b.dtype == c.dtype == torch.float32
+        assert b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr() == c.untyped_storage().data_ptr()
+        a[1, 2] = 100.0
+        assert b[2, 1].item() == 100.0 and c[2].item() == 100.0
