@@ -224,7 +224,7 @@ class MixedPrecision:
 
 # ops whose real kernels want the written tensor's dtype in the source where their fake ones do not check:
 # (name, position of the source argument)
-_SAME_DTYPE_SOURCES = {"index_add": 3, "index_add_": 3, "index_copy": 3, "index_copy_": 3, "index_put": 2,
+_SAME_DTYPE_SOURCES = {"index_add": 3, "index_add_": 3, "index_copy": 3, "index_copy_": 3, "index_put": 2, "setitem": 2,
                        "index_put_": 2}
 _FILLS = {"masked_fill", "masked_fill_", "where", "fill_", "full_like", "clamp", "clamp_min", "clamp_max",
           "index_fill", "index_fill_"}

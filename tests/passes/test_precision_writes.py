@@ -327,3 +327,20 @@ def test_outputs_that_are_views_of_one_low_precision_value_still_alias():
         assert b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr() == c.untyped_storage().data_ptr()
         a[1, 2] = 100.0
         assert b[2, 1].item() == 100.0 and c[2].item() == 100.0
+
+
+def test_setitem_of_a_low_precision_value_into_an_fp32_tensor():
+    """`buf[idx] = lin(x)` (Python's setitem with a tensor index: index_put) raised "Index put requires
+    the source and destination dtypes match" under precision=; the explicit index_put_ spelling worked."""
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+    idx = torch.tensor([0, 2, 5, 7])
+
+    def f(x):
+        buf = torch.zeros(8, 8)
+        buf[idx] = lin(x)
+        return buf * 2
+
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(fp16(f)(x), f(x), **FP16_TOL)
