@@ -29,6 +29,7 @@ POLICY: dict[str, str] = {
     "reduction":   FP32,  # sum, mean, var, std, logsumexp, cumsum, norm: long sums lose low bits
     "exp_log_pow": FP32,  # exp, log, pow, square ... only where they feed a reduction (sum of squares)
     "loss":        FP32,  # cross_entropy, nll_loss, mse_loss, ...: a reduction over the batch
+    "linalg":      FP32,  # cdist, torch.linalg.*, torch.fft.*: autocast's fp32 list; many lack bf16 kernels
 }
 CHOICES = (LOW, FP32, FOLLOW)
 REDUCING = {"softmax", "log_softmax", "norm", "reduction", "loss"}  # what makes exp/log/pow sensitive
@@ -43,19 +44,25 @@ _FUNCTIONS = {
     **dict.fromkeys([torch.softmax, F.softmax], "softmax"),
     **dict.fromkeys([torch.log_softmax, F.log_softmax], "log_softmax"),
     **dict.fromkeys([F.layer_norm, torch.layer_norm, F.rms_norm, torch.rms_norm, F.group_norm, torch.group_norm,
-                     F.batch_norm, torch.batch_norm], "norm"),
+                     F.batch_norm, torch.batch_norm, F.local_response_norm, F.instance_norm], "norm"),
     **dict.fromkeys([torch.sum, torch.mean, torch.var, torch.std, torch.var_mean, torch.std_mean,
                      torch.logsumexp, torch.cumsum, torch.norm, torch.linalg.vector_norm], "reduction"),
     **dict.fromkeys([torch.exp, torch.exp2, torch.expm1, torch.log, torch.log2, torch.log10, torch.log1p,
                      torch.pow, operator.pow, torch.square], "exp_log_pow"),
     **dict.fromkeys([F.cross_entropy, F.nll_loss, F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss,
                      F.binary_cross_entropy, F.binary_cross_entropy_with_logits, F.kl_div], "loss"),
+    **dict.fromkeys([torch.cdist, torch.pdist, torch.dist, torch.det, torch.inverse, torch.svd, torch.pinverse,
+                     torch.cholesky, torch.trace, F.pdist]
+                    + [f for name, f in vars(torch.linalg).items() if callable(f) and not name.startswith("_")
+                       and f is not torch.linalg.vector_norm]
+                    + [f for name, f in vars(torch.fft).items() if callable(f) and not name.startswith("_")], "linalg"),
 }
 _METHODS = {
     **dict.fromkeys(["matmul", "mm", "bmm", "addmm", "baddbmm"], "matmul"),
     "softmax": "softmax", "log_softmax": "log_softmax",
     **dict.fromkeys(["sum", "mean", "var", "std", "logsumexp", "cumsum", "norm"], "reduction"),
     **dict.fromkeys(["exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "pow", "square"], "exp_log_pow"),
+    **dict.fromkeys(["det", "inverse", "svd", "pinverse", "cholesky", "trace", "dist"], "linalg"),
 }
 
 

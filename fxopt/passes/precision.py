@@ -36,7 +36,7 @@ import torch.fx as fx
 
 from ..analysis.mutations import Mutations, op_name, storage_root, written_by
 from ..analysis.precision_policy import FP32, LOW, category_of, feeds_reduction, policy_with
-from ..analysis.torch_ops import dtype, op_of
+from ..analysis.torch_ops import dtype, meta, op_of
 from ..pass_manager import PassContext, PassResult
 from ..report import CastRecord
 from .attention import FUSED_OP
@@ -198,10 +198,11 @@ class MixedPrecision:
         except Exception as exc:  # the op's own dtype check, raised on fake tensors
             why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         reason = f"{node.name} ({node.target}) does not take the new dtypes: kept in its own"
-        written = written_by(node)
-        for value in node.all_input_nodes:
-            if value in original and _node_dtypes(value) != original[value] and value not in written:
-                node.replace_input_with(value, casts.to(value, original[value], node, reason))
+        if not _restore_recorded(node, recorded_inputs, original, casts, reason):  # (its own casts undone too)
+            written = written_by(node)
+            for value in node.all_input_nodes:
+                if value in original and _node_dtypes(value) != original[value] and value not in written:
+                    node.replace_input_with(value, casts.to(value, original[value], node, reason))
         try:
             node.meta["example_value"] = run_on_fakes(node, casts.mode)
         except Exception:  # not a dtype question: every input back to its recorded dtype, dynamo's value
@@ -236,7 +237,9 @@ def _refused(node: fx.Node) -> str | None:
     """Why a node re-run on fake tensors with its new dtypes would still be wrong: an op whose real
     kernel insists on equal dtypes where its meta does not (index_add of a low-precision source into an
     fp32 tensor), or a fill that the new dtype cannot hold (dynamo baked `finfo(s.dtype).min` of the fp32
-    scores: in fp16 it is -inf, and a row masked everywhere becomes NaN instead of eager's average)."""
+    scores: in fp16 it is -inf, and a row masked everywhere becomes NaN instead of eager's average), or
+    an op given a low-precision and an fp32 tensor whose result is not their promotion (its kernel wants
+    one dtype: grid_sample of bf16 features on an fp32 grid, batch_norm with fp32 running statistics)."""
     name = op_name(node)
     values = [_constant_fill(v) for v in (*node.args, *node.kwargs.values())]
     if name in _SAME_DTYPE_SOURCES and len(node.args) > _SAME_DTYPE_SOURCES[name]:
@@ -249,7 +252,21 @@ def _refused(node: fx.Node) -> str | None:
         for v in values:
             if isinstance(v, float) and math.isfinite(v) and abs(v) > largest:
                 return f"the fill {v:g} overflows {LABELS[out.dtype]}"
+    floats = {v.dtype for v in map(meta, node.all_input_nodes)
+              if isinstance(v, torch.Tensor) and v.dim() > 0 and v.dtype in LABELS}
+    if len(floats) > 1 and not _promotes(name):
+        return f"{name} is given mixed float dtypes and is not an elementwise op that promotes them"
     return None
+
+
+_OPERATORS = {"truediv": "div", "floordiv": "floor_divide", "mod": "remainder"}  # Python operators' ATen names
+
+
+def _promotes(name: str) -> bool:
+    """Whether an op of this name is elementwise (ATen's pointwise tag) and so takes mixed float dtypes
+    by type promotion; other ops' kernels mostly want one dtype (their meta functions do not check)."""
+    packet = getattr(torch.ops.aten, _OPERATORS.get(name, name.rstrip("_")), None)
+    return packet is not None and any(torch.Tag.pointwise in getattr(packet, o).tags for o in packet.overloads())
 
 
 def _returned_together(graph: fx.Graph) -> set[fx.Node]:

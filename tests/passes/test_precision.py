@@ -79,6 +79,7 @@ CASES = {
     "pow_into_mean": (lambda x, w: (x @ w).pow(2).mean(-1), (x, w), "exp_log_pow", FP32),
     "pow_elsewhere_follows": (lambda x, w: (x @ w).pow(2) * 3, (x, w), "exp_log_pow", BF16),
     "mse_loss": (lambda x, w: F.mse_loss(x @ w, x), (x, w), "loss", FP32),
+    "cdist": (lambda x, w: torch.cdist(x @ w, x), (x, w), "linalg", FP32),
     "gelu_follows": (lambda x, w: F.gelu(x @ w), (x, w), lambda n: n.target is F.gelu, BF16),
     "residual_promotes": (lambda x, w: x + x @ w, (x, w), lambda n: n.target is operator.add, FP32),
 }
@@ -234,3 +235,61 @@ def test_policy_op_that_cannot_be_rerun_reads_its_original_fp32_inputs(monkeypat
         assert all(n.op == "placeholder" for n in node.all_input_nodes[1:]), node.format_node()
         assert computes_in(node) == {FP32}
         torch.testing.assert_close(compile_fxopt(fn, precision="bf16")(x), fn(x), rtol=1e-5, atol=1e-5)
+
+
+class _Stn(torch.nn.Module):
+    """A spatial transformer (the PyTorch tutorial's): grid_sample of the fp32 image on a grid computed
+    from a linear layer's (now low-precision) output."""
+    def __init__(self):
+        super().__init__()
+        self.loc = torch.nn.Linear(3 * 6 * 6, 6)
+
+    def forward(self, x):
+        theta = self.loc(x.flatten(1)).view(-1, 2, 3)
+        return F.grid_sample(x, F.affine_grid(theta, x.size(), align_corners=False), align_corners=False)
+
+
+class _ConvBn(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c, self.bn = torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return self.bn(self.c(x))
+
+
+class _Distances(torch.nn.Module):
+    """cdist, a decomposition and a local response norm after low-precision layers: none has a bf16/fp16
+    CPU kernel (autocast runs them in fp32)."""
+    def __init__(self):
+        super().__init__()
+        self.enc, self.protos = torch.nn.Linear(8, 8), torch.nn.Parameter(torch.randn(5, 8))
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x, img):
+        h = self.enc(x)
+        lrn = F.local_response_norm(self.conv(img), 3)
+        return -torch.cdist(h, self.protos), torch.linalg.svdvals(h), lrn
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_ops_that_want_one_dtype_or_have_no_low_precision_kernel(precision):
+    """Each crashed at run time under precision= while autocast runs it: grid_sample given a bf16 and an
+    fp32 tensor (its meta function accepts the mix, its kernel does not), BatchNorm with
+    precision_policy={"norm": "low"} (weight cast, running statistics not), cdist / linalg / local
+    response norm without low-precision CPU kernels. Mixed inputs of a non-elementwise op are now put
+    back in their dtypes (noted); linalg, distances and FFTs compute in fp32 (a policy category)."""
+    torch.manual_seed(0)
+    img, x = torch.randn(2, 3, 6, 6), torch.randn(4, 8)
+    # (bf16 grid coordinates: 2^-8 of the image's width moves a sample by ~0.1 where the image is steep;
+    # autocast's own difference from fp32 here is of that size)
+    tol = dict(rtol=5e-2, atol=0.15 if precision == "bf16" else 5e-2)
+    cases = [(_Stn(), (img,), {}), (_ConvBn(), (img,), {"precision_policy": {"norm": "low"}}),
+             (_Distances(), (x, img), {})]
+    for model, inputs, options in cases:
+        expected = model(*inputs)
+        torch._dynamo.reset()
+        got = torch.compile(model, backend=fxopt.backend(precision=precision, **options))(*inputs)
+        for g, e in zip(got if isinstance(got, tuple) else (got,), expected if isinstance(expected, tuple) else (expected,)):
+            torch.testing.assert_close(g, e, **tol)
+    assert category_of(fx.Graph().call_function(torch.cdist, ())) == "linalg" and POLICY["linalg"] == "fp32"
