@@ -61,5 +61,12 @@ def plan_line(mp) -> str:
     mib = 2**20
     return (f"memory plan ({mp.strategy}): {len(mp.buffers)} intermediates, naive {mp.naive_bytes / mib:.2f} MiB, "
             f"lower bound {mp.lower_bound_bytes / mib:.2f} MiB, planned arena {mp.planned_bytes / mib:.2f} MiB "
-            f"({mp.ratio:.3f}x the bound); the wrapper does not use the arena yet: it frees each buffer at its "
-            f"last use")
+            f"({mp.ratio:.3f}x the bound); " + _plan_use(mp))
+
+
+def _plan_use(mp) -> str:
+    """What the wrapper does with the plan: memory_plan="apply" plans (they list in-place pairs) are followed."""
+    if hasattr(mp, "inplace"):
+        return (f"the wrapper allocates these buffers from the arena ({len(mp.inplace)} written in place "
+                "over a dying one); ATen calls without an out= form allocate their own results")
+    return "the wrapper does not use the arena (memory_plan=\"apply\" does): it frees each buffer at its last use"

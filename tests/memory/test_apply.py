@@ -351,3 +351,18 @@ def test_as_strided_scatter_keeps_its_own_allocation():
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(a, want_a)
     torch.testing.assert_close(b, want_b)
+
+
+def test_explain_says_whether_the_wrapper_follows_the_plan():
+    """The report's memory-plan line said "the wrapper does not use the arena" under memory_plan="apply",
+    whose wrapper allocates from it."""
+    def f(x):
+        a = torch.softmax(x * 2, -1)
+        return (a - (a + 1).sum(0, keepdim=True)).relu() * x
+
+    x = torch.randn(8, 40)
+    lines = {mode: [ln for ln in str(fxopt.explain(f, x, memory_plan=mode)).splitlines() if ln.startswith("memory plan")]
+             for mode in (True, "apply")}
+    assert "does not use the arena" in lines[True][0]
+    assert "allocates these buffers from the arena" in lines["apply"][0]
+    assert "arena = " in fxopt.explain(f, x, memory_plan="apply").wrapper_source
