@@ -341,3 +341,17 @@ def test_explain_a_graph_with_data_dependent_values():
         rep = fxopt.explain(f, x)
     assert rep.kernels and rep.graphs
 
+
+
+def test_named_backend_with_options_leaves_parameters_swappable():
+    """fxopt keeps no reference to the traced fake tensors: after `backend="fxopt", options={...}` the
+    parameters have no weak references and `torch.utils.swap_tensors` takes them (with a callable backend
+    dynamo itself keeps the fake tensors, for aot_eager as for fxopt: README, Use)."""
+    model, x = torch.nn.Sequential(torch.nn.Linear(8, 8)), torch.randn(4, 8)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(model, backend="fxopt", options={"memory_plan": "apply"})(x)
+    torch.testing.assert_close(out, model(x))
+    weight = model[0].weight
+    torch.utils.swap_tensors(weight, torch.nn.Parameter(torch.zeros(8, 8)))
+    assert float(weight.abs().sum()) == 0.0
