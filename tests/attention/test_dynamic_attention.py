@@ -154,21 +154,16 @@ def test_a_sliced_buffer_that_is_not_causal_is_read_per_call():
     assert site.fused and not site.causal and "read by the kernel" in site.mask, site
 
 
-def test_changing_the_sliced_buffer_after_compiling_raises():
-    from fxopt.errors import FxoptError
-
+def test_changing_the_sliced_buffer_after_compiling_runs_it_unfused():
+    """A changed causal buffer is never used as causal: the call runs the captured graph (buffer_guards.py)."""
     model = HandWritten()
     compiled = torch.compile(model, backend=CountingBackend(), dynamic=True)
     compiled(torch.randn(2, 8, 32))
     compiled(torch.randn(3, 5, 32))
     with torch.no_grad():
         model.bias[..., 0, 1] = True  # no longer causal
-    try:
-        compiled(torch.randn(2, 7, 32))
-    except FxoptError as e:
-        assert "bias" in str(e)
-    else:
-        raise AssertionError("a changed causal buffer must not be used as causal")
+        x = torch.randn(2, 7, 32)
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
 
 
 def test_a_constant_mask_over_a_symbolic_batch_is_evaluated_at_compile_time():
