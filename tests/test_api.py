@@ -158,6 +158,26 @@ def test_wrapper_of_a_dynamic_graph_runs_on_its_own(tmp_path):
     assert "0 (6, 8)" in out.stdout
 
 
+@pytest.mark.parametrize("case", ["dynamic_applied_plan", "expanded_input"])
+def test_more_dumped_wrappers_run_on_their_own(tmp_path, case):
+    """A symbolic graph with memory_plan="apply" looks its plan up per call in PLANS, which only the compile
+    handed the module (standalone: NameError; the file now rebuilds it); an expanded (stride-0) input was
+    made with empty_strided + copy_, which refuses to write overlapping elements."""
+    if case == "dynamic_applied_plan":
+        fn, args = (lambda x: ((x * 2).softmax(-1) - 1).relu().cumsum(-1)), (torch.randn(6, 40),)
+        backend, dynamic, shape = fxopt.backend(memory_plan="apply", dump_dir=str(tmp_path)), True, "(6, 40)"
+    else:
+        fn, args = (lambda x, y: (x * 2 + y).sigmoid()), (torch.randn(1, 16).expand(8, 16), torch.randn(8, 16))
+        backend, dynamic, shape = fxopt.backend(dump_dir=str(tmp_path)), False, "(8, 16)"
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(fn, backend=backend, dynamic=dynamic)(*args), fn(*args))
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, str(tmp_path / "wrapper.py")], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"0 {shape}" in out.stdout
+
+
 def test_wrapper_runs_on_its_own(tmp_path):
     x, b = inputs()
     rep = fxopt.explain(chain, x, b)

@@ -43,10 +43,11 @@ def random_inputs():
         if not isinstance(spec, tuple):
             args.append(spec)
             continue
-        size, stride, dtype, device = spec
-        t = torch.empty_strided(size, stride, dtype=dtype, device=device)
-        t.copy_(torch.randn(t.shape, device=device) if dtype.is_floating_point else torch.zeros(t.shape))
-        args.append(t)
+        size, stride, dtype, device = spec  # the layout's storage filled, then viewed (stride 0 shares it)
+        extent = 1 + sum((n - 1) * s for n, s in zip(size, stride)) if all(size) else 0
+        flat = torch.randn(extent, device=device).to(dtype) if dtype.is_floating_point else \
+            torch.zeros(extent, dtype=dtype, device=device)
+        args.append(flat.as_strided(size, stride))
     return args
 
 

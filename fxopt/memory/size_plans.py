@@ -61,6 +61,29 @@ class SizePlans:
                            strategy="per size", inplace=list(self.pairs or []))
 
 
+    def source(self) -> str:
+        """A Python expression that rebuilds these plans, for the wrapper file (a dumped wrapper of a
+        symbolic graph runs on its own: the compiled one is handed the live object instead)."""
+        spec = [(iv.name, str(iv.nbytes), iv.first_use, iv.last_use, iv.is_output, iv.kernel, iv.placeable)
+                for iv in self.intervals]
+        return f"StandalonePlans({spec!r}, {[s.name for s in self.symbols]!r}, {self.pairs!r})"
+
+
+class StandalonePlans:
+    """SizePlans from the literal a wrapper file holds (SizePlans.source), built at the first call."""
+
+    def __init__(self, spec: list, symbol_names: list[str], pairs):
+        self.spec, self.symbol_names, self.pairs, self._plans = spec, symbol_names, pairs, None
+
+    def offsets(self, **values: int) -> tuple[int, dict[str, int]]:
+        if self._plans is None:
+            symbols = [sympy.Symbol(n, integer=True, positive=True) for n in self.symbol_names]
+            table = {s.name: s for s in symbols}
+            intervals = [Interval(name, sympy.sympify(nbytes, locals=table), *rest) for name, nbytes, *rest in self.spec]
+            self._plans = SizePlans(intervals, symbols, self.pairs)
+        return self._plans.offsets(**values)
+
+
 def size_plans(gm, applied: bool, symbols: list[sympy.Symbol]) -> SizePlans:
     """The per-size planner of a symbolic graph (what memory_plan does for a static one)."""
     from ..analysis.liveness import buffer_intervals, inplace_pairs
