@@ -218,7 +218,8 @@ def _run_as_aten(gm: fx.GraphModule, record: GraphReport, report: Report, on_don
     reason = f"the graph runs as ATen ops, unfused: {why}"
     record.notes.append(reason)
     record.fallbacks = [(n.name, reason) for n in gm.graph.nodes if n.op == "call_function"]
-    record.wrapper_source = "# not generated: " + reason + "\n" + gm.code
+    record.wrapper_source = (f"# not generated: {reason}\n# (the ATen graph fxopt ran instead, as fx prints it)\n"
+                             f"{gm.code}\n\nif __name__ == \"__main__\":\n    raise SystemExit({('fxopt: ' + reason)!r})\n")
     record.compile_seconds = time.perf_counter() - start
     report.graphs.append(record)
     log.info("fxopt: %s graph: %s", record.name, reason)

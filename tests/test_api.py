@@ -375,3 +375,16 @@ def test_named_backend_with_options_leaves_parameters_swappable():
     weight = model[0].weight
     torch.utils.swap_tensors(weight, torch.nn.Parameter(torch.zeros(8, 8)))
     assert float(weight.abs().sum()) == 0.0
+
+
+def test_dump_of_a_graph_run_as_aten_says_so_when_run(tmp_path):
+    """A graph fxopt leaves to ATen (here a floor-divided symbolic size) dumps the ATen code with the reason;
+    run on its own the file exited 0 and did nothing, as if it had checked something."""
+    fn = lambda x: (x.reshape(x.shape[0] // 2, -1) * 2).sin()  # noqa: E731
+    x = torch.randn(10, 4)
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(fn, backend=fxopt.backend(dump_dir=str(tmp_path)), dynamic=True)(x), fn(x))
+    assert (tmp_path / "wrapper.py").read_text().startswith("# not generated: ")
+    out = subprocess.run([sys.executable, str(tmp_path / "wrapper.py")], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert out.returncode != 0 and "runs as ATen ops" in out.stderr and "//2" in out.stderr, out.stderr[-1000:]
