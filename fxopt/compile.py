@@ -156,9 +156,7 @@ def compile_aten_graph(gm: fx.GraphModule, example_inputs, *, options: Options, 
                                              plan=applied, poison=applied is not None and env.poison_freed,
                                              reuse=bool(options.memory_plan))
     if applied is not None and plans is not None:  # the file also runs on its own (dumps): it rebuilds PLANS
-        record.wrapper_source = record.wrapper_source.replace("\n\nINPUT_SPECS = ", "\n\nfrom fxopt.memory.size_plans "
-                                                              f"import StandalonePlans\nPLANS = {plans.source()}"
-                                                              "\n\nINPUT_SPECS = ", 1)
+        record.wrapper_source = plans.in_wrapper(record.wrapper_source)
     # a training step's graphs compile their kernels in the background, the forward's while the
     # backward graph is made and compiled (backend.py compiles it with the forward), each waited for
     # at its graph's first call; explain() (keep_graphs) times them in the foreground

@@ -60,13 +60,17 @@ class SizePlans:
         return AppliedPlan(naive_bytes=0, lower_bound_bytes=0, planned_bytes=0, buffers=bufs,
                            strategy="per size", inplace=list(self.pairs or []))
 
-
     def source(self) -> str:
         """A Python expression that rebuilds these plans, for the wrapper file (a dumped wrapper of a
         symbolic graph runs on its own: the compiled one is handed the live object instead)."""
         spec = [(iv.name, str(iv.nbytes), iv.first_use, iv.last_use, iv.is_output, iv.kernel, iv.placeable)
                 for iv in self.intervals]
         return f"StandalonePlans({spec!r}, {[s.name for s in self.symbols]!r}, {self.pairs!r})"
+
+    def in_wrapper(self, source: str) -> str:
+        """The wrapper's text with these plans rebuilt as its PLANS, before its input specs."""
+        return source.replace("\n\nINPUT_SPECS = ", f"\n\nfrom fxopt.memory.size_plans import StandalonePlans\n"
+                              f"PLANS = {self.source()}\n\nINPUT_SPECS = ", 1)
 
 
 class StandalonePlans:
