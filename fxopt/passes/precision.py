@@ -254,7 +254,8 @@ def _refused(node: fx.Node) -> str | None:
                 return f"the fill {v:g} overflows {LABELS[out.dtype]}"
     floats = {v.dtype for v in map(meta, node.all_input_nodes)
               if isinstance(v, torch.Tensor) and v.dim() > 0 and v.dtype in LABELS}
-    if len(floats) > 1 and not _promotes(name):
+    own = isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "fxopt"  # (attention's
+    if len(floats) > 1 and not own and not _promotes(name):  # additive mask stays fp32 by design: _operands)
         return f"{name} is given mixed float dtypes and is not an elementwise op that promotes them"
     return None
 

@@ -293,3 +293,19 @@ def test_ops_that_want_one_dtype_or_have_no_low_precision_kernel(precision):
         for g, e in zip(got if isinstance(got, tuple) else (got,), expected if isinstance(expected, tuple) else (expected,)):
             torch.testing.assert_close(g, e, **tol)
     assert category_of(fx.Graph().call_function(torch.cdist, ())) == "linalg" and POLICY["linalg"] == "fp32"
+
+
+def test_attention_with_an_additive_mask_keeps_computing_in_low_precision():
+    """The fused op's additive mask stays fp32 by design (the kernel adds it in fp32) beside bf16 q, k, v:
+    the mixed-input rule for non-elementwise ops must not put the op back in fp32."""
+    def attend(q, k, v, m):
+        s = (q @ k.transpose(-2, -1)) / 4 + m
+        return s.softmax(-1) @ v
+
+    q, k, v = (torch.randn(2, 2, 8, 16) for _ in range(3))
+    mask = torch.zeros(2, 1, 1, 8)
+    mask[0, ..., -3:] = -1e4
+    gm, ctx = precision_graph(attend, q, k, v, mask)
+    reasons = [c.reason for c in ctx.casts]
+    assert sum("(attention) computes in bf16" in r for r in reasons) == 3, reasons
+    assert not any("mixed float dtypes" in why for _, why in ctx.notes), ctx.notes
