@@ -19,6 +19,8 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
+from .analysis.torch_ops import module_attribute
+
 _log = logging.getLogger("fxopt.attention")
 _MAX_VERDICTS = 64  # (address, version) pairs remembered per buffer
 
@@ -84,7 +86,7 @@ class UnspecialisedGraph:
         self.attributes = {}
         for n in self.graph.nodes:
             if n.op in ("get_attr", "call_module"):
-                value = _attribute(gm, n.target)
+                value = module_attribute(gm, n.target)
                 self.attributes[n.target] = UnspecialisedGraph(value) if isinstance(value, fx.GraphModule) else value
         self._module = None
 
@@ -93,13 +95,6 @@ class UnspecialisedGraph:
             attrs = {k: v.module() if isinstance(v, UnspecialisedGraph) else v for k, v in self.attributes.items()}
             self._module = fx.GraphModule(attrs, self.graph)
         return self._module
-
-
-def _attribute(gm: fx.GraphModule, target: str):
-    value = gm
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
 
 
 def guarded(compiled, guards: list[InputGuard], unspecialised: UnspecialisedGraph):

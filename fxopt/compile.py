@@ -217,7 +217,8 @@ def _run_as_aten(gm: fx.GraphModule, record: GraphReport, report: Report, on_don
     record.notes.append(reason)
     record.fallbacks = [(n.name, reason) for n in gm.graph.nodes if n.op == "call_function"]
     record.wrapper_source = (f"# not generated: {reason}\n# (the ATen graph fxopt ran instead, as fx prints it)\n"
-                             f"{gm.code}\n\nif __name__ == \"__main__\":\n    raise SystemExit({('fxopt: ' + reason)!r})\n")
+                             f"{gm.code}\n\nif __name__ == \"__main__\":\n"
+                             f"    raise SystemExit({('fxopt: ' + reason)!r})\n")
     record.compile_seconds = time.perf_counter() - start
     report.graphs.append(record)
     log.info("fxopt: %s graph: %s", record.name, reason)

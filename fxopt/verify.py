@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
+from .analysis.torch_ops import module_attribute
 from .errors import VerifyError
 
 
@@ -182,9 +183,7 @@ def _attribute_tensors(gm: fx.GraphModule) -> list:
     found = []
     for n in gm.graph.nodes:
         if n.op == "get_attr":
-            value = gm
-            for part in str(n.target).split("."):
-                value = getattr(value, part, None)
+            value = module_attribute(gm, n.target)
             if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
                 found.append(value)
     return found

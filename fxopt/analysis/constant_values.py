@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-from .torch_ops import is_random
+from .torch_ops import is_random, module_attribute
 
 # Ops whose result may share memory with their input: a write into the result writes into the input.
 _VIEW_NAMES = frozenset({
@@ -161,10 +161,7 @@ class ConstantValues:
         if node.op == "placeholder":
             return self.buffers[node]
         if node.op == "get_attr":
-            obj = self.gm
-            for part in node.target.split("."):
-                obj = getattr(obj, part)
-            return obj
+            return module_attribute(self.gm, node.target)
         return _call(node, self.value)
 
     def value_with(self, node: fx.Node, override: dict):

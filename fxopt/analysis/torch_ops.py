@@ -61,6 +61,19 @@ def arg(node: fx.Node, index: int, name: str, default=None):
     return node.kwargs.get(name, default)
 
 
+def module_attribute(module, target: str, default=None):
+    """What a get_attr / call_module target names in `module` ("a.b" is module.a.b); `default` where a
+    part is missing."""
+    for part in str(target).split("."):
+        module = getattr(module, part, _MISSING)
+        if module is _MISSING:
+            return default
+    return module
+
+
+_MISSING = object()
+
+
 def meta(value):
     """The example value (a fake tensor) dynamo recorded for a node; plain values pass through."""
     return value.meta.get("example_value") if isinstance(value, fx.Node) else value

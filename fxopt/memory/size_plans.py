@@ -83,7 +83,8 @@ class StandalonePlans:
         if self._plans is None:
             symbols = [sympy.Symbol(n, integer=True, positive=True) for n in self.symbol_names]
             table = {s.name: s for s in symbols}
-            intervals = [Interval(name, sympy.sympify(nbytes, locals=table), *rest) for name, nbytes, *rest in self.spec]
+            intervals = [Interval(name, sympy.sympify(nbytes, locals=table), *rest)
+                         for name, nbytes, *rest in self.spec]
             self._plans = SizePlans(intervals, symbols, self.pairs)
         return self._plans.offsets(**values)
 

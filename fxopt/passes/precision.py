@@ -225,8 +225,8 @@ class MixedPrecision:
 
 # ops whose real kernels want the written tensor's dtype in the source where their fake ones do not check:
 # (name, position of the source argument)
-_SAME_DTYPE_SOURCES = {"index_add": 3, "index_add_": 3, "index_copy": 3, "index_copy_": 3, "index_put": 2, "setitem": 2,
-                       "index_put_": 2}
+_SAME_DTYPE_SOURCES = {"index_add": 3, "index_add_": 3, "index_copy": 3, "index_copy_": 3, "index_put": 2,
+                       "index_put_": 2, "setitem": 2}
 _FILLS = {"masked_fill", "masked_fill_", "where", "fill_", "full_like", "clamp", "clamp_min", "clamp_max",
           "index_fill", "index_fill_"}
 # a fill made in the graph: where its value is among the maker's arguments
@@ -273,10 +273,10 @@ def _promotes(name: str) -> bool:
 def _returned_together(graph: fx.Graph) -> set[fx.Node]:
     """Storages the graph returns through more than one output (`y, y.t(), y[1]`): the caller sees them
     alias, and a write to one shows in the others."""
-    returned = []
+    returned = Counter()
     for out in graph.find_nodes(op="output"):
-        fx.node.map_arg(out.args[0], lambda v: returned.append(storage_root(v)))
-    return {r for r in returned if returned.count(r) > 1}
+        fx.node.map_arg(out.args[0], lambda v: returned.update([storage_root(v)]))
+    return {r for r, times in returned.items() if times > 1}
 
 
 def _keep_storage_dtype(node: fx.Node, original: dict, casts: _Casts, shared: set) -> None:
@@ -286,11 +286,11 @@ def _keep_storage_dtype(node: fx.Node, original: dict, casts: _Casts, shared: se
     later reads look (a write into a per-reader cast was lost) and in the dtype it was written for. So
     does a value returned through several outputs (`shared`): cast once, they are views of one tensor
     as in eager (cast per output, they were separate tensors)."""
-    was = original.get(node)
+    was, written = original.get(node), casts.mutations.written(node)
     if not (isinstance(was, torch.dtype) and was in LABELS and _node_dtypes(node) != was
-            and (casts.mutations.written(node) or node in shared) and storage_root(node) is node):
+            and (written or node in shared) and storage_root(node) is node):
         return
-    why = "is written in place" if casts.mutations.written(node) else "is returned through several views"
+    why = "is written in place" if written else "is returned through several views"
     cast = casts.to(node, was, node.next, f"{node.name} {why}: keeps the model's {LABELS[was]}")
     node.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)
     casts.mutations.roots.add(cast)

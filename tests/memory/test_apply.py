@@ -361,8 +361,8 @@ def test_explain_says_whether_the_wrapper_follows_the_plan():
         return (a - (a + 1).sum(0, keepdim=True)).relu() * x
 
     x = torch.randn(8, 40)
-    lines = {mode: [ln for ln in str(fxopt.explain(f, x, memory_plan=mode)).splitlines() if ln.startswith("memory plan")]
-             for mode in (True, "apply")}
+    lines = {mode: [ln for ln in str(fxopt.explain(f, x, memory_plan=mode)).splitlines()
+                    if ln.startswith("memory plan")] for mode in (True, "apply")}
     assert "does not use the arena" in lines[True][0]
     assert "allocates these buffers from the arena" in lines["apply"][0]
     assert "arena = " in fxopt.explain(f, x, memory_plan="apply").wrapper_source

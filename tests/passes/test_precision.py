@@ -290,7 +290,8 @@ def test_ops_that_want_one_dtype_or_have_no_low_precision_kernel(precision):
         expected = model(*inputs)
         torch._dynamo.reset()
         got = torch.compile(model, backend=fxopt.backend(precision=precision, **options))(*inputs)
-        for g, e in zip(got if isinstance(got, tuple) else (got,), expected if isinstance(expected, tuple) else (expected,)):
+        as_tuple = lambda t: t if isinstance(t, tuple) else (t,)  # noqa: E731
+        for g, e in zip(as_tuple(got), as_tuple(expected)):
             torch.testing.assert_close(g, e, **tol)
     assert category_of(fx.Graph().call_function(torch.cdist, ())) == "linalg" and POLICY["linalg"] == "fp32"
 
