@@ -8,7 +8,10 @@ real class (no ignore_index rows), so the minimum bytes are exact.
 
 Two spellings: `cross_entropy` (F.cross_entropy on the bf16 logits) and `cross_entropy_fp32`
 (`logits.float()` first, as many Hugging Face models do: eager then holds float32 copies of the
-logits, of log_softmax and of both gradients).
+logits, of log_softmax and of both gradients). In both the logits are a leaf the caller holds, so
+their gradient is a second [N, V] tensor whatever the compiler does. `lm_head_loss` makes the logits
+inside the graph (hidden states times the output embedding, as an LM's head does): there they are an
+intermediate nobody else holds, and a compiler may write their gradient over them.
 """
 from __future__ import annotations
 
@@ -67,3 +70,24 @@ def make_cross_entropy(device, dtype, quick):
           "min bytes as cross_entropy", kind="reduction", training=True, min_bytes=_min_bytes)
 def make_cross_entropy_fp32(device, dtype, quick):
     return _cross_entropy_fp32_fwd_bwd, _logits_and_targets(device, dtype, quick)
+
+
+def _lm_head_loss_fwd_bwd(hidden, weight, target):
+    """(loss, d loss / d hidden, d loss / d weight) of cross_entropy(hidden @ weight.T, target)."""
+    loss = _token_loss(hidden @ weight.t(), target)
+    return (loss, *_gradients(loss, (hidden, weight)))
+
+
+def _lm_head_flops(inputs) -> int:
+    hidden, weight, _ = inputs
+    return 3 * 2 * hidden.shape[0] * hidden.shape[1] * weight.shape[0]  # the head's matmul, fwd and two bwd
+
+
+@workload("lm_head_loss", "LM head + cross-entropy fwd+bwd: F.cross_entropy(h @ W.T) for h [16384, 1024], "
+          "W [131072, 1024] (the logits, 4 GiB, made inside the graph); grads of h and W",
+          kind="model", training=True, flops=_lm_head_flops)
+def make_lm_head_loss(device, dtype, quick):
+    n, d, v = (32, 16, 1000) if quick else (16384, 1024, 131072)
+    hidden = (randn(n, d, device=device, dtype=dtype) / d ** 0.5).requires_grad_(True)
+    weight = randn(v, d, device=device, dtype=dtype).requires_grad_(True)
+    return _lm_head_loss_fwd_bwd, (hidden, weight, torch.randint(0, v, (n,), device=device))

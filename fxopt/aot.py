@@ -50,3 +50,26 @@ def _hidden_from_dynamo(bw_compiler):
     def compile_backward(*args, **kwargs):
         return torch._dynamo.disable(torch._dynamo.disable(bw_compiler)(*args, **kwargs))
     return compile_backward
+
+
+def donated_backward_inputs(gm: torch.fx.GraphModule) -> frozenset[str]:
+    """The backward graph's placeholders aot_autograd lets the backward consume ("donated buffers": saved
+    tensors made by the forward, no view of an input, of a returned value or of another saved tensor),
+    by name; empty outside a backward compile or where torch tracks none.
+
+    torch pairs them with a check at each backward call: a backward compiled with donated buffers refuses
+    `retain_graph=True` / `create_graph=True`, whose second use would read consumed tensors. That check is
+    right for a compiler that consumes them unconditionally; fxopt asks per call instead (the one op that
+    consumes one, losses/cross_entropy_op.cross_entropy_backward_over_logits, writes over its input only
+    in a backward that frees its saved tensors). So the list is emptied here: with it, a backward that
+    compiles with its forward (fxopt on CUDA, before any backward call says whether it retains the
+    graph) refused every `retain_graph=True` that torch's lazy compile would have accepted."""
+    context = torch._guards.TracingContext.try_get()
+    meta = getattr(context, "fw_metadata", None)
+    idxs = getattr(meta, "bw_donated_idxs", None)
+    if not idxs:
+        return frozenset()
+    placeholders = [n.name for n in gm.graph.find_nodes(op="placeholder")]
+    names = frozenset(placeholders[i] for i in idxs if 0 <= i < len(placeholders))
+    idxs.clear()  # the same list object is the inner metadata's (aot_autograd shares it)
+    return names

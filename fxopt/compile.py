@@ -11,6 +11,7 @@ import torch
 import torch.fx as fx
 
 from . import pipeline
+from .aot import donated_backward_inputs
 from .codegen.cache import module_cache, source_hash
 from .codegen.harness import standalone_source
 from .codegen.precompile import precompile
@@ -99,7 +100,8 @@ def compile_aten_graph(gm: fx.GraphModule, example_inputs, *, options: Options, 
     check_devices(gm)
     target = choose_target(gm, env)
     inspect = options.keep_graphs or bool(options.dump_dir or env.dump_dir)  # printing graphs costs compile time
-    ctx = PassContext(options=options, env=env, graph_name=graph_name, target=target, inspect=inspect)
+    ctx = PassContext(options=options, env=env, graph_name=graph_name, target=target, inspect=inspect,
+                      donated=donated_backward_inputs(gm) if graph_name == "backward" else frozenset())
     record = GraphReport(name=graph_name, target=target,
                          captured_text=graph_to_text(gm, "captured") if inspect else "")
     symbols, shape_env, plans = [], None, None

@@ -11,6 +11,7 @@ from .passes.cpu_scalars import ScalarsToDevice
 from .passes.cross_entropy import FuseCrossEntropy
 from .passes.fuse import FusePointwise
 from .passes.fuse_reductions import FuseReductions
+from .passes.grad_over_logits import GradientOverLogits
 from .passes.matmul_casts import FoldMatmulCasts
 from .passes.precision import LOW_DTYPES, MixedPrecision
 from .passes.recompute import RecomputeForReductions
@@ -46,5 +47,6 @@ def post_grad_passes(options: Options) -> list:
         # one all-reduce per gradient (DDP's python reducer) -> one coalesced call per bucket (after the
         # waits moved: a bucket is issued where its last member was, before any wait on its members)
         BucketAllReduces(),
+        GradientOverLogits(),  # (backward) the cross-entropy gradient written over the logits it alone reads last
     ]
     return [p for p in passes if p.name not in options.skip_passes]  # Options.skip_passes: see one pass's effect

@@ -47,10 +47,13 @@ def tensor_bytes(val):
 
 
 def _aliases_input(node: fx.Node) -> bool:
-    """The op's output may share memory with an input: a view, or a schema return marked as an alias."""
+    """The op's output may share memory with an input: a view, a schema return marked as an alias, or a
+    function that may write its result over an input (`writes_over`: passes/grad_over_logits.py)."""
     if is_view(node):
         return True
     t = node.target
+    if node.op == "call_function" and hasattr(t, "writes_over"):
+        return True
     return (node.op == "call_function" and isinstance(t, torch._ops.OpOverload)
             and any(r.alias_info is not None for r in t._schema.returns))
 
@@ -60,10 +63,16 @@ def _owner(node: fx.Node, owners: dict) -> fx.Node | None:
     while node is not None and node not in owners:
         if _aliases_input(node) or (node.op == "call_function" and node.target is operator.getitem
                              and node.args[0].op != "call_module"):
-            node = node.args[0] if isinstance(node.args[0], fx.Node) else None
+            node = _aliased(node)
         else:
             return None
     return node
+
+
+def _aliased(node: fx.Node) -> fx.Node | None:
+    """The input whose memory an aliasing node's output shares (the first, but for `writes_over`)."""
+    a = node.args[getattr(node.target, "writes_over", 0)]
+    return a if isinstance(a, fx.Node) else None
 
 
 def buffer_intervals(gm: fx.GraphModule) -> list[Interval]:
@@ -172,7 +181,7 @@ def _base(node):
     """The value a view (or alias, or non-kernel getitem) chain starts from."""
     while isinstance(node, fx.Node) and (_aliases_input(node) or (
             node.op == "call_function" and node.target is operator.getitem and node.args[0].op != "call_module")):
-        node = node.args[0]
+        node = _aliased(node)
     return node
 
 

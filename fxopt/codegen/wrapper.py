@@ -41,11 +41,9 @@ def format_value(a, names) -> str:
     if isinstance(a, (list, tuple)):
         inner = ", ".join(format_value(x, names) for x in a)
         return f"[{inner}]" if isinstance(a, list) else f"({inner}{',' if len(a) == 1 else ''})"
-    if isinstance(a, torch.dtype):
-        return str(a)
     if isinstance(a, torch.device):
         return f"torch.device({_dev(a)})"
-    if isinstance(a, (torch.layout, torch.memory_format)):
+    if isinstance(a, (torch.dtype, torch.layout, torch.memory_format)):
         return str(a)
     if isinstance(a, float) and (math.isinf(a) or math.isnan(a)):
         return f'float("{a}")'
@@ -79,7 +77,9 @@ def _callee(target) -> str:
 def own_op_callee(n: fx.Node) -> str | None:
     """The codegen/direct_calls.py function a wrapper calls for a node of fxopt's own ops (None for
     others): the op's name, `flash_attention_out_only` where nothing reads the log-sum-exp (inference:
-    the statistics are not made at all)."""
+    the statistics are not made at all), a pass's variant's own name (passes/grad_over_logits.py)."""
+    if hasattr(n.target, "writes_over"):
+        return n.target.__name__
     if not (isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "fxopt"):
         return None
     name = n.target._schema.name.split("::")[-1]
@@ -263,7 +263,7 @@ def generate_wrapper(gm: fx.GraphModule, kernels: dict[str, Kernel], graph: str,
     uses_libdevice = any("libdevice." in k.full_source() for k in kernels.values())
     libdevice = "from triton.language.extra import libdevice" if uses_libdevice else ""
     extra = "\nimport operator" if bindings or "operator." in "".join(body) else ""  # (operator.sub(20, s0))
-    if any(isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "fxopt" for n in gm.graph.nodes):
+    if any(own_op_callee(n) for n in gm.graph.nodes if n.op == "call_function"):
         extra += "\nfrom fxopt.codegen import direct_calls as fxopt_ops"
     src = KERNELS_HEADER.format(graph=graph, filename=filename, libdevice=libdevice)
     if mode == "triton":

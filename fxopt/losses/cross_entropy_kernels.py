@@ -23,9 +23,9 @@ Ignored rows (target == ignore_index) are not read at all: their loss is 0, thei
 gives a NaN loss (eager raises; a kernel cannot, without a host sync). The count is a float32: exact
 up to 2**24 kept rows.
 
-Next step (not done): when the op owns its logits (a matmul output no one else reads), the backward
-could write the gradient into the logits' own buffer, so the whole loss holds one [N, V] buffer.
-Autograd may still need the logits elsewhere, so the gradient is a new tensor for now.
+In place: where the backward graph is the logits' last reader and aot_autograd lets it consume them (an
+LM head's matmul output, saved for this backward only), the gradient is written over the logits
+(`out=logits`; passes/grad_over_logits.py), so the whole loss holds one [N, V] buffer.
 """
 from __future__ import annotations
 
@@ -80,14 +80,19 @@ def cross_entropy_forward(logits: Tensor, target: Tensor, ignore_index: int, red
 
 
 def cross_entropy_grad(logits: Tensor, target: Tensor, stats: Tensor, grad_loss: Tensor, ignore_index: int,
-                       reduction: str, block_v: int | None = None) -> Tensor:
+                       reduction: str, block_v: int | None = None, out: Tensor | None = None) -> Tensor:
     """grad_logits [N, V] (contiguous, logits' dtype) = (softmax - onehot(target)) * scale per row, from
     the forward's `stats` and the loss's gradient `grad_loss` (0-d for "mean"/"sum", [N] with any
-    stride for "none"; any float dtype: read as float32)."""
+    stride for "none"; any float dtype: read as float32). out: where to write it, the logits themselves
+    included (contiguous, the logits' shape and dtype): a program reads each block of its row before it
+    writes that block, and no program reads another's row."""
     _check(logits, target)
     logits, target = _rows_contiguous(logits), target.contiguous()  # the kernels read target[row] at stride 1
     n_rows, n_cols = logits.shape
-    grad = torch.empty(n_rows, n_cols, device=logits.device, dtype=logits.dtype)
+    if out is not None and not (out.is_contiguous() and out.shape == logits.shape and out.dtype == logits.dtype):
+        raise ValueError(f"fxopt cross_entropy: out= must be contiguous {logits.dtype} {list(logits.shape)}, got "
+                         f"{out.dtype} {list(out.shape)} with strides {out.stride()}")
+    grad = torch.empty(n_rows, n_cols, device=logits.device, dtype=logits.dtype) if out is None else out
     if n_rows == 0:
         return grad
     grad_stride = grad_loss.stride(0) if reduction == "none" else 0

@@ -112,6 +112,38 @@ def _(grad_loss, logits, target, stats, ignore_index, reduction):
     return logits.new_empty(logits.shape)  # contiguous, as the kernel writes it
 
 
+def cross_entropy_backward_over_logits(grad_loss: Tensor, logits: Tensor, target: Tensor, stats: Tensor,
+                                      ignore_index: int, reduction: str) -> Tensor:
+    """cross_entropy_backward for a backward graph whose last reader of `logits` this is and which
+    aot_autograd may consume them in (passes/grad_over_logits.py): the gradient is written over the
+    logits, so the loss never holds two [N, V] buffers, where `overwrite_allowed` says this call may;
+    otherwise it is the op's own result, a new tensor."""
+    if overwrite_allowed(logits):
+        from .cross_entropy_kernels import cross_entropy_grad
+        return cross_entropy_grad(logits, target, stats, grad_loss, ignore_index, reduction, out=logits)
+    return cross_entropy_backward_op(grad_loss, logits, target, stats, ignore_index, reduction)
+
+
+# the argument whose memory the result may take: liveness counts no new buffer for it, and the wrapper
+# calls the function directly (codegen/direct_calls.py), as it calls fxopt's ops
+cross_entropy_backward_over_logits.writes_over = 1
+_task_id = getattr(torch._C, "_current_graph_task_id", None)
+_keeps_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None)
+
+
+def overwrite_allowed(logits: Tensor) -> bool:
+    """Whether this call may write over the logits: the autograd engine is running a backward that
+    frees its saved tensors when done (not `retain_graph=True` or `create_graph=True`, where the
+    same saved logits are read again), no functorch transform wraps the call (batched tensors), the
+    logits are a plain contiguous tensor the kernels run on; anything else (a graph run by verify or
+    explain's checks outside a backward, a torch without these queries) gets a new tensor."""
+    if _task_id is None or _keeps_graph is None or _transforms_active is None:
+        return False
+    return (type(logits) is Tensor and _on_triton(logits) and logits.is_contiguous() and _task_id() != -1
+            and not _keeps_graph() and not _transforms_active())
+
+
 def _setup_context(ctx, inputs, output):
     logits, target, ignore_index, reduction, _loss_dtype = inputs
     _, stats = output
