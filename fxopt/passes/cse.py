@@ -25,8 +25,8 @@ _UNHASHABLE = object()
 
 
 def _frozen(value):
-    """A hashable key for an argument (values with their types: 1 and 1.0 differ; NaN equals NaN),
-    or _UNHASHABLE."""
+    """A hashable key for an argument (values with their types: 1 and 1.0 differ; NaN equals NaN; 0.0
+    and -0.0 differ, as x * 0.0 and x * -0.0 do, in 1 / x), or _UNHASHABLE."""
     if isinstance(value, (list, tuple)):
         items = tuple(_frozen(v) for v in value)
         return _UNHASHABLE if any(i is _UNHASHABLE for i in items) else (type(value).__name__, items)
@@ -35,8 +35,8 @@ def _frozen(value):
         return _UNHASHABLE if any(i is _UNHASHABLE for _, i in items) else ("dict", items)
     if isinstance(value, slice):
         return ("slice", _frozen((value.start, value.stop, value.step)))
-    if isinstance(value, float) and value != value:
-        return ("nan",)
+    if isinstance(value, float):
+        return (float, value.hex())  # one key per bit pattern but NaN's: 'nan', '-0x0.0p+0'
     try:
         hash(value)
     except TypeError:

@@ -115,3 +115,16 @@ def test_size_arithmetic_between_equal_calls_does_not_stop_the_merge():
     gm.recompile()
     s, full = gm(torch.ones(6))
     assert torch.equal(s, torch.full((6,), 4.0)) and full.shape == (6,)
+
+
+def test_signed_zeros_do_not_merge():
+    """x * 0.0 and x * -0.0 differ in the sign of their zeros (1 / them: +inf against -inf)."""
+    def f(x):
+        return 1 / (x * 0.0), 1 / (x * -0.0)
+
+    x = torch.tensor([1.0, -2.0])
+    gm = make_fx(f)(x)
+    assert eliminate_common_subexpressions(gm.graph) == 0
+    gm.recompile()
+    pos, neg = gm(x)
+    assert pos.tolist() == [float("inf"), float("-inf")] and neg.tolist() == [float("-inf"), float("inf")]
