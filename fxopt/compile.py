@@ -9,6 +9,7 @@ import warnings
 
 import torch
 import torch.fx as fx
+from torch.autograd import forward_ad
 
 from . import pipeline
 from .aot import donated_backward_inputs
@@ -168,8 +169,7 @@ def compile_aten_graph(gm: fx.GraphModule, example_inputs, *, options: Options, 
     if options.profile:
         from .profile import attach_timer  # here, not at the top: profile.py compiles through backend.py
         attach_timer(call, record)
-    if graph_name == "backward":
-        call = _aten_under_functorch(call, gm)
+    call = _aten_where_kernels_cannot_run(call, gm)
     record.fallbacks = list(ctx.notes)
     if symbols:
         record.guards = guard_texts(shape_env, symbols)
@@ -194,16 +194,21 @@ def compile_aten_graph(gm: fx.GraphModule, example_inputs, *, options: Options, 
     return call
 
 
-def _aten_under_functorch(call, gm: fx.GraphModule):
-    """A backward run under a functorch transform (vmap: autograd.grad(is_grads_batched=True),
-    jacobian(vectorize=True)) gets batched tensors, which Triton kernels cannot read: there the fused
-    graph runs as ATen ops (each fused group is an fx submodule of them), with vmap's batching rules."""
-    def backward(args):
-        if args and isinstance(args[-1], torch.Tensor) and _batched(args[-1]):  # (a tangent: the last input)
+def _aten_where_kernels_cannot_run(call, gm: fx.GraphModule):
+    """The fused graph run as ATen ops (each fused group is an fx submodule of them) where Triton kernels
+    cannot serve a call: batched gradients in a backward (autograd.grad(is_grads_batched=True),
+    jacobian(vectorize=True): legacy vmap's BatchedTensors, which the launcher cannot read), any graph
+    inside a functorch transform (torch.func's wrapped tensors), or under a forward-mode AD level (dual
+    tensors: a kernel's result would carry no tangent, and the caller would get None for it)."""
+    tangents = tuple(i for i, n in enumerate(gm.graph.find_nodes(op="placeholder")) if n.name.startswith("tangents"))
+
+    def run(args):
+        if (forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active()
+                or any(isinstance(args[i], torch.Tensor) and _batched(args[i]) for i in tangents)):
             return gm(*args)
         return call(args)
-    backward._boxed_call = True
-    return backward
+    run._boxed_call = True
+    return run
 
 
 def _batched(t: torch.Tensor) -> bool:

@@ -1,5 +1,5 @@
-"""Backward graphs in unusual company (the backward sweep of 2026-12-05): run under vmap (batched
-gradients, vectorized Jacobians) and with complex scalars (torch.polar's backward multiplies by 1j).
+"""Graphs in unusual company (the backward sweep of 2026-12-05, the autograd sweep of 2026-12-06): run
+under vmap (batched gradients, vectorized Jacobians), under forward-mode AD, and with complex scalars (torch.polar's backward multiplies by 1j).
 Each against eager in float64."""
 from __future__ import annotations
 
@@ -23,6 +23,36 @@ def test_a_compiled_backward_under_vmap_runs_as_aten():
     y = compile_fxopt(fn)(x)  # and an ordinary backward afterwards still runs the kernels
     y.sum().backward()
     torch.testing.assert_close(x.grad, torch.autograd.grad(fn(x).sum(), x)[0])
+
+
+def test_batched_gradients_of_the_first_of_two_outputs():
+    """The batched tangent is not the last input when only the first output gets one (it was checked
+    there only: "Cannot access storage of BatchedTensorImpl")."""
+    def fn(x):
+        h = x.sin()
+        return h.exp() * 2, h.tanh() + x
+
+    x = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(3, 4, 5, dtype=torch.float64)
+    got, = torch.autograd.grad(compile_fxopt(fn)(x)[0], x, g, is_grads_batched=True)
+    expected, = torch.autograd.grad(fn(x)[0], x, g, is_grads_batched=True)
+    torch.testing.assert_close(got, expected)
+
+
+def test_forward_mode_ad_keeps_its_tangent():
+    """Dual tensors through a compiled inference graph: a kernel's result carries no tangent, so under a
+    forward-AD level the graph runs as ATen ops (the tangent came back None)."""
+    import torch.autograd.forward_ad as fwad
+    fn = lambda x: (x.sin() * 2).exp().sum(-1)  # noqa: E731
+    x, v = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+    compiled = compile_fxopt(fn)
+    with fwad.dual_level():
+        primal, tangent = fwad.unpack_dual(compiled(fwad.make_dual(x, v)))
+    _, expected = torch.func.jvp(fn, (x,), (v,))
+    torch.testing.assert_close(primal, fn(x))
+    assert tangent is not None
+    torch.testing.assert_close(tangent, expected)
+    torch.testing.assert_close(compiled(x), fn(x))  # outside the level the kernels run again
 
 
 def test_complex_scalars_in_a_graph():
