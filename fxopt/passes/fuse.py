@@ -26,7 +26,7 @@ from ..analysis.op_classes import GATHERS, classify, is_view, kernel_unsupported
 from ..analysis.reductions import reduction_unsupported_reason
 from ..analysis.symbolic import sizes
 from ..pass_manager import PassContext, PassResult
-from .fuse_partitions import fuse_partitions
+from .fuse_partitions import acyclic_subset, fuse_partitions
 
 FUSED_PREFIX = "fused"
 # Keep groups to dependent chains where torch lets us say so (torch >= 2.12); older partitioners also
@@ -124,12 +124,15 @@ class FusePointwise:
             if key and key[1].startswith(ctx.device_type) and kernel_unsupported_reason(node, ctx.target) is None:
                 keys[key] = None
         fused_nodes: set[str] = set()
+        cyclic: set[str] = set()  # ops of groups that would have made a cycle (fuse_partitions.acyclic_subset)
         for i, key in enumerate(keys):
             support = _SameDomainPointwise(key, ctx.target)
             partitioner = CapabilityBasedPartitioner(gm, support, allows_single_node_partition=True,
                                                      **_NO_HORIZONTAL)
             # a cat alone saves no pass over memory: ATen's copy kernel does it as well (op_classes.GATHERS)
             partitions = [p for p in partitioner.propose_partitions() if not all(n.target in GATHERS for n in p.nodes)]
+            partitions, dropped = acyclic_subset(gm.graph, partitions)
+            cyclic |= {n.name for p in dropped for n in p.nodes}
             if not partitions:
                 continue
             for p in partitions:
@@ -141,12 +144,12 @@ class FusePointwise:
             if node.op == "call_module" and str(node.target).startswith(FUSED_PREFIX):
                 stats["views_absorbed"] += absorb_input_views(gm, node)
         gm.graph.eliminate_dead_code()
-        self._note_fallbacks(gm, ctx, fused_nodes)
+        self._note_fallbacks(gm, ctx, fused_nodes, cyclic)
         gm.recompile()
         return PassResult(gm, stats["groups"] > 0, stats)
 
     @staticmethod
-    def _note_fallbacks(gm: fx.GraphModule, ctx: PassContext, fused: set[str]) -> None:
+    def _note_fallbacks(gm: fx.GraphModule, ctx: PassContext, fused: set[str], cyclic: frozenset = frozenset()) -> None:
         for node in gm.graph.nodes:
             if node.op != "call_function" or node.name in fused or classify(node) in ("view", "fxopt"):
                 continue
@@ -155,6 +158,8 @@ class FusePointwise:
             reason = kernel_unsupported_reason(node, ctx.target)
             if classify(node) == "reduction":
                 reason = reduction_unsupported_reason(node, ctx.target) or "reduction: no group took it"
+            if reason is None and node.name in cyclic:
+                reason = "not fused: its group and another kernel would each need the other's result"
             if reason is None and node.target in GATHERS and ctx.options.fuse:
                 reason = "cat with no element-wise consumer to fuse with: ATen's copy kernel"
             if reason is None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import heapq
 import inspect
+from collections import Counter
 
 import torch.fx as fx
 from torch.fx.passes.utils.fuser_utils import (erase_nodes, fuse_as_graphmodule, fuse_by_partitions, insert_subgm,
@@ -65,3 +66,40 @@ def sort_in_place(graph: fx.Graph) -> None:
         if anchor.next is not n:
             anchor.append(n)
         anchor = n
+
+
+def acyclic_subset(graph: fx.Graph, partitions: list) -> tuple[list, list]:
+    """(kept, dropped): the partitions that can all be fused, each into one node, without a cycle in the
+    graph, and the rest. torch's CapabilityBasedPartitioner can propose two groups that each depend on
+    the other through a node of neither (a backward graph: `where` in group B feeds group A, whose result
+    reaches B again through a `flip` no group takes), and fusing them raised "Invalid partition, found
+    dependency cycles". Usually all are kept after one check; otherwise groups are taken in order, each
+    one only if the graph with it contracted stays acyclic (a dropped group's ops stay ATen calls)."""
+    if _contractible(graph, partitions):
+        return list(partitions), []
+    kept, dropped = [], []
+    for p in partitions:
+        (kept if _contractible(graph, kept + [p]) else dropped).append(p)
+    return kept, dropped
+
+
+def _contractible(graph: fx.Graph, partitions: list) -> bool:
+    """Whether the graph with each partition contracted to one node is acyclic (Kahn's algorithm)."""
+    group = {n: i for i, p in enumerate(partitions) for n in p.nodes}
+    edges = {(group.get(n, n), group.get(u, u)) for n in graph.nodes for u in n.users}
+    edges = {(a, b) for a, b in edges if a != b}
+    waiting = Counter(b for _, b in edges)
+    out: dict = {}
+    for a, b in edges:
+        out.setdefault(a, []).append(b)
+    keys = {group.get(n, n) for n in graph.nodes}
+    ready = [k for k in keys if not waiting[k]]
+    seen = 0
+    while ready:
+        k = ready.pop()
+        seen += 1
+        for b in out.get(k, ()):
+            waiting[b] -= 1
+            if not waiting[b]:
+                ready.append(b)
+    return seen == len(keys)

@@ -41,7 +41,7 @@ from ..analysis.reductions import (COLUMN_SUM, dropped_shape, is_column_sum_of, 
 from ..pass_manager import PassContext, PassResult
 from .fuse import _NO_HORIZONTAL, FUSED_PREFIX, absorb_input_views
 from .recompute import RESERVED_FOR
-from .fuse_partitions import fuse_partitions
+from .fuse_partitions import acyclic_subset, fuse_partitions
 
 REDUCTION_PREFIX = f"{FUSED_PREFIX}red"
 _aten = torch.ops.aten
@@ -177,6 +177,7 @@ class FuseReductions:
             _merge_column_partitions(gm, groups, [p for p in proposed if p not in groups
                                                   and any(is_column_sum_of(n, key) for n in p.nodes)])
             _drop_escaping_column_operands(groups, key)
+            groups, _ = acyclic_subset(gm.graph, groups)  # (a dropped group's reductions stay ATen, noted by fuse)
             for p in groups:
                 for n in p.nodes:
                     if reduction_info(n) is not None and reduction_info(n).key != key:
