@@ -27,7 +27,7 @@ from .pass_manager import PassContext, PassManager
 from .passes.cse import eliminate_common_subexpressions
 from .passes.cached_casts import lift_parameter_casts, with_cached_casts
 from .report import Report
-from .verify import GraphVerifier, graph_dtypes
+from .verify import graph_dtypes, verifier_for
 
 _DUMP_REPORTS: dict[str, Report] = {}  # one accumulating report per dump directory in this process
 _lock = threading.Lock()
@@ -59,7 +59,10 @@ def compile_dynamo_graph(gm: fx.GraphModule, example_inputs, options: Options, r
             report.pre_autograd_notes.append("verify=True is skipped for the torch-level graph under symbolic "
                                              "shapes (it runs the graph on example tensors)")
         rtol = options.verify_tolerance_for(graph_dtypes(gm))
-        verifier = GraphVerifier(gm, example_inputs, rtol, "torch-level") if options.verify and not symbolic else None
+        verifier, unverified = (verifier_for(gm, example_inputs, rtol, "torch-level") if options.verify and not symbolic
+                                else (None, None))
+        if unverified:
+            report.pre_autograd_notes.append(unverified)
         gm, records, _ = PassManager(pre, verifier).run(gm, ctx)
         report.pre_autograd.extend(records)
         report.attention.extend(ctx.attention)

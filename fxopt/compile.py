@@ -39,7 +39,7 @@ from .passes.fuse import FUSED_PREFIX
 from .passes.fuse_reductions import REDUCTION_PREFIX
 from .printing import graph_to_text
 from .report import GraphReport, KernelRecord, Report
-from .verify import GraphVerifier, graph_dtypes
+from .verify import graph_dtypes, verifier_for
 
 log = logging.getLogger("fxopt")
 _KERNELS: dict[tuple, object] = {}  # (kernel source hash, target) -> loaded JITFunction, shared by wrappers
@@ -120,7 +120,9 @@ def compile_aten_graph(gm: fx.GraphModule, example_inputs, *, options: Options, 
     if options.verify and symbols:
         record.notes.append("verify=True is skipped for symbolic shapes (it runs the graph on example tensors)")
     rtol = options.verify_tolerance_for(graph_dtypes(gm))
-    verifier = GraphVerifier(gm, example_inputs, rtol, graph_name) if verify else None
+    verifier, unverified = verifier_for(gm, example_inputs, rtol, graph_name) if verify else (None, None)
+    if unverified:
+        record.notes.append(unverified)
     gm, records, snapshots = PassManager(pipeline.post_grad_passes(options), verifier).run(gm, ctx)
     record.passes, record.snapshots = records, snapshots
     if options.memory_plan and symbols:  # one concrete plan per distinct size, made at its first call

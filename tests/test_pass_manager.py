@@ -191,3 +191,38 @@ def test_verify_ignores_what_the_captured_graph_leaves_undefined():
     assert rel_error(torch.tensor([1.0, float("nan"), 2.0]), ref) == 0.0
     assert rel_error(torch.tensor([float("nan"), 0.0, 2.0]), ref) == float("inf")
     assert rel_error(torch.tensor([1.0, 0.0, 2.2]), ref) == pytest.approx(0.2 / 5 ** 0.5)
+
+
+def test_verify_skips_graphs_that_do_not_run_on_its_inputs_and_says_so():
+    """The captured graph itself raising on verify's inputs (zero ints for a backward's saved LU pivots,
+    which lu_solve refuses; a tensor hook on an intermediate, registered under verify's no_grad) failed
+    the whole compile. Such a graph compiles unverified, with the reason in the report."""
+    torch._dynamo.reset()
+
+    def solve(a, b):
+        return torch.linalg.solve(a, b).tanh().sum()
+
+    def hooked(x, w):
+        h = x @ w
+        h.register_hook(lambda g: g * 2)
+        return h.tanh().sum()
+
+    a = (torch.randn(4, 4) + 4 * torch.eye(4)).requires_grad_()
+    b = torch.randn(4, 2, requires_grad=True)
+    x, w = torch.randn(4, 5, requires_grad=True), torch.randn(5, 3, requires_grad=True)
+    for fn, args in ((solve, (a, b)), (hooked, (x, w))):
+        torch._dynamo.reset()
+        rep = fxopt.explain(fn, *args, verify=True)
+        notes = [n for g in rep.graphs for n in g.notes] + list(rep.pre_autograd_notes)
+        assert any("verify=True is skipped" in n for n in notes), notes
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, backend=fxopt.backend(verify=True))
+        compiled(*args).backward()
+        grads = [p.grad.clone() for p in args]
+        for p in args:
+            p.grad = None
+        fn(*args).backward()
+        for g, p in zip(grads, args):
+            torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-6)
+            p.grad = None
+    torch._dynamo.reset()
