@@ -13,12 +13,14 @@ makes a new tensor, as before.
 
 Left alone: graphs replayed as CUDA graphs (a capture would fix one call's decision for every replay),
 logits that are graph inputs the caller owns (a leaf's gradient must be a new tensor), non-contiguous
-logits (the gradient is contiguous), and logits read by a later node.
+logits (the gradient is contiguous), logits read by a later node, and logits whose memory another input
+of the backward graph views (torch does not check saved tensors against each other).
 """
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..analysis.symbolic import row_major_strides, sizes, strides
 from ..losses.cross_entropy_op import cross_entropy_backward_op, cross_entropy_backward_over_logits
@@ -37,7 +39,7 @@ class GradientOverLogits:
         moved = 0
         for n in gm.graph.find_nodes(op="call_function", target=BACKWARD_OP):
             logits = n.args[1]
-            if _consumable(logits, n, ctx.donated, position):
+            if _consumable(logits, n, ctx.donated, position) and not _shares_storage(gm, logits):
                 n.target = cross_entropy_backward_over_logits
                 moved += 1
         if moved:
@@ -52,3 +54,23 @@ def _consumable(logits, node: fx.Node, donated: frozenset, position: dict) -> bo
     return (isinstance(val, torch.Tensor) and logits.op == "placeholder" and logits.name in donated
             and strides(val) == row_major_strides(sizes(val))
             and all(position[u] <= position[node] for u in logits.users))
+
+
+def _shares_storage(gm: fx.GraphModule, logits: fx.Node) -> bool:
+    """Whether another input of the graph views the logits' memory: torch's donated buffers are checked
+    against the forward's inputs and outputs only, not against each other, so a view of an attention
+    output saved as the loss's logits is donated beside the output itself, which the attention backward
+    still reads after the loss's backward (it read the gradient there: a wrong dq, dk, dv)."""
+    mine = _storage(logits)
+    others = [_storage(p) for p in gm.graph.find_nodes(op="placeholder") if p is not logits]
+    return mine is None or any(other is not None and other == mine for other in others)
+
+
+def _storage(node: fx.Node):
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.is_sparse:
+        return None
+    try:
+        return StorageWeakRef(val.untyped_storage())
+    except (NotImplementedError, RuntimeError):  # (a tensor without storage: never treated as unshared)
+        return None

@@ -141,6 +141,26 @@ def test_logits_another_backward_node_reads_stay_right(writes):
     assert_grads(h, w, float64_grads(logits_read_again, h, w, t))
 
 
+def attention_as_logits(q, k, v, t):
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.cross_entropy(y.reshape(-1, y.shape[-1]), t)
+
+
+def test_logits_viewing_another_saved_tensor_are_not_overwritten(writes):
+    """The loss's logits are a view of the attention output, which the attention backward reads after
+    the loss's backward: torch donates both (it checks saved tensors against the forward's inputs and
+    outputs, not against each other), and writing over one gave wrong q, k, v gradients."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 16, generator=g).requires_grad_() for _ in range(3))
+    t = torch.randint(0, 16, (16,), generator=g)
+    got = torch.autograd.grad(compile_fxopt(attention_as_logits)(q, k, v, t), (q, k, v))
+    assert writes == [(False, False)]
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    want = torch.autograd.grad(attention_as_logits(q64, k64, v64, t), (q64, k64, v64))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b.float(), rtol=1e-4, atol=1e-5)
+
+
 def test_create_graph_gets_a_new_gradient(writes):
     h, w, t = inputs()
     (gh,) = torch.autograd.grad(compile_fxopt(lm_loss)(h, w, t), h, create_graph=True)
