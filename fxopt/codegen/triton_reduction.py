@@ -385,4 +385,9 @@ class ReductionEmitter(PointwiseEmitter):
 def generate_reduction_kernel(gm: fx.GraphModule, name: str, target: str, headroom: int | None = None) -> Kernel:
     em = ReductionEmitter(gm, name, target)
     em.headroom = headroom
-    return em.generate()
+    kernel = em.generate()
+    unstored = [j for j in range(len(em.output_nodes)) if f"tl.store(out_ptr{j} " not in kernel.full_source()]
+    if unstored:  # an output no schedule writes would hand its reader uninitialised memory
+        raise NotImplementedError(f"fxopt: reduction kernel {name} never stores output(s) "
+                                  f"{[em.output_nodes[j].name for j in unstored]}")
+    return kernel

@@ -18,6 +18,8 @@ import torch.fx as fx
 from torch.fx.passes.utils.fuser_utils import (erase_nodes, fuse_as_graphmodule, fuse_by_partitions, insert_subgm,
                                                topo_sort)
 
+from ..analysis.op_classes import is_view
+
 # torch >= 2.10 places the fused call at the group's last node, then sorts stably; older torch appended
 # it to the graph and sorted with `legalize_graph`: there torch's own function runs, for the same graphs
 _INSERTION_POINT = "insertion_point" in inspect.signature(insert_subgm).parameters
@@ -26,6 +28,8 @@ _INSERTION_POINT = "insertion_point" in inspect.signature(insert_subgm).paramete
 def fuse_partitions(gm: fx.GraphModule, partitions, prefix: str) -> fx.GraphModule:
     """Each partition (a torch.fx Partition) becomes a call_module `{prefix}{i}`; the graph stays in
     topological order."""
+    for partition in partitions:
+        _views_read_outside_stay_outside(gm.graph, partition.nodes)
     if not _INSERTION_POINT:
         return fuse_by_partitions(gm, [p.nodes for p in partitions], prefix=prefix)
     for i, partition in enumerate(partitions):
@@ -36,6 +40,32 @@ def fuse_partitions(gm: fx.GraphModule, partitions, prefix: str) -> fx.GraphModu
     sort_in_place(gm.graph)
     gm.graph.lint()
     return gm
+
+
+def _views_read_outside_stay_outside(graph: fx.Graph, group) -> None:
+    """A view (or chain of views) of values from outside the group that nodes outside also read: they get
+    their own copy of it, made outside, instead of a kernel output holding the view's values. Such an
+    output has no computation behind it, and the looped reduction schedule never stored it (a
+    `p.view(1, C, 1, 1)` of a channels-last backward's bias: the next kernel read uninitialised memory
+    for it, a wrong scale gradient)."""
+    def outside_view(n) -> bool:
+        return is_view(n) and all(a not in group or outside_view(a) for a in n.all_input_nodes)
+
+    made: dict = {}
+
+    def copy_outside(v):
+        if v not in group:
+            return v
+        if v not in made:
+            with graph.inserting_before(v):
+                made[v] = graph.node_copy(v, copy_outside)
+        return made[v]
+
+    for n in list(group):
+        readers = [u for u in n.users if u not in group]
+        if readers and outside_view(n):
+            for u in readers:
+                u.replace_input_with(n, copy_outside(n))
 
 
 def sort_in_place(graph: fx.Graph) -> None:

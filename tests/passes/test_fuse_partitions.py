@@ -109,3 +109,30 @@ def test_a_backward_graph_with_such_groups_compiles_and_matches_eager():
     torch.testing.assert_close(x1.grad, y1.grad)
     torch.testing.assert_close(x2.grad, y2.grad)
     torch._dynamo.reset()
+
+
+def test_a_view_of_an_input_read_by_two_kernels_is_not_a_kernel_output():
+    """silu(silu(x) * p0[h] + p1[c]) on a channels-last x: the bias view p1.view(1, C, 1, 1) joined the
+    first reduction group (dp1) and the second (dp0) read it as that kernel's output, which the looped
+    schedule never stored: dp0 was off by 3. Each reader now makes the view itself."""
+    import torch.nn.functional as F
+    from tests.helpers import compile_fxopt
+
+    def f(x, p0, p1):
+        return F.silu(F.silu(x) * p0.view(1, 1, 8, 1) + p1.view(1, 2, 1, 1))
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(2, 2, 8, 8, generator=g, dtype=torch.float64)
+    params = [torch.randn(8, generator=g, dtype=torch.float64), torch.randn(2, generator=g, dtype=torch.float64)]
+    gy = torch.randn(2, 2, 8, 8, generator=g, dtype=torch.float64)
+
+    def grads(fn, x, dtype):
+        xx = x.detach().to(dtype, copy=True).requires_grad_()
+        pp = [p.to(dtype).requires_grad_() for p in params]
+        return torch.autograd.grad(fn(xx, *pp), [xx, *pp], gy.to(dtype))
+
+    for x in (base, base.to(memory_format=torch.channels_last)):
+        torch._dynamo.reset()
+        for got, want in zip(grads(compile_fxopt(f), x, torch.float32), grads(f, x, torch.float64)):
+            torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+    torch._dynamo.reset()
