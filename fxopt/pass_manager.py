@@ -41,7 +41,7 @@ class PassContext:
     casts: list = field(default_factory=list)  # CastRecord of every cast the precision pass inserted
     input_guards: list = field(default_factory=list)  # InputGuard: facts about inputs checked every call
     unspecialised: object = None  # buffer_guards.UnspecialisedGraph: what runs when an input guard fails
-    donated: frozenset = frozenset()  # backward only: placeholders the backward may consume (aot.donated_backward_inputs)
+    donated: frozenset = frozenset()  # backward only: inputs it may consume (aot.donated_backward_inputs)
 
     def note(self, node_name: str, reason: str) -> None:
         self.notes.append((node_name, reason))

@@ -1,5 +1,6 @@
 """Graphs in unusual company (the backward sweep of 2026-12-05, the autograd sweep of 2026-12-06): run
-under vmap (batched gradients, vectorized Jacobians), under forward-mode AD, and with complex scalars (torch.polar's backward multiplies by 1j).
+under vmap (batched gradients, vectorized Jacobians), under forward-mode AD, and with complex
+scalars (torch.polar's backward multiplies by 1j).
 Each against eager in float64."""
 from __future__ import annotations
 

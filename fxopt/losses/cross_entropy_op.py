@@ -118,7 +118,7 @@ def cross_entropy_backward_over_logits(grad_loss: Tensor, logits: Tensor, target
     aot_autograd may consume them in (passes/grad_over_logits.py): the gradient is written over the
     logits, so the loss never holds two [N, V] buffers, where `overwrite_allowed` says this call may;
     otherwise it is the op's own result, a new tensor."""
-    if overwrite_allowed(logits):
+    if overwrite_allowed(logits, grad_loss):
         from .cross_entropy_kernels import cross_entropy_grad
         return cross_entropy_grad(logits, target, stats, grad_loss, ignore_index, reduction, out=logits)
     return cross_entropy_backward_op(grad_loss, logits, target, stats, ignore_index, reduction)
@@ -132,16 +132,23 @@ _keeps_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph",
 _transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None)
 
 
-def overwrite_allowed(logits: Tensor) -> bool:
+def overwrite_allowed(logits: Tensor, grad_loss: Tensor) -> bool:
     """Whether this call may write over the logits: the autograd engine is running a backward that
     frees its saved tensors when done (not `retain_graph=True` or `create_graph=True`, where the
-    same saved logits are read again), no functorch transform wraps the call (batched tensors), the
-    logits are a plain contiguous tensor the kernels run on; anything else (a graph run by verify or
+    same saved logits are read again), no functorch transform wraps the call and neither tensor is
+    batched (`is_grads_batched=True` hands a batched gradient; the op's own batching rule serves it),
+    the logits are a plain contiguous tensor the kernels run on; anything else (a graph run by verify or
     explain's checks outside a backward, a torch without these queries) gets a new tensor."""
     if _task_id is None or _keeps_graph is None or _transforms_active is None:
         return False
-    return (type(logits) is Tensor and _on_triton(logits) and logits.is_contiguous() and _task_id() != -1
-            and not _keeps_graph() and not _transforms_active())
+    return (_plain(logits) and _plain(grad_loss) and _on_triton(logits) and logits.is_contiguous()
+            and _task_id() != -1 and not _keeps_graph() and not _transforms_active())
+
+
+def _plain(t: Tensor) -> bool:
+    """Not a subclass and not a (legacy or functorch) batched tensor."""
+    return (type(t) is Tensor and not torch._C._functorch.is_batchedtensor(t)
+            and not torch._C._functorch.is_legacy_batchedtensor(t))
 
 
 def _setup_context(ctx, inputs, output):

@@ -171,6 +171,17 @@ def test_create_graph_gets_a_new_gradient(writes):
     torch.testing.assert_close(gh, ref.float(), rtol=1e-4, atol=1e-6)
 
 
+def test_batched_gradients_get_a_new_gradient(writes):
+    """autograd.grad(is_grads_batched=True) hands the loss's backward a batched gradient: the graph runs
+    as ATen ops, and the op's own batching rule must serve it (the kernels cannot read batched tensors)."""
+    h, w, t = inputs()
+    go = torch.tensor([1.0, 2.0, -1.0])
+    (got,) = torch.autograd.grad(compile_fxopt(lm_loss)(h, w, t), h, go, is_grads_batched=True)
+    (want,) = torch.autograd.grad(lm_loss(h, w, t), h, go, is_grads_batched=True)
+    assert all(not over for over, _ in writes)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
 def test_verify_and_applied_plan_agree_with_eager(writes):
     h, w, t = inputs()
     compile_fxopt(lm_loss, verify=True, memory_plan="apply")(h, w, t).backward()
