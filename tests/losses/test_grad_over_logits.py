@@ -141,6 +141,28 @@ def test_logits_another_backward_node_reads_stay_right(writes):
     assert_grads(h, w, float64_grads(logits_read_again, h, w, t))
 
 
+def heads_around_the_loss(h, w, p, t):
+    lg = h @ w.t()
+    a = (lg @ p[:, :1]).tanh().mean()  # a value head before the loss ...
+    c = F.cross_entropy(lg, t)
+    b = (lg @ p[:, 1:]).relu().mean()  # ... and an auxiliary head after it
+    return a + c + b
+
+
+def test_logits_read_after_the_loss_through_an_earlier_view_are_not_overwritten(writes):
+    """In the backward graph CSE leaves one permute(logits) before the loss's backward for both heads'
+    matmuls after it: the logits' last reader is the view's reader (dp was wrong by its own size)."""
+    h, w, _ = inputs()
+    p = (torch.randn(V, 5, generator=torch.Generator().manual_seed(3)) * 0.1).requires_grad_()
+    t = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(4))
+    compile_fxopt(heads_around_the_loss)(h, w, p, t).backward()
+    assert writes == [(False, False)]
+    h64, w64, p64 = (x.detach().double().requires_grad_() for x in (h, w, p))
+    heads_around_the_loss(h64, w64, p64, t).backward()
+    for got, want in ((h.grad, h64.grad), (w.grad, w64.grad), (p.grad, p64.grad)):
+        torch.testing.assert_close(got, want.float(), rtol=1e-4, atol=1e-5)
+
+
 def attention_as_logits(q, k, v, t):
     y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     return F.cross_entropy(y.reshape(-1, y.shape[-1]), t)
