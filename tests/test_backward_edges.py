@@ -68,3 +68,27 @@ def test_complex_scalars_in_a_graph():
     g(b, fb).square().sum().backward()
     torch.testing.assert_close(a.grad, b.grad)
     torch.testing.assert_close(fa.grad, fb.grad)
+
+
+def test_a_torch_func_transform_inside_the_graph_keeps_the_losses_and_attention_unfused():
+    """torch.compile(torch.func.grad(f)): dynamo captures the transform in the graph, and fxopt's own
+    ops have no functorch rules (the fused cross-entropy raised "must override the setup_context
+    staticmethod"); the passes that make them leave such a graph as written."""
+    import torch.nn.functional as F
+
+    def loss(h, w, t):
+        return F.cross_entropy(h @ w.t(), t)
+
+    def attention(q, k, v):
+        return torch.softmax((q @ k.transpose(-1, -2)) / 4.0, -1).matmul(v).sum()
+
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(12, 16, generator=g), torch.randn(37, 16, generator=g)
+    t = torch.randint(0, 37, (12,), generator=g)
+    q, k, v = (torch.randn(1, 2, 8, 16, generator=g) for _ in range(3))
+    for fn, args, argnums in ((loss, (h, w, t), 1), (attention, (q, k, v), 0)):
+        torch._dynamo.reset()
+        got = compile_fxopt(torch.func.grad(fn, argnums=argnums))(*args)
+        want = torch.func.grad(fn, argnums=argnums)(*(a.double() if a.is_floating_point() else a for a in args))
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    torch._dynamo.reset()

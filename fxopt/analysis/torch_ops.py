@@ -159,3 +159,11 @@ def new_axis_at_2(node: fx.Node) -> bool:
     while idx and (idx[-1] is Ellipsis or idx[-1] == full) and len(idx) > 3:
         idx.pop()
     return len(idx) == 3 and idx[0] == full and idx[1] == full and idx[2] is None
+
+
+def functorch_transform_inside(gm: fx.GraphModule) -> bool:
+    """Whether dynamo captured a torch.func transform inside the graph (`torch.compile(torch.func.grad(f))`:
+    calls of torch._C._functorch's nesting and wrapping functions). fxopt's own ops have no functorch
+    rules, so the passes that make them leave such a graph as written."""
+    return any(n.op == "call_function" and str(getattr(n.target, "__module__", "")).startswith(
+        ("torch._C._functorch", "torch._functorch")) for n in gm.graph.nodes)

@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from ..analysis.attention_masks import MaskFacts, NotAttention
 from ..analysis.constant_values import ConstantValues
-from ..analysis.torch_ops import dtype, meta, op_of, shape
+from ..analysis.torch_ops import dtype, functorch_transform_inside, meta, op_of, shape
 from ..attention.op import flash_attention
 from ..buffer_guards import InputGuard, UnspecialisedGraph
 from ..pass_manager import PassContext, PassResult
@@ -175,6 +175,10 @@ class FuseAttention:
     name = "fuse_attention"
 
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        if functorch_transform_inside(gm):
+            ctx.note("(graph)", "attention not fused: a torch.func transform is inside the graph (fxopt's op has no "
+                     "functorch rules)")
+            return PassResult(gm, False, {})
         values = ConstantValues(gm, ctx.example_inputs)
         fused = self._fuse_in(gm, values, ctx, prefix="", root=gm)
         matched = set()

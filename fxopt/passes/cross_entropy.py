@@ -28,7 +28,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..analysis.torch_ops import LOW_FLOATS, arg, dtype, meta, provably_equal, shape, upcast_source
+from ..analysis.torch_ops import (LOW_FLOATS, arg, dtype, functorch_transform_inside, meta, provably_equal, shape,
+                                  upcast_source)
 from ..losses.cross_entropy_op import REDUCTIONS, cross_entropy_op
 from ..pass_manager import PassContext, PassResult
 from .graph_edit import erase_unused
@@ -237,6 +238,10 @@ class FuseCrossEntropy:
 
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         fused = unfused = 0
+        if functorch_transform_inside(gm):
+            ctx.note("(graph)", "cross-entropy not fused: a torch.func transform is inside the graph (fxopt's op has "
+                     "no functorch rules)")
+            return PassResult(gm, False, {"fused": 0, "unfused": 0})
         for node in list(gm.graph.nodes):
             if not (_is_cross_entropy(node) or _is_nll_loss(node)):
                 continue
