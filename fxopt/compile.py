@@ -16,6 +16,7 @@ from .aot import donated_backward_inputs
 from .codegen.cache import module_cache, source_hash
 from .codegen.harness import standalone_source
 from .codegen.precompile import precompile
+from .codegen.wrapper_runtime import batched
 from .codegen.fast_launch import FastKernel
 from .codegen.interpreter_guard import GuardedKernel
 from .codegen.wrapper_layouts import launch_checks
@@ -206,15 +207,12 @@ def _aten_where_kernels_cannot_run(call, gm: fx.GraphModule):
 
     def run(args):
         if (forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active()
-                or any(isinstance(args[i], torch.Tensor) and _batched(args[i]) for i in tangents)):
+                or any(isinstance(args[i], torch.Tensor) and batched(args[i]) for i in tangents)):
             return gm(*args)
         return call(args)
     run._boxed_call = True
     return run
 
-
-def _batched(t: torch.Tensor) -> bool:
-    return torch._C._functorch.is_batchedtensor(t) or torch._C._functorch.is_legacy_batchedtensor(t)
 
 
 def _run_as_aten(gm: fx.GraphModule, record: GraphReport, report: Report, on_done, start: float, why: str):

@@ -34,13 +34,20 @@ def storage_root(node: fx.Node) -> fx.Node:
     return node
 
 
+def views_of(node: fx.Node) -> list[fx.Node]:
+    """`node` and every view of it (a view of a view, a split's pieces, ...): what shares its storage."""
+    found, stack = [], [node]
+    while stack:  # (views form a tree: no cycles)
+        v = stack.pop()
+        found.append(v)
+        stack += [u for u in v.users if view_source(u) is v
+                  or (u.op == "call_function" and u.target is operator.getitem and is_view(v))]
+    return found
+
+
 def returned_through_views(node: fx.Node) -> bool:
-    """`node`, or any view of it (a view of a view, ...), is an output of the graph."""
-    if any(u.op == "output" for u in node.users):
-        return True
-    views = [u for u in node.users if view_source(u) is node
-             or (u.op == "call_function" and u.target is operator.getitem and is_view(node))]
-    return any(returned_through_views(v) for v in views)  # (views form a tree: no cycles)
+    """`node`, or any view of it, is an output of the graph."""
+    return any(u.op == "output" for v in views_of(node) for u in v.users)
 
 
 def written_arguments(node: fx.Node) -> list:

@@ -46,7 +46,7 @@ def tensor_bytes(val):
     return span * val.element_size()
 
 
-def aliases_input(node: fx.Node) -> bool:
+def _aliases_input(node: fx.Node) -> bool:
     """The op's output may share memory with an input: a view, a schema return marked as an alias, or a
     function that may write its result over an input (`writes_over`: passes/grad_over_logits.py)."""
     if is_view(node):
@@ -61,15 +61,15 @@ def aliases_input(node: fx.Node) -> bool:
 def _owner(node: fx.Node, owners: dict) -> fx.Node | None:
     """The buffer-owning node a value lives in: itself, or what its view chain starts from."""
     while node is not None and node not in owners:
-        if aliases_input(node) or (node.op == "call_function" and node.target is operator.getitem
+        if _aliases_input(node) or (node.op == "call_function" and node.target is operator.getitem
                              and node.args[0].op != "call_module"):
-            node = aliased(node)
+            node = _aliased(node)
         else:
             return None
     return node
 
 
-def aliased(node: fx.Node) -> fx.Node | None:
+def _aliased(node: fx.Node) -> fx.Node | None:
     """The input whose memory an aliasing node's output shares (the first, but for `writes_over`)."""
     a = node.args[getattr(node.target, "writes_over", 0)]
     return a if isinstance(a, fx.Node) else None
@@ -84,7 +84,7 @@ def buffer_intervals(gm: fx.GraphModule) -> list[Interval]:
             for u in n.users:  # a multi-output kernel writes one buffer per getitem
                 owners[u] = Interval(u.name, tensor_bytes(u.meta.get("val")), position[n], position[n],
                                      kernel=True, placeable=True)
-        elif n.op == "call_module" or (n.op == "call_function" and not aliases_input(n)
+        elif n.op == "call_module" or (n.op == "call_function" and not _aliases_input(n)
                                       and n.target is not operator.getitem):
             size = tensor_bytes(n.meta.get("val"))
             if size:
@@ -179,9 +179,9 @@ def _numel(t):
 
 def _base(node):
     """The value a view (or alias, or non-kernel getitem) chain starts from."""
-    while isinstance(node, fx.Node) and (aliases_input(node) or (
+    while isinstance(node, fx.Node) and (_aliases_input(node) or (
             node.op == "call_function" and node.target is operator.getitem and node.args[0].op != "call_module")):
-        node = aliased(node)
+        node = _aliased(node)
     return node
 
 

@@ -21,6 +21,12 @@ from __future__ import annotations
 
 import torch
 
+def batched(t: torch.Tensor) -> bool:
+    """A vmap BatchedTensor (functorch's, or the legacy one autograd's is_grads_batched makes): no kernel
+    can read its storage."""
+    return torch._C._functorch.is_batchedtensor(t) or torch._C._functorch.is_legacy_batchedtensor(t)
+
+
 _GUARDS = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
 _assert_size_stride = getattr(_GUARDS, "assert_size_stride", None)
 

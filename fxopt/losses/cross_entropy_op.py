@@ -24,6 +24,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..codegen.wrapper_runtime import batched
+
 REDUCTIONS = ("mean", "sum", "none")
 
 
@@ -146,9 +148,8 @@ def overwrite_allowed(logits: Tensor, grad_loss: Tensor) -> bool:
 
 
 def _plain(t: Tensor) -> bool:
-    """Not a subclass and not a (legacy or functorch) batched tensor."""
-    return (type(t) is Tensor and not torch._C._functorch.is_batchedtensor(t)
-            and not torch._C._functorch.is_legacy_batchedtensor(t))
+    """Not a subclass and not a batched tensor."""
+    return type(t) is Tensor and not batched(t)
 
 
 def _setup_context(ctx, inputs, output):

@@ -10,9 +10,9 @@ unchanged) is applied by moving nodes in place, and only when some node precedes
 """
 from __future__ import annotations
 
+import graphlib
 import heapq
 import inspect
-from collections import Counter
 
 import torch.fx as fx
 from torch.fx.passes.utils.fuser_utils import (erase_nodes, fuse_as_graphmodule, fuse_by_partitions, insert_subgm,
@@ -114,22 +114,14 @@ def acyclic_subset(graph: fx.Graph, partitions: list) -> tuple[list, list]:
 
 
 def _contractible(graph: fx.Graph, partitions: list) -> bool:
-    """Whether the graph with each partition contracted to one node is acyclic (Kahn's algorithm)."""
+    """Whether the graph with each partition contracted to one node is acyclic."""
     group = {n: i for i, p in enumerate(partitions) for n in p.nodes}
-    edges = {(group.get(n, n), group.get(u, u)) for n in graph.nodes for u in n.users}
-    edges = {(a, b) for a, b in edges if a != b}
-    waiting = Counter(b for _, b in edges)
-    out: dict = {}
-    for a, b in edges:
-        out.setdefault(a, []).append(b)
-    keys = {group.get(n, n) for n in graph.nodes}
-    ready = [k for k in keys if not waiting[k]]
-    seen = 0
-    while ready:
-        k = ready.pop()
-        seen += 1
-        for b in out.get(k, ()):
-            waiting[b] -= 1
-            if not waiting[b]:
-                ready.append(b)
-    return seen == len(keys)
+    preds: dict = {}
+    for n in graph.nodes:
+        key = group.get(n, n)
+        preds.setdefault(key, set()).update(k for a in n.all_input_nodes if (k := group.get(a, a)) != key)
+    try:
+        graphlib.TopologicalSorter(preds).prepare()
+    except graphlib.CycleError:
+        return False
+    return True

@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ..analysis.liveness import aliased, aliases_input
+from ..analysis.aliasing import views_of
 from ..analysis.symbolic import row_major_strides, sizes, strides
 from ..losses.cross_entropy_op import cross_entropy_backward_op, cross_entropy_backward_over_logits
 from ..pass_manager import PassContext, PassResult
@@ -55,17 +55,7 @@ def _consumable(logits, node: fx.Node, donated: frozenset, position: dict) -> bo
     val = logits.meta.get("val") if isinstance(logits, fx.Node) else None
     return (isinstance(val, torch.Tensor) and logits.op == "placeholder" and logits.name in donated
             and strides(val) == row_major_strides(sizes(val))
-            and all(position[u] <= position[node] for v in _views_of(logits) for u in v.users))
-
-
-def _views_of(value: fx.Node) -> list[fx.Node]:
-    """`value` and every node whose result shares its memory through views (or other aliasing ops)."""
-    found, stack = [], [value]
-    while stack:
-        v = stack.pop()
-        found.append(v)
-        stack += [u for u in v.users if u.op == "call_function" and aliases_input(u) and aliased(u) is v]
-    return found
+            and all(position[u] <= position[node] for v in views_of(logits) for u in v.users))
 
 
 def _shares_storage(gm: fx.GraphModule, logits: fx.Node) -> bool:
