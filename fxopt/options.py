@@ -12,7 +12,8 @@ LOW_PRECISION_NAMES = {"torch.bfloat16": "bf16", "torch.float16": "fp16"}  # str
 # passes that only make the result faster and can be left out one by one (fuse=False, attention=False and
 # precision=None switch off the others)
 SKIPPABLE_PASSES = ("cpu_scalars_to_device", "sums_through_views", "fold_matmul_casts", "recompute_for_reductions",
-                    "combine_casts", "bucket_all_reduces", "sink_collective_waits", "grad_over_logits")
+                    "combine_casts", "bucket_all_reduces", "sink_collective_waits", "grad_over_logits",
+                    "fuse_linear_cross_entropy")
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from .passes.cross_entropy import FuseCrossEntropy
 from .passes.fuse import FusePointwise
 from .passes.fuse_reductions import FuseReductions
 from .passes.grad_over_logits import GradientOverLogits
+from .passes.linear_cross_entropy import FuseLinearCrossEntropy
 from .passes.matmul_casts import FoldMatmulCasts
 from .passes.precision import LOW_DTYPES, MixedPrecision
 from .passes.recompute import RecomputeForReductions
@@ -25,6 +26,9 @@ def pre_autograd_passes(options: Options) -> list:
         passes.append(FuseAttention())  # hand-written attention -> one fused op, so precision casts q, k, v once
     if options.precision in LOW_DTYPES:
         passes.append(MixedPrecision.from_options(options))  # casts by policy; autograd derives the backward ones
+    # cross_entropy(hidden @ weight.T): the LM head and its loss as one chunked op, never the whole logits
+    if "fuse_linear_cross_entropy" not in options.skip_passes:
+        passes.append(FuseLinearCrossEntropy())
     # F.cross_entropy / nll_loss(log_softmax) -> one fused op; after precision, so the fp32 up-cast of the
     # logits it inserts is folded into the kernel instead of materialising an fp32 copy
     passes.append(FuseCrossEntropy())

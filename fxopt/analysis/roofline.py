@@ -85,6 +85,8 @@ def matmul_flops(node: fx.Node) -> int:
         name = t.name()
         if "flash_attention" in name:
             return attention_flops(node)
+        if name == "linear_cross_entropy":
+            return linear_cross_entropy_flops(node)
         if "cross_entropy" in name:
             return cross_entropy_flops(node)
     return 0
@@ -103,6 +105,14 @@ def cross_entropy_flops(node: fx.Node) -> int:
     name = node.target.name()
     logits = node.args[1 if "backward" in name else 0].meta["val"]
     return (3 if "backward" in name else 4) * hint(logits.numel())
+
+
+def linear_cross_entropy_flops(node: fx.Node) -> int:
+    """The LM head's matmul, one more per gradient the op makes (grads bits), and the loss's 7 per logit."""
+    hidden, weight = node.args[0].meta["val"], node.args[1].meta["val"]
+    grads = node.args[6] if len(node.args) > 6 else 0
+    logits = hint(hidden.shape[0]) * hint(weight.shape[0])
+    return logits * (2 * hint(hidden.shape[1]) * (1 + bin(grads).count("1")) + 7)
 
 
 def attention_flops(node: fx.Node) -> int:

@@ -14,6 +14,7 @@ from ..attention.op import run_flash_attention_backward as flash_attention_backw
 from ..losses.cross_entropy_op import run_cross_entropy as cross_entropy  # noqa: F401
 from ..losses.cross_entropy_op import run_cross_entropy_backward as cross_entropy_backward  # noqa: F401
 from ..losses.cross_entropy_op import cross_entropy_backward_over_logits  # noqa: F401
+from ..losses.linear_cross_entropy import run_linear_cross_entropy as linear_cross_entropy  # noqa: F401
 
 
 def flash_attention_out_only(*args, **kwargs):

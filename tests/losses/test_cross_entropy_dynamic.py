@@ -1,6 +1,7 @@
 """The fused cross-entropy under symbolic sizes: [rows, classes] logits with a symbolic row count and a
 static or symbolic class count (the kernels read it per call) are fused, one compilation serving every
 size; other symbolic layouts stay ATen with the reason."""
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -20,9 +21,11 @@ class Head(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
 
 
-def test_lm_loss_with_symbolic_batch_and_length_is_fused_once():
+@pytest.mark.parametrize("head_fused", [True, False])
+def test_lm_loss_with_symbolic_batch_and_length_is_fused_once(head_fused):
     torch.manual_seed(0)
-    model, backend = Head(), CountingBackend()
+    skip = () if head_fused else ("fuse_linear_cross_entropy",)
+    model, backend = Head(), CountingBackend(skip_passes=skip)
     compiled = torch.compile(model, backend=backend, dynamic=True)
     for b, t in [(2, 5), (3, 7), (2, 13)]:
         h = torch.randn(b, t, 16, requires_grad=True)  # fp32: the fused op takes fp32/bf16/fp16
@@ -34,7 +37,12 @@ def test_lm_loss_with_symbolic_batch_and_length_is_fused_once():
         for got, want in zip(torch.autograd.grad(loss, params), torch.autograd.grad(ref, params)):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
     assert backend.calls == 1
-    assert any("fxopt_ops.cross_entropy(" in g.wrapper_source for g in backend.report.graphs)
+    sources = " ".join(g.wrapper_source for g in backend.report.graphs)
+    if head_fused:  # the head and its loss as one op: chunks of logits, sized per call
+        assert "fxopt_ops.linear_cross_entropy(" in sources and "fxopt_ops.cross_entropy(" not in sources
+        assert all(g.symbols for g in backend.report.graphs)
+        return
+    assert "fxopt_ops.cross_entropy(" in sources
     # (the logits are the head's matmul output, saved for the loss only: their gradient is written over them)
     assert any("fxopt_ops.cross_entropy_backward_over_logits(" in g.wrapper_source for g in backend.report.graphs)
     assert all(g.symbols for g in backend.report.graphs)

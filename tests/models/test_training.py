@@ -96,14 +96,14 @@ def test_gpt2_adamw_loss_curve_matches_eager():
     batches = [gpt2_batch(config)] * STEPS  # one batch, learned over the steps: the loss falls
 
     # what fxopt does with it: both attention sites fused (causal read from the bool buffer, no mask
-    # loaded), and the cross-entropy one fused op
+    # loaded), and the weight-tied LM head with its cross-entropy one fused op
     rep = fxopt.explain(copy.deepcopy(model), *batches[0])
     assert len(rep.attention) == config.n_layer, [str(s) for s in rep.attention]
     for site in rep.attention:
         assert site.fused, str(site)
         assert site.causal and site.scale == pytest.approx(1 / math.sqrt(config.n_embd // config.n_head))
-    ce = [p for p in rep.pre_autograd if p.name == "fuse_cross_entropy"]
-    assert ce and ce[0].stats.get("fused", 0) >= 1, [(p.name, p.stats) for p in rep.pre_autograd]
+    ce = [p for p in rep.pre_autograd if p.name == "fuse_linear_cross_entropy"]
+    assert ce and ce[0].stats.get("fused", 0) == 1, [(p.name, p.stats) for p in rep.pre_autograd]
     assert {g.name for g in rep.graphs} == {"forward", "backward"}
 
     compiled = torch.compile(model, backend="fxopt")
@@ -231,8 +231,8 @@ def test_dropout_attention_stays_unfused_and_says_why():
     assert len(rep.attention) == config.n_layer
     for site in rep.attention:
         assert not site.fused and "dropout" in site.reason, str(site)
-    # the cross-entropy is still fused; the dropout masks are drawn by ATen (torch's generator)
-    ce = [p for p in rep.pre_autograd if p.name == "fuse_cross_entropy"]
+    # the LM head and its loss are still fused; the dropout masks are drawn by ATen (torch's generator)
+    ce = [p for p in rep.pre_autograd if p.name == "fuse_linear_cross_entropy"]
     assert ce and ce[0].stats.get("fused", 0) >= 1
     # and in eval mode the same model's attention fuses (dropout does nothing there)
     torch._dynamo.reset()
@@ -330,8 +330,8 @@ def test_checkpointed_attention_is_matched_and_recomputed():
     config = GPT2Config(gradient_checkpointing=True)
     rep = fxopt.explain(GPT2LMHeadModel(config).train(), *gpt2_batch(config))
     assert {g.name for g in rep.graphs} == {"forward", "backward"}  # compiled by fxopt, with a backward
-    ce = [p for p in rep.pre_autograd if p.name == "fuse_cross_entropy"]
-    assert ce and ce[0].stats.get("fused", 0) == 1  # the loss, outside the regions, is fused
+    ce = [p for p in rep.pre_autograd if p.name == "fuse_linear_cross_entropy"]
+    assert ce and ce[0].stats.get("fused", 0) == 1  # the head and its loss, outside the regions, are fused
     assert len(rep.attention) == config.n_layer, [str(s) for s in rep.attention]
     assert all(site.fused and site.node.startswith("wrap_body_") for site in rep.attention)
     wrappers = {g.name: g.wrapper_source for g in rep.graphs}
