@@ -11,7 +11,9 @@ Two spellings: `cross_entropy` (F.cross_entropy on the bf16 logits) and `cross_e
 logits, of log_softmax and of both gradients). In both the logits are a leaf the caller holds, so
 their gradient is a second [N, V] tensor whatever the compiler does. `lm_head_loss` makes the logits
 inside the graph (hidden states times the output embedding, as an LM's head does): there they are an
-intermediate nobody else holds, and a compiler may write their gradient over them.
+intermediate nobody else holds, so a compiler may write their gradient over them or, as fxopt does
+(passes/linear_cross_entropy.py), never make all of them at once. Its peak is the issue's "peak <= 1/4
+of eager" case; with leaf logits the gradient alone is a third of eager's peak.
 """
 from __future__ import annotations
 

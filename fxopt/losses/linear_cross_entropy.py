@@ -30,7 +30,10 @@ from torch import Tensor
 from .cross_entropy_op import _on_triton, reference_forward, reference_grad, run_cross_entropy
 
 REDUCTIONS = ("mean", "sum")
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Not float16: the gradients are made in the forward at a unit loss gradient, where fp16's range loses
+# them (a mean over 16K rows puts d loss / d logits near 1e-9, below fp16's smallest subnormal); eager
+# fp16 training scales the loss first (GradScaler), which only the backward sees.
+DTYPES = (torch.float32, torch.bfloat16)
 GRAD_HIDDEN, GRAD_WEIGHT = 1, 2  # the `grads` bits
 # Chunks on the GPU: up to GPU_CHUNK_ROWS rows, and at most CHUNK_BYTES of logits. Rows decide the speed:
 # each chunk adds its product into the float32 grad_weight (cuBLAS reads and writes all of it: 1 GiB at
@@ -89,11 +92,11 @@ def _chunk_loss(logits: Tensor, target: Tensor, ignore_index: int) -> tuple[Tens
 
 
 def _add_product(acc: Optional[Tensor], a: Tensor, b: Tensor) -> Tensor:
-    """acc + a @ b in acc's dtype (float32 for a low-precision weight); the first chunk's product is acc.
-    On CUDA cuBLAS reads bf16/fp16 operands and adds into the float32 sum in its epilogue (`out_dtype`;
+    """acc + a @ b in acc's dtype (float32 for a bf16 weight); the first chunk's product is acc.
+    On CUDA cuBLAS reads bf16 operands and adds into the float32 sum in its epilogue (`out_dtype`;
     a torch without that for addmm writes the product, then adds it); elsewhere (small CPU tests) the
     operands are widened first."""
-    if a.dtype not in (torch.bfloat16, torch.float16):
+    if a.dtype != torch.bfloat16:
         return torch.mm(a, b) if acc is None else acc.addmm_(a, b)
     if not a.is_cuda:
         product = torch.mm(a.float(), b.float())

@@ -13,7 +13,7 @@ flattened to [rows, V] by a view, are
   - hidden @ W2 (operator.matmul, torch.matmul, the method) where W2 is weight.t(), weight.T,
     weight.transpose(0, 1) or weight.permute(1, 0) of a 2-D weight;
 read by nothing but the loss. Left to FuseCrossEntropy, with the reason noted: reduction="none" (each
-row's upstream gradient is only known in the backward), a bias, logits read elsewhere (returned, or
+row's upstream gradient is only known in the backward), float16 (see the op's DTYPES), a bias, logits read elsewhere (returned, or
 a second loss), hidden and weight of different dtypes (autocast), or a hidden state that is not
 [..., D] rows.
 
@@ -28,9 +28,9 @@ import torch
 import torch.fx as fx
 
 from ..analysis.torch_ops import arg, dtype, functorch_transform_inside, meta, op_of, shape
-from ..losses.linear_cross_entropy import GRAD_HIDDEN, GRAD_WEIGHT, REDUCTIONS, linear_cross_entropy_op
+from ..losses.linear_cross_entropy import DTYPES, GRAD_HIDDEN, GRAD_WEIGHT, REDUCTIONS, linear_cross_entropy_op
 from ..pass_manager import PassContext, PassResult
-from .cross_entropy import DTYPES, LossSite, NotFusable, _is_cross_entropy, _is_nll_loss, _is_view, match_loss
+from .cross_entropy import LossSite, NotFusable, _is_cross_entropy, _is_nll_loss, _is_view, match_loss
 from .graph_edit import erase_unused
 
 FUSED_OP = linear_cross_entropy_op._opoverload  # torch.ops.fxopt.linear_cross_entropy.default
@@ -98,6 +98,8 @@ def head_of(site: LossSite) -> tuple[fx.Node, fx.Node, list[fx.Node]]:
     h, w = meta(hidden), meta(weight)
     if not isinstance(h, torch.Tensor) or not isinstance(w, torch.Tensor) or w.dim() != 2 or h.dim() < 2:
         raise NotFusable("hidden is not [..., D] rows or weight is not a [V, D] matrix")
+    if h.dtype == w.dtype == torch.float16:
+        raise NotFusable("float16: gradients made in the forward, before any loss scaling, would underflow")
     if h.dtype != w.dtype or h.dtype not in DTYPES or dtype(logits) != h.dtype:
         raise NotFusable(f"hidden {h.dtype}, weight {w.dtype}, logits {dtype(logits)}: the op takes one dtype of "
                          f"{DTYPES} (autocast's mixed dtypes are not fused)")
