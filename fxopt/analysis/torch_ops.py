@@ -130,10 +130,18 @@ def swaps_last_two(node: fx.Node) -> bool:
         dims = {d % rank for d in node.args[1:3] if isinstance(d, int)}
         return dims == {rank - 2, rank - 1}
     if op == "permute":
-        dims = node.args[1:] if len(node.args) > 2 else node.args[1]
-        dims = [d % rank for d in dims] if all(isinstance(d, int) for d in dims) else None
+        dims = permute_dims(node, rank)
         return dims == list(range(rank - 2)) + [rank - 1, rank - 2]
     return False
+
+
+def permute_dims(node: fx.Node, rank: int) -> list[int] | None:
+    """The dims of `x.permute(1, 0)`, `x.permute((1, 0))`, `x.permute(dims=(1, 0))` or
+    `torch.permute(x, dims)`, each taken modulo rank; None where one is not a plain int."""
+    dims = node.args[1:] if len(node.args) > 2 else arg(node, 1, "dims")
+    if not isinstance(dims, (list, tuple)) or not all(isinstance(d, int) for d in dims):
+        return None
+    return [d % rank for d in dims] if rank else None
 
 
 def widening_cast(cast: fx.Node) -> bool:

@@ -72,8 +72,11 @@ def _is_log_softmax(node) -> bool:
 
 
 def _is_view(node) -> bool:
-    return isinstance(node, fx.Node) and ((node.op == "call_method" and node.target in VIEW_METHODS)
-                                          or (node.op == "call_function" and node.target is torch.reshape))
+    """x.view(shape) / x.reshape(shape) / torch.reshape; not `x.view(dtype)`, which reinterprets the bits."""
+    if not isinstance(node, fx.Node) or any(isinstance(a, torch.dtype) for a in (*node.args[1:], *node.kwargs.values())):
+        return False
+    return (node.op == "call_method" and node.target in VIEW_METHODS) or \
+        (node.op == "call_function" and node.target is torch.reshape)
 
 
 def _loss_arguments(node: fx.Node, smoothing: bool) -> tuple[int, str]:

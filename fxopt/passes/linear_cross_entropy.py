@@ -27,7 +27,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..analysis.torch_ops import arg, dtype, functorch_transform_inside, meta, op_of, shape
+from ..analysis.torch_ops import arg, dtype, functorch_transform_inside, meta, op_of, permute_dims, shape
 from ..losses.linear_cross_entropy import DTYPES, GRAD_HIDDEN, GRAD_WEIGHT, REDUCTIONS, linear_cross_entropy_op
 from ..pass_manager import PassContext, PassResult
 from .cross_entropy import LossSite, NotFusable, _is_cross_entropy, _is_nll_loss, _is_view, match_loss
@@ -57,8 +57,7 @@ def _transposed_weight(node) -> fx.Node | None:
     if op == "transpose" and len(node.args) >= 3 and {d % 2 for d in node.args[1:3] if isinstance(d, int)} == {0, 1}:
         return src
     if op == "permute":
-        dims = node.args[1:] if len(node.args) > 2 else node.args[1]
-        return src if [d % 2 for d in dims if isinstance(d, int)] == [1, 0] else None
+        return src if permute_dims(node, 2) == [1, 0] else None
     return None
 
 

@@ -71,6 +71,11 @@ def scale_split_over_q_and_k_permute(q, k, v):
     return torch.softmax((q * scale) @ kt, dim=-1) @ v
 
 
+def permute_dims_keyword(q, k, v):
+    """k.permute(dims=...): the dims as a keyword (the matcher once read only positional dims)."""
+    return torch.softmax(q @ k.permute(dims=(0, 1, 3, 2)) * 0.5, dim=-1) @ v
+
+
 def bmm_three_d(q, k, v):
     b, h, t, d = q.shape
     q3, k3, v3 = (x.reshape(b * h, t, d) for x in (q, k, v))
@@ -84,6 +89,7 @@ SPELLINGS = {
     "additive_full_triu_fp32_softmax": (additive_full_triu, True, 0.25),
     "scale_split_q_k_permute": (scale_split_over_q_and_k_permute, False, 0.25),
     "bmm_three_d": (bmm_three_d, False, 0.25),
+    "permute_dims_keyword": (permute_dims_keyword, False, 0.5),
 }
 
 

@@ -138,6 +138,7 @@ SPELLINGS = {
     "transpose": lambda h, w, t: F.cross_entropy(h @ w.transpose(0, 1), t, ignore_index=5),
     "linear_3d_view": lambda h, w, t: F.cross_entropy(F.linear(h.view(1, N, D), w).view(-1, V), t),
     "nll_log_softmax": lambda h, w, t: F.nll_loss(F.log_softmax(F.linear(h, w), dim=-1), t),
+    "permute_dims_keyword": lambda h, w, t: F.cross_entropy(h @ w.permute(dims=(1, 0)), t),
 }
 
 
@@ -240,6 +241,21 @@ def test_heads_left_to_the_plain_loss_are_noted_and_exact(case, reason):
     got, want = compile_fxopt(fn)(h, w, t), fn(h.double(), w.double(), t)
     tol = tolerance(h.dtype) if case == "float16" else dict(rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, want, check_dtype=False, **tol)
+
+
+def test_a_dtype_view_of_the_logits_is_not_a_row_view():
+    """`logits.view(torch.float16)` of bf16 logits reinterprets their bits: no head or loss fusion may
+    read through it (it once passed for a [rows, V] view and the loss saw the bf16 values)."""
+    h, w, t = inputs(torch.bfloat16)
+
+    def fn(h, w, t):
+        return F.cross_entropy((h @ w.t()).view(torch.float16).float(), t)
+
+    stats, _ = fused_ops(fn, h, w, t)
+    assert stats == [{"fused": 0}]
+    got, want = compile_fxopt(fn)(h, w, t), fn(h, w, t)
+    assert torch.isfinite(want)
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
 
 
 def test_skip_passes_keeps_the_head_a_matmul():
