@@ -85,7 +85,7 @@ def matmul_flops(node: fx.Node) -> int:
         name = t.name()
         if "flash_attention" in name:
             return attention_flops(node)
-        if name == "linear_cross_entropy":
+        if "linear_cross_entropy" in name:
             return linear_cross_entropy_flops(node)
         if "cross_entropy" in name:
             return cross_entropy_flops(node)

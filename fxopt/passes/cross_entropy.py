@@ -112,10 +112,10 @@ def _through_upcast(loss_input: fx.Node, site: LossSite) -> tuple[fx.Node, int]:
     """cross_entropy's logits and their class dim: `x.float()` folds to x; so does
     `x.float().view(-1, V)` (the cast under a flattening view), which becomes x with its classes last."""
     if _is_view(loss_input) and len(loss_input.users) == 1:
-        src = upcast_source(loss_input.args[0])
+        src = upcast_source(arg(loss_input, 0, "input"))
         flat, x = shape(loss_input), shape(src) if src is not None else ()
         if src is not None and len(flat) == 2 and len(x) >= 2 and flat[1] == x[-1]:
-            site.chain += [loss_input, loss_input.args[0]]
+            site.chain += [loss_input, arg(loss_input, 0, "input")]
             return src, len(x) - 1
     return _peel_upcast(loss_input, site), 1
 
@@ -132,13 +132,13 @@ def _through_log_softmax(nll_input: fx.Node, site: LossSite) -> tuple[fx.Node, i
     view = None
     node = nll_input
     if _is_view(node):
-        view, node = node, node.args[0]
+        view, node = node, arg(node, 0, "input")
     if not _is_log_softmax(node):
         raise NotFusable("the nll_loss input is not a log_softmax (or a view of one)")
     for n in (view, node):
         if n is not None and len(n.users) != 1:
             raise NotFusable(f"the log-probabilities ({n.name}) are used outside the loss")
-    x = node.args[0]
+    x = arg(node, 0, "input")
     dim, out_dtype = _log_softmax_arguments(node)
     rank = len(shape(x) or ())
     if not isinstance(dim, int) or rank == 0:
@@ -199,7 +199,7 @@ def match_loss(node: fx.Node) -> LossSite:
     """The LossSite of an F.cross_entropy / F.nll_loss(log_softmax) call, or NotFusable(reason)."""
     is_ce = _is_cross_entropy(node)
     ignore_index, reduction = _loss_arguments(node, smoothing=is_ce)
-    loss_input, target = node.args[0], arg(node, 1, "target")
+    loss_input, target = arg(node, 0, "input"), arg(node, 1, "target")
     if not isinstance(loss_input, fx.Node) or not isinstance(target, fx.Node):
         raise NotFusable("input or target is not a tensor of the graph")
     site = LossSite(out=node, logits=loss_input, class_dim=1, target=target, ignore_index=ignore_index,

@@ -63,7 +63,7 @@ def _transposed_weight(node) -> fx.Node | None:
 
 def _flattens_rows(node) -> bool:
     """A view/reshape that keeps the last (class) dim: [B, T, V] -> [B * T, V]."""
-    src = node.args[0] if _is_view(node) else None
+    src = arg(node, 0, "input") if _is_view(node) else None
     return isinstance(src, fx.Node) and bool(shape(src)) and bool(shape(node)) and shape(src)[-1] == shape(node)[-1]
 
 
@@ -78,18 +78,21 @@ def head_of(site: LossSite) -> tuple[fx.Node, fx.Node, list[fx.Node]]:
     logits, dead = site.logits, []
     if site.class_dim != len(shape(logits) or ()) - 1:
         raise NotAHead()
+    for n in site.chain[1:]:  # what match_loss looked through (an fp32 up-cast, a view) is the loss's alone
+        if len(n.users) != 1:
+            raise NotFusable(f"the logits ({n.name}) are read outside the loss")
     while _flattens_rows(logits) or _keeps_dtype(logits):  # logits.view(-1, V), logits.float() of fp32 logits
         if len(logits.users) != 1:
             raise NotFusable(f"the logits ({logits.name}) are read outside the loss")
         dead.append(logits)
-        logits = logits.args[0]
+        logits = arg(logits, 0, "input")
     if _is_linear(logits):
-        hidden, weight, bias = logits.args[0], logits.args[1], arg(logits, 2, "bias")
+        hidden, weight, bias = arg(logits, 0, "input"), arg(logits, 1, "weight"), arg(logits, 2, "bias")
         if bias is not None:
             raise NotFusable("the head has a bias")
-    elif op_of(logits) == "matmul" and _transposed_weight(logits.args[1]) is not None:
-        hidden, weight = logits.args[0], _transposed_weight(logits.args[1])
-        dead.append(logits.args[1])
+    elif op_of(logits) == "matmul" and _transposed_weight(arg(logits, 1, "other")) is not None:
+        hidden, weight = arg(logits, 0, "input"), _transposed_weight(arg(logits, 1, "other"))
+        dead.append(arg(logits, 1, "other"))
     else:
         raise NotAHead()
     if len(logits.users) != 1:

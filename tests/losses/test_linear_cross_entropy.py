@@ -139,6 +139,8 @@ SPELLINGS = {
     "linear_3d_view": lambda h, w, t: F.cross_entropy(F.linear(h.view(1, N, D), w).view(-1, V), t),
     "nll_log_softmax": lambda h, w, t: F.nll_loss(F.log_softmax(F.linear(h, w), dim=-1), t),
     "permute_dims_keyword": lambda h, w, t: F.cross_entropy(h @ w.permute(dims=(1, 0)), t),
+    "keywords": lambda h, w, t: F.cross_entropy(input=F.linear(h, weight=w), target=t),
+    "matmul_other_keyword": lambda h, w, t: F.cross_entropy(torch.matmul(h, other=w.T), t),
 }
 
 
@@ -214,6 +216,7 @@ def test_frozen_weight_gets_no_gradient_made():
 
 @pytest.mark.parametrize("case, reason", [
     ("returned_logits", "read outside the loss"),
+    ("returned_upcast", "read outside the loss"),  # the .float() match_loss looks through, returned too
     ("float16", "underflow"),
     ("bias", "bias"),
     ("reduction_none", "reduction='none'"),
@@ -224,6 +227,8 @@ def test_heads_left_to_the_plain_loss_are_noted_and_exact(case, reason):
 
     if case == "float16":
         h, w = h.half(), w.half()
+    if case == "returned_upcast":
+        h, w = h.bfloat16(), w.bfloat16()
 
     def fn(h, w, t):
         if case == "bias":
@@ -233,13 +238,16 @@ def test_heads_left_to_the_plain_loss_are_noted_and_exact(case, reason):
             return F.cross_entropy(logits, t, reduction="none").sum()
         if case == "float16":
             return F.cross_entropy(logits, t)
+        if case == "returned_upcast":
+            up = logits.float()
+            return F.cross_entropy(up, t), up
         return F.cross_entropy(logits, t), logits
 
     stats, fallbacks = fused_ops(fn, h, w, t)
     assert stats == [{"fused": 0}]
     assert any(reason in why for _, why in fallbacks), fallbacks
     got, want = compile_fxopt(fn)(h, w, t), fn(h.double(), w.double(), t)
-    tol = tolerance(h.dtype) if case == "float16" else dict(rtol=1e-5, atol=1e-5)
+    tol = tolerance(h.dtype) if h.dtype != torch.float32 else dict(rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, want, check_dtype=False, **tol)
 
 
@@ -256,6 +264,13 @@ def test_a_dtype_view_of_the_logits_is_not_a_row_view():
     got, want = compile_fxopt(fn)(h, w, t), fn(h, w, t)
     assert torch.isfinite(want)
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+
+
+def test_roofline_counts_the_heads_matmuls():
+    h, w, t = inputs()
+    rep = fxopt.explain(SPELLINGS["matmul_t"], h.requires_grad_(), w.requires_grad_(), t)
+    (row,) = [r for r in rep.roofline if r.name == "linear_cross_entropy"]
+    assert row.flops == N * V * (2 * D * 3 + 7)  # logits, d hidden, d weight; the loss's 7 per logit
 
 
 def test_skip_passes_keeps_the_head_a_matmul():
