@@ -108,6 +108,19 @@ def written_by(node: fx.Node) -> list[fx.Node]:
     return [w for w in flat if isinstance(w, fx.Node)]
 
 
+def written_between(first: fx.Node, last: fx.Node, values) -> fx.Node | None:
+    """The first node after `first` and before `last` (graph order) that writes the storage of any of
+    `values` in place, else None: a rewrite that moves reads of `values` from `first` to `last` must
+    not cross it."""
+    roots = {storage_root(v) for v in values} - {None}
+    node = first.next
+    while node is not last and node.op != "output":
+        if any(storage_root(w) in roots for w in written_by(node)):
+            return node
+        node = node.next
+    return None
+
+
 class Mutations:
     """The storages a graph writes in place, by their root values."""
 

@@ -175,3 +175,16 @@ def functorch_transform_inside(gm: fx.GraphModule) -> bool:
     rules, so the passes that make them leave such a graph as written."""
     return any(n.op == "call_function" and str(getattr(n.target, "__module__", "")).startswith(
         ("torch._C._functorch", "torch._functorch")) for n in gm.graph.nodes)
+
+
+def grad_enabled_at(node: fx.Node) -> bool:
+    """Whether grad mode is on where `node` runs: dynamo records `with torch.no_grad():` (and
+    enable_grad, set_grad_enabled) as `torch._C._set_grad_enabled(mode)` calls; the graph starts in the
+    mode it was traced in, the compiling thread's (dynamo guards on it)."""
+    enabled = torch.is_grad_enabled()
+    for n in node.graph.nodes:
+        if n is node:
+            break
+        if n.op == "call_function" and n.target is torch._C._set_grad_enabled and isinstance(n.args[0], bool):
+            enabled = n.args[0]
+    return enabled

@@ -9,8 +9,9 @@ time and, in the same pass, what the backward needs from them: for each chunk,
     grad_hidden[rows] = g @ weight;  grad_weight += g.T @ hidden[rows]
 so the op holds one chunk of logits at a time (on the GPU at most 2 GiB: 8192 rows of a 128K bf16
 vocabulary), and the matmuls are the three an unfused head and its backward do (none is recomputed).
-The backward multiplies the two saved gradients by the loss's gradient, which is why only "mean" and "sum" qualify: with reduction "none" each row's upstream
-gradient is only known in the backward (the pass leaves those to the plain fused loss).
+The backward multiplies the two saved gradients by the loss's gradient, which is why only "mean" and
+"sum" qualify: with reduction "none" each row's upstream gradient is only known in the backward (the
+pass leaves those to the plain fused loss).
 
 grad_weight sums the chunks in float32 (the weight's dtype when that is float32) and is rounded to the
 weight's dtype once, so a bf16 head's gradient is rounded as often as eager's single matmul rounds it.

@@ -28,8 +28,9 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..analysis.torch_ops import (LOW_FLOATS, arg, dtype, functorch_transform_inside, meta, provably_equal, shape,
-                                  upcast_source)
+from ..analysis.mutations import written_between
+from ..analysis.torch_ops import (LOW_FLOATS, arg, dtype, functorch_transform_inside, grad_enabled_at, meta,
+                                  provably_equal, shape, upcast_source)
 from ..losses.cross_entropy_op import REDUCTIONS, cross_entropy_op
 from ..pass_manager import PassContext, PassResult
 from .graph_edit import erase_unused
@@ -64,6 +65,11 @@ def _is_nll_loss(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is F.nll_loss
 
 
+def is_loss_call(node: fx.Node) -> bool:
+    """F.cross_entropy or F.nll_loss: what match_loss reads."""
+    return _is_cross_entropy(node) or _is_nll_loss(node)
+
+
 def _is_log_softmax(node) -> bool:
     if not isinstance(node, fx.Node):
         return False
@@ -71,9 +77,11 @@ def _is_log_softmax(node) -> bool:
         (node.op == "call_method" and node.target == "log_softmax")
 
 
-def _is_view(node) -> bool:
+def is_view(node) -> bool:
     """x.view(shape) / x.reshape(shape) / torch.reshape; not `x.view(dtype)`, which reinterprets the bits."""
-    if not isinstance(node, fx.Node) or any(isinstance(a, torch.dtype) for a in (*node.args[1:], *node.kwargs.values())):
+    if not isinstance(node, fx.Node):
+        return False
+    if any(isinstance(a, torch.dtype) for a in (*node.args[1:], *node.kwargs.values())):
         return False
     return (node.op == "call_method" and node.target in VIEW_METHODS) or \
         (node.op == "call_function" and node.target is torch.reshape)
@@ -111,7 +119,7 @@ def _peel_upcast(node: fx.Node, site: LossSite) -> fx.Node:
 def _through_upcast(loss_input: fx.Node, site: LossSite) -> tuple[fx.Node, int]:
     """cross_entropy's logits and their class dim: `x.float()` folds to x; so does
     `x.float().view(-1, V)` (the cast under a flattening view), which becomes x with its classes last."""
-    if _is_view(loss_input) and len(loss_input.users) == 1:
+    if is_view(loss_input) and len(loss_input.users) == 1:
         src = upcast_source(arg(loss_input, 0, "input"))
         flat, x = shape(loss_input), shape(src) if src is not None else ()
         if src is not None and len(flat) == 2 and len(x) >= 2 and flat[1] == x[-1]:
@@ -131,7 +139,7 @@ def _through_log_softmax(nll_input: fx.Node, site: LossSite) -> tuple[fx.Node, i
     """From nll_loss's input up to the logits: (logits node, class dim of the logits)."""
     view = None
     node = nll_input
-    if _is_view(node):
+    if is_view(node):
         view, node = node, arg(node, 0, "input")
     if not _is_log_softmax(node):
         raise NotFusable("the nll_loss input is not a log_softmax (or a view of one)")
@@ -209,7 +217,39 @@ def match_loss(node: fx.Node) -> LossSite:
     else:
         site.logits, site.class_dim = _through_log_softmax(loss_input, site)
     _check_tensors(site, loss_input)
+    check_moved_reads(site.chain[1:], site.out, [site.logits])
     return site
+
+
+def check_moved_reads(looked_through: list[fx.Node], at: fx.Node, read: list[fx.Node]) -> None:
+    """NotFusable where the fused op, placed at `at`, would not see what the nodes it replaces saw:
+    `read` (what it reads) written in place after the first of `looked_through` (a log_softmax, a cast,
+    a head's matmul, now computed at `at`), or one of those nodes made under torch.no_grad() (or detached)
+    from inputs that require grad, where eager lets no gradient through."""
+    if not looked_through:
+        return
+    first = min(looked_through, key=_position)
+    writer = written_between(first, at, read)
+    if writer is not None:
+        raise NotFusable(f"{writer.name} writes the loss's input in place after {first.name} read it")
+    if not grad_enabled_at(at):  # the fused op records no gradient there either
+        return
+    for n in looked_through:
+        if _stops_gradients(n):
+            raise NotFusable(f"{n.name} is made under torch.no_grad(): no gradient flows through it")
+
+
+def _position(node: fx.Node) -> int:
+    return list(node.graph.nodes).index(node)
+
+
+def _stops_gradients(node: fx.Node) -> bool:
+    """An op whose result needs no gradient though an input does: made with grad mode off (dynamo's
+    example value of a view under no_grad can still say requires_grad, so the mode is read from the
+    graph's `_set_grad_enabled` calls too)."""
+    out = meta(node)
+    needs = any(isinstance(meta(a), torch.Tensor) and meta(a).requires_grad for a in node.all_input_nodes)
+    return needs and (not grad_enabled_at(node) or (isinstance(out, torch.Tensor) and not out.requires_grad))
 
 
 def rewrite(gm: fx.GraphModule, site: LossSite) -> fx.Node:
@@ -246,7 +286,7 @@ class FuseCrossEntropy:
                      "no functorch rules)")
             return PassResult(gm, False, {"fused": 0, "unfused": 0})
         for node in list(gm.graph.nodes):
-            if not (_is_cross_entropy(node) or _is_nll_loss(node)):
+            if not is_loss_call(node):
                 continue
             try:
                 site = match_loss(node)

@@ -13,9 +13,9 @@ flattened to [rows, V] by a view, are
   - hidden @ W2 (operator.matmul, torch.matmul, the method) where W2 is weight.t(), weight.T,
     weight.transpose(0, 1) or weight.permute(1, 0) of a 2-D weight;
 read by nothing but the loss. Left to FuseCrossEntropy, with the reason noted: reduction="none" (each
-row's upstream gradient is only known in the backward), float16 (see the op's DTYPES), a bias, logits read elsewhere (returned, or
-a second loss), hidden and weight of different dtypes (autocast), or a hidden state that is not
-[..., D] rows.
+row's upstream gradient is only known in the backward), float16 (see the op's DTYPES), a bias, logits
+read elsewhere (returned, or a second loss), hidden and weight of different dtypes (autocast), or a
+hidden state that is not [..., D] rows.
 
 The gradients are made in the forward for the inputs the graph computes gradients of (their example
 values' requires_grad, with grad mode on: dynamo guards on both), none under torch.no_grad.
@@ -30,7 +30,7 @@ import torch.fx as fx
 from ..analysis.torch_ops import arg, dtype, functorch_transform_inside, meta, op_of, permute_dims, shape
 from ..losses.linear_cross_entropy import DTYPES, GRAD_HIDDEN, GRAD_WEIGHT, REDUCTIONS, linear_cross_entropy_op
 from ..pass_manager import PassContext, PassResult
-from .cross_entropy import LossSite, NotFusable, _is_cross_entropy, _is_nll_loss, _is_view, match_loss
+from .cross_entropy import LossSite, NotFusable, check_moved_reads, is_loss_call, is_view, match_loss
 from .graph_edit import erase_unused
 
 FUSED_OP = linear_cross_entropy_op._opoverload  # torch.ops.fxopt.linear_cross_entropy.default
@@ -63,7 +63,7 @@ def _transposed_weight(node) -> fx.Node | None:
 
 def _flattens_rows(node) -> bool:
     """A view/reshape that keeps the last (class) dim: [B, T, V] -> [B * T, V]."""
-    src = arg(node, 0, "input") if _is_view(node) else None
+    src = arg(node, 0, "input") if is_view(node) else None
     return isinstance(src, fx.Node) and bool(shape(src)) and bool(shape(node)) and shape(src)[-1] == shape(node)[-1]
 
 
@@ -107,19 +107,21 @@ def head_of(site: LossSite) -> tuple[fx.Node, fx.Node, list[fx.Node]]:
                          f"{DTYPES} (autocast's mixed dtypes are not fused)")
     if h.device != w.device:
         raise NotFusable(f"hidden on {h.device}, weight on {w.device}")
+    check_moved_reads([logits, *dead], site.out, [hidden, weight])
     return hidden, weight, [logits, *dead]
 
 
-def gradient_bits(logits_requires_grad: bool, hidden: fx.Node, weight: fx.Node) -> int:
-    """Which gradients the op makes: those autograd will ask for (none when the logits need none)."""
-    if not logits_requires_grad:
+def gradient_bits(loss_requires_grad: bool, hidden: fx.Node, weight: fx.Node) -> int:
+    """Which gradients the op makes: those autograd will ask for (none when the loss needs none: grad
+    mode off where the loss is computed)."""
+    if not loss_requires_grad:
         return 0
     return (GRAD_HIDDEN if meta(hidden).requires_grad else 0) | (GRAD_WEIGHT if meta(weight).requires_grad else 0)
 
 
 def rewrite(gm: fx.GraphModule, site: LossSite, hidden: fx.Node, weight: fx.Node, dead: list[fx.Node]) -> fx.Node:
     graph = gm.graph
-    grads = gradient_bits(bool(getattr(meta(dead[0]), "requires_grad", False)), hidden, weight)
+    grads = gradient_bits(bool(getattr(meta(site.out), "requires_grad", False)), hidden, weight)
     with graph.inserting_before(site.out):
         rows = hidden
         if len(shape(hidden)) != 2:
@@ -143,7 +145,7 @@ class FuseLinearCrossEntropy:
         if functorch_transform_inside(gm):
             return PassResult(gm, False, {"fused": 0})  # FuseCrossEntropy notes why neither fuses
         for node in list(gm.graph.nodes):
-            if not (_is_cross_entropy(node) or _is_nll_loss(node)):
+            if not is_loss_call(node):
                 continue
             try:
                 site = match_loss(node)

@@ -302,3 +302,83 @@ def test_cuda_bf16_head_matches_eager_and_holds_one_chunk(monkeypatch):
         torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=1e-2 * want.abs().max().item())
     logits_bytes = 4096 * 4096 * 2
     assert peak < logits_bytes, (peak, logits_bytes)
+
+
+# ---- what the fused op must not move across: in-place writes, no_grad regions ----
+
+def hidden_written_after_the_head(h, w, t):
+    x = torch.tanh(h)
+    logits = x @ w.t()
+    x.add_(1.0)  # the residual stream updated in place after the head read it
+    return F.cross_entropy(logits, t)
+
+
+def weight_written_after_the_head(h, w, t):
+    w = w.clone()
+    logits = h @ w.t()
+    w.zero_()
+    return F.cross_entropy(logits, t)
+
+
+def logits_written_after_log_softmax(h, w, t):
+    y = h @ w.t() * 2
+    ls = F.log_softmax(y, -1)
+    y.add_(100.0)  # (plain loss pass: log_softmax folded into the op at the loss would read this)
+    return F.nll_loss(ls, t)
+
+
+@pytest.mark.parametrize("fn", [hidden_written_after_the_head, weight_written_after_the_head,
+                                logits_written_after_log_softmax])
+def test_a_write_between_the_head_and_its_loss_keeps_them_apart(fn):
+    h, w, t = inputs()
+    with torch.no_grad():
+        got = compile_fxopt(fn)(h.clone(), w.clone(), t)
+        want = fn(h.double(), w.double(), t)
+        rep = fxopt.explain(fn, h.clone(), w.clone(), t)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    assert any("in place" in why for _, why in rep.fallbacks), rep.fallbacks
+
+
+def view_under_no_grad(h, w, t):
+    logits = h @ w.t()
+    with torch.no_grad():
+        flat = logits.view(-1, V)
+    return F.cross_entropy(flat, t) + (h ** 2).mean()
+
+
+def weight_transposed_under_no_grad(h, w, t):
+    with torch.no_grad():
+        wt = w.t()
+    return F.cross_entropy(h @ wt, t) + (h ** 2).mean()
+
+
+def head_under_no_grad_loss_outside(h, w, t):
+    with torch.no_grad():
+        logits = h @ w.t()
+    return F.cross_entropy(logits, t) + (h ** 2).mean()
+
+
+def log_softmax_under_no_grad(h, w, t):
+    y = h @ w.t() * 2
+    with torch.no_grad():
+        ls = F.log_softmax(y, -1)
+    return F.nll_loss(ls, t) + (h ** 2).mean()
+
+
+@pytest.mark.parametrize("fn", [view_under_no_grad, weight_transposed_under_no_grad,
+                                head_under_no_grad_loss_outside, log_softmax_under_no_grad])
+def test_no_grad_between_the_inputs_and_the_loss_lets_no_gradient_through(fn):
+    """Eager's loss gives hidden and weight no gradient through a node made under no_grad; the fused
+    ops once differentiated straight through (or, for a head made under no_grad, failed to compile)."""
+    h, w, t = inputs()
+    h, w = h.requires_grad_(), w.requires_grad_()
+    loss = compile_fxopt(fn)(h, w, t)
+    loss.backward()
+    h64, w64 = (x.detach().double().requires_grad_() for x in (h, w))
+    ref = fn(h64, w64, t)
+    ref.backward()
+    torch.testing.assert_close(loss.double(), ref.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h.grad.double(), h64.grad, rtol=1e-4, atol=1e-5)
+    assert (w.grad is None) == (w64.grad is None)
+    if w64.grad is not None:
+        torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-4, atol=1e-5)
