@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 from torch.autograd import forward_ad
 
-from . import pipeline
+from . import pipeline, torch_references
 from .aot import donated_backward_inputs
 from .codegen.cache import module_cache, source_hash
 from .codegen.harness import standalone_source
@@ -202,13 +202,19 @@ def _aten_where_kernels_cannot_run(call, gm: fx.GraphModule):
     cannot serve a call: batched gradients in a backward (autograd.grad(is_grads_batched=True),
     jacobian(vectorize=True): legacy vmap's BatchedTensors, which the launcher cannot read), any graph
     inside a functorch transform (torch.func's wrapped tensors), or under a forward-mode AD level (dual
-    tensors: a kernel's result would carry no tangent, and the caller would get None for it)."""
+    tensors: a kernel's result would carry no tangent, and the caller would get None for it). fxopt's own
+    ops in it run their torch-op references (torch_references.py): their custom ops have no forward-AD or
+    batching rules either."""
     tangents = tuple(i for i, n in enumerate(gm.graph.find_nodes(op="placeholder")) if n.name.startswith("tangents"))
+    aten: list = []  # built at the first call that needs it
 
     def run(args):
         if (forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active()
                 or any(isinstance(args[i], torch.Tensor) and batched(args[i]) for i in tangents)):
-            return gm(*args)
+            if not aten:
+                aten.append(torch_references.reference_graph(gm) or gm)
+            with torch_references.torch_ops_only():
+                return aten[0](*args)
         return call(args)
     run._boxed_call = True
     return run

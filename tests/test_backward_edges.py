@@ -56,6 +56,41 @@ def test_forward_mode_ad_keeps_its_tangent():
     torch.testing.assert_close(compiled(x), fn(x))  # outside the level the kernels run again
 
 
+def _attention_then_loss(q, k, v, w, t):
+    """Hand-written causal attention (fxopt::flash_attention) feeding an LM head and its loss
+    (fxopt::linear_cross_entropy), and a second loss on plain logits (fxopt::cross_entropy)."""
+    import math
+    import torch.nn.functional as F
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    s = s.masked_fill(torch.ones(8, 8, dtype=torch.bool).triu(1), float("-inf"))
+    h = (torch.softmax(s, -1) @ v).reshape(-1, q.shape[-1])
+    return F.cross_entropy(h @ w.t(), t) + F.cross_entropy(h.tanh() * 3, t % q.shape[-1])
+
+
+def test_forward_mode_ad_through_fxopts_own_ops():
+    """fxopt's own ops (attention, the losses) have no forward-AD rule, so the tangent came back None
+    under a dual level; their torch-op references now run there (torch_references.py)."""
+    import torch.autograd.forward_ad as fwad
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 16, generator=g) for _ in range(3))
+    w, t = torch.randn(40, 16, generator=g), torch.randint(0, 40, (16,), generator=g)
+    dq = torch.randn(q.shape, generator=g)
+    compiled = compile_fxopt(_attention_then_loss)
+    with fwad.dual_level():
+        primal, tangent = fwad.unpack_dual(compiled(fwad.make_dual(q, dq), k, v, w, t))
+    args64 = [x.double() if x.is_floating_point() else x for x in (q, k, v, w, t)]
+    ref, expected = torch.func.jvp(lambda q: _attention_then_loss(q, *args64[1:]), (args64[0],), (dq.double(),))
+    torch.testing.assert_close(primal.double(), ref, rtol=1e-5, atol=1e-5)
+    assert tangent is not None
+    torch.testing.assert_close(tangent.double(), expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(compiled(q, k, v, w, t).double(), ref, rtol=1e-5, atol=1e-5)
+    import fxopt
+    rep = fxopt.explain(_attention_then_loss, q, k, v, w, t)  # the three own ops are in the graph
+    fused = {p.name: p.stats.get("fused") for p in rep.pre_autograd}
+    assert [s.fused for s in rep.attention] == [True]
+    assert fused["fuse_linear_cross_entropy"] == 1 and fused["fuse_cross_entropy"] == 1, fused
+
+
 def test_complex_scalars_in_a_graph():
     """A complex scalar argument of an ATen call (complex ops stay ATen) is written into the wrapper."""
     x = torch.randn(3, 4, 2, dtype=torch.float64)

@@ -43,6 +43,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .. import torch_references
 from . import reference
 
 
@@ -53,7 +54,10 @@ _HEAD_DIM_NOTED: set[int] = set()
 
 def _on_triton(t: Tensor) -> bool:
     """CUDA tensors, or CPU tensors when the Triton interpreter is on, unless bfloat16 (see the module
-    docstring: the interpreter's bf16 matrix products are wrong)."""
+    docstring: the interpreter's bf16 matrix products are wrong); never inside
+    torch_references.torch_ops_only() (forward AD, functorch: the torch-op reference)."""
+    if torch_references.active():
+        return False
     if t.is_cuda:
         return True
     if t.device.type != "cpu" or os.environ.get("TRITON_INTERPRET", "0") != "1":

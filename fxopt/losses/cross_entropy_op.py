@@ -24,13 +24,17 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .. import torch_references
 from ..codegen.wrapper_runtime import batched
 
 REDUCTIONS = ("mean", "sum", "none")
 
 
 def _on_triton(t: Tensor) -> bool:
-    """CUDA tensors, or CPU tensors when the Triton interpreter is on."""
+    """CUDA tensors, or CPU tensors when the Triton interpreter is on; never inside
+    torch_references.torch_ops_only() (forward AD, functorch: the torch-op path)."""
+    if torch_references.active():
+        return False
     return t.is_cuda or (t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 

@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .. import torch_references
 from .cross_entropy_op import _on_triton, reference_forward, reference_grad, run_cross_entropy
 
 REDUCTIONS = ("mean", "sum")
@@ -99,7 +100,7 @@ def _add_product(acc: Optional[Tensor], a: Tensor, b: Tensor) -> Tensor:
     operands are widened first."""
     if a.dtype != torch.bfloat16:
         return torch.mm(a, b) if acc is None else acc.addmm_(a, b)
-    if not a.is_cuda:
+    if not a.is_cuda or torch_references.active():  # (dual tensors: out_dtype has no forward-AD formula)
         product = torch.mm(a.float(), b.float())
         return product if acc is None else acc.add_(product)
     if acc is None:
