@@ -8,6 +8,8 @@ any view of its storage, is read where the model reads it instead.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import operator
 
 import torch
@@ -70,12 +72,33 @@ def _same_dtype_cast(node: fx.Node) -> bool:
 
 
 def writes_in_place(node: fx.Node) -> bool:
-    """`x.add_(...)`, `torch.embedding_renorm_(w, ...)`, `x += y`, `x[i] = y`: the node writes its first
-    argument."""
+    """`x.add_(...)`, `torch.embedding_renorm_(w, ...)`, `x += y`, `x[i] = y`, `F.relu(x, inplace=True)`
+    or `F.relu(x, True)`: the node writes its first argument."""
     if node.op == "call_function" and node.target in _IN_PLACE_OPERATORS:
         return True
     name = op_name(node)
-    return (name.endswith("_") and not name.endswith("__")) or node.kwargs.get("inplace") is True
+    return (name.endswith("_") and not name.endswith("__")) or _inplace_flag(node) is True
+
+
+def _inplace_flag(node: fx.Node):
+    """The `inplace` argument of a call (F.relu, F.dropout, F.hardtanh, ...), by keyword or position."""
+    if "inplace" in node.kwargs:
+        return node.kwargs["inplace"]
+    at = _inplace_position(node.target) if node.op == "call_function" else None
+    return node.args[at] if at is not None and at < len(node.args) else None
+
+
+@functools.lru_cache(maxsize=None)
+def _inplace_position(fn) -> int | None:
+    """Where a Python function takes `inplace` positionally (F.relu: 1, F.dropout: 3), else None."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # builtins without a signature
+        return None
+    for i, p in enumerate(params):
+        if p.name == "inplace" and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            return i
+    return None
 
 
 def _is_view(node: fx.Node) -> bool:
@@ -113,12 +136,18 @@ def written_between(first: fx.Node, last: fx.Node, values) -> fx.Node | None:
     `values` in place, else None: a rewrite that moves reads of `values` from `first` to `last` must
     not cross it."""
     roots = {storage_root(v) for v in values} - {None}
+    from_outside = any(r.op in _OUTSIDE for r in roots)
     node = first.next
     while node is not last and node.op != "output":
-        if any(storage_root(w) in roots for w in written_by(node)):
-            return node
+        for root in map(storage_root, written_by(node)):
+            # two inputs (or an input and a module's tensor) may share memory the graph cannot see
+            if root in roots or (from_outside and root is not None and root.op in _OUTSIDE):
+                return node
         node = node.next
     return None
+
+
+_OUTSIDE = ("placeholder", "get_attr")  # values the graph is handed: may alias one another
 
 
 class Mutations:
