@@ -15,6 +15,7 @@ import operator
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .aliasing import written_arguments
 
@@ -136,15 +137,32 @@ def written_between(first: fx.Node, last: fx.Node, values) -> fx.Node | None:
     `values` in place, else None: a rewrite that moves reads of `values` from `first` to `last` must
     not cross it."""
     roots = {storage_root(v) for v in values} - {None}
+    storages = {_storage(v) for v in values} - {None}
     from_outside = any(r.op in _OUTSIDE for r in roots)
     node = first.next
     while node is not last and node.op != "output":
-        for root in map(storage_root, written_by(node)):
-            # two inputs (or an input and a module's tensor) may share memory the graph cannot see
-            if root in roots or (from_outside and root is not None and root.op in _OUTSIDE):
+        for written in written_by(node):
+            root = storage_root(written)
+            # an alias by an op this module does not list as a view (x.reshape_as(y), x.cpu()) shares the
+            # example value's storage; two inputs (or an input and a module's tensor) may share memory
+            # the graph cannot see
+            if root in roots or _storage(written) in storages or (
+                    from_outside and root is not None and root.op in _OUTSIDE):
                 return node
         node = node.next
     return None
+
+
+def _storage(value):
+    """The storage of a node's example value (dynamo's fake tensors share storage as the real ones
+    would), else None."""
+    v = value.meta.get("example_value") if isinstance(value, fx.Node) else None
+    if not isinstance(v, torch.Tensor):
+        return None
+    try:
+        return StorageWeakRef(v.untyped_storage())
+    except (RuntimeError, NotImplementedError):  # sparse, nested: no plain storage
+        return None
 
 
 _OUTSIDE = ("placeholder", "get_attr")  # values the graph is handed: may alias one another

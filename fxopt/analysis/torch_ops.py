@@ -179,12 +179,19 @@ def functorch_transform_inside(gm: fx.GraphModule) -> bool:
 
 def grad_enabled_at(node: fx.Node) -> bool:
     """Whether grad mode is on where `node` runs: dynamo records `with torch.no_grad():` (and
-    enable_grad, set_grad_enabled) as `torch._C._set_grad_enabled(mode)` calls; the graph starts in the
-    mode it was traced in, the compiling thread's (dynamo guards on it)."""
-    enabled = torch.is_grad_enabled()
+    enable_grad, set_grad_enabled) as `torch._C._set_grad_enabled(mode)` calls and `with
+    torch.inference_mode():` as `_enter_inference_mode(mode)` ... `_exit_inference_mode(ctx)`; the graph
+    starts in the mode it was traced in, the compiling thread's (dynamo guards on it)."""
+    enabled, saved = torch.is_grad_enabled(), []
     for n in node.graph.nodes:
         if n is node:
             break
-        if n.op == "call_function" and n.target is torch._C._set_grad_enabled and isinstance(n.args[0], bool):
+        name = getattr(n.target, "__name__", "") if n.op == "call_function" else ""
+        if n.target is torch._C._set_grad_enabled and isinstance(n.args[0], bool):
             enabled = n.args[0]
+        elif name == "_enter_inference_mode":
+            saved.append(enabled)
+            enabled = enabled and n.args[0] is False
+        elif name == "_exit_inference_mode" and saved:
+            enabled = saved.pop()
     return enabled

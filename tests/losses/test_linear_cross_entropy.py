@@ -334,8 +334,17 @@ def hidden_relu_in_place_positionally(h, w, t):
     return F.cross_entropy(logits, t)
 
 
+def hidden_written_through_an_unlisted_alias(h, w, t):
+    x = h * 1.0
+    alias = x.reshape_as(x)  # an alias by an op the mutation analysis does not name as a view
+    logits = x @ w.t()
+    alias.mul_(0.5)
+    return F.cross_entropy(logits, t)
+
+
 @pytest.mark.parametrize("fn", [hidden_written_after_the_head, weight_written_after_the_head,
-                                logits_written_after_log_softmax, hidden_relu_in_place_positionally])
+                                logits_written_after_log_softmax, hidden_relu_in_place_positionally,
+                                hidden_written_through_an_unlisted_alias])
 def test_a_write_between_the_head_and_its_loss_keeps_them_apart(fn):
     h, w, t = inputs()
     with torch.no_grad():
@@ -361,6 +370,27 @@ def test_a_write_through_an_aliasing_input_keeps_them_apart():
         x64 = h.double()
         want = fn(x64, x64[:], w.double(), t)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_grad_mode_is_read_from_no_grad_and_inference_mode_regions():
+    """analysis/torch_ops.grad_enabled_at follows dynamo's `_set_grad_enabled` and inference-mode nodes."""
+    from fxopt.analysis.torch_ops import grad_enabled_at
+    seen = {}
+
+    def backend(gm, example_inputs):
+        seen.update({n.name: grad_enabled_at(n) for n in gm.graph.nodes})
+        return gm
+
+    def fn(w):
+        a = w * 2
+        with torch.inference_mode():
+            b = a.t()
+        with torch.no_grad():
+            c = a + 1
+        return a, b, c, a - 1
+
+    torch.compile(fn, backend=backend)(torch.randn(3, 3))
+    assert [seen[n] for n in ("a", "b", "c", "sub")] == [True, False, False, True], seen
 
 
 def view_under_no_grad(h, w, t):
