@@ -127,3 +127,19 @@ def test_a_torch_func_transform_inside_the_graph_keeps_the_losses_and_attention_
         want = torch.func.grad(fn, argnums=argnums)(*(a.double() if a.is_floating_point() else a for a in args))
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
     torch._dynamo.reset()
+
+
+def test_reference_graph_widens_fp32_output_matmuls():
+    """On CUDA, matmul_casts folds a bf16 mm and its fp32 cast into aten.mm.dtype, which has no forward-AD
+    formula; the graph forward AD runs (torch_references.reference_graph) multiplies the widened operands."""
+    import torch.fx as fx
+    from fxopt import torch_references
+    graph = fx.Graph()
+    a, b = graph.placeholder("a"), graph.placeholder("b")
+    graph.output(graph.call_function(torch.ops.aten.mm.dtype, (a, b, torch.float32)))
+    ref = torch_references.reference_graph(fx.GraphModule(torch.nn.Module(), graph))
+    assert ref is not None
+    x, y = torch.randn(3, 4, dtype=torch.bfloat16), torch.randn(4, 2, dtype=torch.bfloat16)
+    out = ref(x, y)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, x.double().mm(y.double()).float(), rtol=1e-6, atol=1e-6)
