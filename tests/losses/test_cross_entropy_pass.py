@@ -150,8 +150,8 @@ def nll_of_log_softmax_keywords(x, t):
     return F.nll_loss(input=torch.log_softmax(input=x, dim=1), target=t)
 
 
-FUSING = [(ce_module, torch.float32), (ce_keywords, torch.float32), (nll_of_log_softmax_keywords, torch.float32), (nll_of_log_softmax, torch.float32),
-          (nll_of_method_log_softmax_viewed, torch.float32), (nll_of_torch_log_softmax_upcast, torch.bfloat16),
+FUSING = [(ce_module, torch.float32), (ce_keywords, torch.float32), (nll_of_log_softmax_keywords, torch.float32),
+          (nll_of_log_softmax, torch.float32), (nll_of_method_log_softmax_viewed, torch.float32), (nll_of_torch_log_softmax_upcast, torch.bfloat16),
           (ce_of_float_upcast, torch.bfloat16), (ce_of_upcast_viewed, torch.bfloat16),
           (ce_sum_then_scaled, torch.float16)]
 
