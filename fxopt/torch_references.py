@@ -12,6 +12,7 @@ has no forward-AD formula: it becomes `mm_widened`.)
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 
 import torch
@@ -32,6 +33,14 @@ def torch_ops_only():
         yield
     finally:
         _state.depth -= 1
+
+
+def kernels_serve(t) -> bool:
+    """Whether fxopt's Triton kernels run for tensor t: CUDA, or CPU under TRITON_INTERPRET=1; never
+    inside torch_ops_only(). Each own op's `_on_triton` asks this first."""
+    if active():
+        return False
+    return t.is_cuda or (t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 # own-op variants whose reference is another function's (writing over the logits is the kernels' job)

@@ -12,6 +12,7 @@ import operator
 
 import torch
 import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .op_classes import is_view
 
@@ -65,3 +66,14 @@ def written_arguments(node: fx.Node) -> list:
 def written_roots(graph: fx.Graph) -> set[fx.Node]:
     """The storage roots of every argument some node writes in place (written_arguments)."""
     return {storage_root(v) for n in graph.nodes for v in written_arguments(n) if isinstance(v, fx.Node)}
+
+
+def storage_key(value):
+    """A key equal for tensors that share storage (fake tensors share it as the real ones would), else
+    None: not a tensor, or one without a plain storage (sparse, nested)."""
+    if not isinstance(value, torch.Tensor) or value.is_sparse:
+        return None
+    try:
+        return StorageWeakRef(value.untyped_storage())
+    except (NotImplementedError, RuntimeError):
+        return None

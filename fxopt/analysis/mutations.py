@@ -15,9 +15,8 @@ import operator
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
-from torch.multiprocessing.reductions import StorageWeakRef
 
-from .aliasing import written_arguments
+from .aliasing import storage_key, written_arguments
 
 # torch-level ops whose result shares args[0]'s storage (a write through one is a write to the other)
 _VIEWS = frozenset({
@@ -66,6 +65,11 @@ def op_name(node: fx.Node) -> str:
 _CASTS = frozenset({"float", "double", "half", "bfloat16", "to", "type", "type_as"})
 
 
+def returns_its_input(node: fx.Node) -> bool:
+    """A cast that returns its input itself (`.float()` of an fp32 tensor on its own device)."""
+    return op_name(node) in _CASTS and isinstance(node.args[0], fx.Node) and _same_dtype_cast(node)
+
+
 def _same_dtype_cast(node: fx.Node) -> bool:
     source, out = (getattr(a, "meta", {}).get("example_value") for a in (node.args[0], node))
     return (isinstance(source, torch.Tensor) and isinstance(out, torch.Tensor) and source.dtype == out.dtype
@@ -106,7 +110,7 @@ def _is_view(node: fx.Node) -> bool:
     if node.op == "call_function" and node.target is getattr:
         return len(node.args) == 2 and node.args[1] in _VIEW_ATTRIBUTES
     name = op_name(node)
-    return name in _VIEWS or (name in _CASTS and isinstance(node.args[0], fx.Node) and _same_dtype_cast(node))
+    return name in _VIEWS or returns_its_input(node)
 
 
 def storage_root(value) -> fx.Node | None:
@@ -154,15 +158,8 @@ def written_between(first: fx.Node, last: fx.Node, values) -> fx.Node | None:
 
 
 def _storage(value):
-    """The storage of a node's example value (dynamo's fake tensors share storage as the real ones
-    would), else None."""
-    v = value.meta.get("example_value") if isinstance(value, fx.Node) else None
-    if not isinstance(v, torch.Tensor):
-        return None
-    try:
-        return StorageWeakRef(v.untyped_storage())
-    except (RuntimeError, NotImplementedError):  # sparse, nested: no plain storage
-        return None
+    """The storage key of a node's example value (dynamo's fake tensors share storage as the real ones)."""
+    return storage_key(value.meta.get("example_value")) if isinstance(value, fx.Node) else None
 
 
 _OUTSIDE = ("placeholder", "get_attr")  # values the graph is handed: may alias one another

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from typing import Optional
 
 import torch
@@ -56,12 +55,10 @@ def _on_triton(t: Tensor) -> bool:
     """CUDA tensors, or CPU tensors when the Triton interpreter is on, unless bfloat16 (see the module
     docstring: the interpreter's bf16 matrix products are wrong); never inside
     torch_references.torch_ops_only() (forward AD, functorch: the torch-op reference)."""
-    if torch_references.active():
+    if not torch_references.kernels_serve(t):
         return False
     if t.is_cuda:
         return True
-    if t.device.type != "cpu" or os.environ.get("TRITON_INTERPRET", "0") != "1":
-        return False
     if t.dtype == torch.bfloat16:
         if not _BF16_NOTED:
             _BF16_NOTED.append(True)

@@ -18,7 +18,6 @@ targets).
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -30,12 +29,7 @@ from ..codegen.wrapper_runtime import batched
 REDUCTIONS = ("mean", "sum", "none")
 
 
-def _on_triton(t: Tensor) -> bool:
-    """CUDA tensors, or CPU tensors when the Triton interpreter is on; never inside
-    torch_references.torch_ops_only() (forward AD, functorch: the torch-op path)."""
-    if torch_references.active():
-        return False
-    return t.is_cuda or (t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1")
+_on_triton = torch_references.kernels_serve  # CUDA, or CPU under the interpreter; not for torch_ops_only()
 
 
 def _check_reduction(reduction: str) -> None:

@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from torch.multiprocessing.reductions import StorageWeakRef
 
-from ..analysis.aliasing import views_of
+from ..analysis.aliasing import storage_key, views_of
 from ..analysis.symbolic import row_major_strides, sizes, strides
 from ..losses.cross_entropy_op import cross_entropy_backward_op, cross_entropy_backward_over_logits
 from ..pass_manager import PassContext, PassResult
@@ -69,10 +68,4 @@ def _shares_storage(gm: fx.GraphModule, logits: fx.Node) -> bool:
 
 
 def _storage(node: fx.Node):
-    val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor) or val.is_sparse:
-        return None
-    try:
-        return StorageWeakRef(val.untyped_storage())
-    except (NotImplementedError, RuntimeError):  # (a tensor without storage: never treated as unshared)
-        return None
+    return storage_key(node.meta.get("val"))  # (None, a tensor without storage: never treated as unshared)

@@ -27,6 +27,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from ..analysis.mutations import returns_its_input
 from ..analysis.torch_ops import arg, dtype, functorch_transform_inside, meta, op_of, permute_dims, shape
 from ..losses.linear_cross_entropy import DTYPES, GRAD_HIDDEN, GRAD_WEIGHT, REDUCTIONS, linear_cross_entropy_op
 from ..pass_manager import PassContext, PassResult
@@ -67,11 +68,6 @@ def _flattens_rows(node) -> bool:
     return isinstance(src, fx.Node) and bool(shape(src)) and bool(shape(node)) and shape(src)[-1] == shape(node)[-1]
 
 
-def _keeps_dtype(node) -> bool:
-    """A cast to the dtype its input already has (`.float()` of float32 logits)."""
-    return op_of(node) == "cast" and isinstance(node.args[0], fx.Node) and dtype(node) == dtype(node.args[0])
-
-
 def head_of(site: LossSite) -> tuple[fx.Node, fx.Node, list[fx.Node]]:
     """(hidden, weight, nodes made dead) of the head whose logits the loss reads; NotAHead where the
     logits are no head's matmul, NotFusable where they are but the op cannot take them."""
@@ -81,7 +77,7 @@ def head_of(site: LossSite) -> tuple[fx.Node, fx.Node, list[fx.Node]]:
     for n in site.chain[1:]:  # what match_loss looked through (an fp32 up-cast, a view) is the loss's alone
         if len(n.users) != 1:
             raise NotFusable(f"the logits ({n.name}) are read outside the loss")
-    while _flattens_rows(logits) or _keeps_dtype(logits):  # logits.view(-1, V), logits.float() of fp32 logits
+    while _flattens_rows(logits) or returns_its_input(logits):  # logits.view(-1, V), logits.float() of fp32 logits
         if len(logits.users) != 1:
             raise NotFusable(f"the logits ({logits.name}) are read outside the loss")
         dead.append(logits)
