@@ -17,11 +17,13 @@ part of the mask-free blocks' exp2 on the FMA units instead of the MUFU (FlashAt
 exp2: x = n + f, 2^f from a degree-3 polynomial, n added to the exponent bits; max relative error
 7.5e-5), interleaved per thread through inline PTX (`_split_exp2_asm`): mode 3 one of 2 elements on
 the FMA units, mode 4 one of 4, mode 5 three of 4. Inline PTX does not run in the interpreter: modes
-3-5 are checked on the GPU only (the err column against SDPA).
+3-5 are checked on the GPU only (the err column against SDPA). Mode 6 issues two exponentials per MUFU
+instruction (`ex2.approx.f16x2`, the argument rounded to fp16 first).
 
 Status (2026-12-03, H200, benchmarks/results/2026-12-03-h200.md): none of them beats the current kernel
 (0.80x SDPA): pipelined 0.57x, persistent 0.42-0.60x, grouped orders 0.79-0.81x, lazy rescale 0.75-0.77x;
-exp2 on the FMA units (2026-12-04-h200-d.md) 0.73-0.76x against 0.79x for the same grid.
+exp2 on the FMA units (2026-12-04-h200-d.md) 0.73-0.76x against 0.79x for the same grid; two exponentials
+per MUFU instruction (mode 6, 2026-12-06-h100-f.md, H100) non-causal 0.748x against 0.758x, twice the error.
 Numerics checked in the Triton interpreter (`--check`). Not used by fxopt.
 """
 from __future__ import annotations
@@ -65,13 +67,14 @@ def _query_tile(q_desc, k_desc, v_desc, o_desc, Lse, bh, batch, head, kv_head, m
             acc, row_sum, row_max = _pipelined_blocks(acc, row_sum, row_max, q, k_desc, v_desc, batch, kv_head,
                                                       mask_free_end, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N)
     else:
-        acc, row_sum, row_max = _tma_key_blocks(
-            acc, row_sum, row_max, q, k_desc, v_desc, batch, kv_head, m0, 0, mask_free_end, seq_q, seq_k,
-            causal_shift, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, False, False)
+        acc, row_sum, row_max = _tma_key_blocks(  # (no mask, no slopes: Lse stands in for the mask pointer)
+            acc, row_sum, row_max, q, k_desc, v_desc, Lse, 0, 0, batch, kv_head, m0, 0, mask_free_end, seq_q, seq_k,
+            causal_shift, qk_scale, 0.0, HEAD_DIM, BLOCK_M, BLOCK_N, False, False, False, False, False, True, True)
     if CAUSAL or not EVEN_N:
         acc, row_sum, row_max = _tma_key_blocks(
-            acc, row_sum, row_max, q, k_desc, v_desc, batch, kv_head, m0, mask_free_end, end, seq_q, seq_k,
-            causal_shift, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL)
+            acc, row_sum, row_max, q, k_desc, v_desc, Lse, 0, 0, batch, kv_head, m0, mask_free_end, end, seq_q,
+            seq_k, causal_shift, qk_scale, 0.0, HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL, False, False, False, True,
+            EVEN_N)
     out = (acc / row_sum[:, None]).to(o_desc.dtype)
     o_desc.store([batch, head, m0, 0], out.reshape(1, 1, BLOCK_M, HEAD_DIM))
     rows = tl.arange(0, BLOCK_M)
@@ -237,7 +240,10 @@ C4: tl.constexpr = tl.constexpr(_constraints(4))
 
 @triton.jit
 def _exp2_split(x, MODE: tl.constexpr):
-    if MODE == 3:
+    if MODE == 6:  # two elements per MUFU instruction, the argument rounded to fp16 (returns float16)
+        return tl.inline_asm_elementwise("ex2.approx.f16x2 $0, $1;", "=r,r", [x.to(tl.float16)], dtype=tl.float16,
+                                         is_pure=True, pack=2)
+    elif MODE == 3:
         return tl.inline_asm_elementwise(SPLIT_2_1, C2, [x], dtype=tl.float32, is_pure=True, pack=2)
     elif MODE == 4:
         return tl.inline_asm_elementwise(SPLIT_4_3, C4, [x], dtype=tl.float32, is_pure=True, pack=4)
@@ -256,7 +262,7 @@ def _split_exp_blocks(acc, row_sum, row_max, q, k_desc, v_desc, batch, kv_head, 
         new_max = tl.maximum(row_max, tl.max(s, 1) * qk_scale)
         p = _exp2_split(s * qk_scale - new_max[:, None], MODE)
         rescale = tl.exp2(row_max - new_max)
-        row_sum = row_sum * rescale + tl.sum(p, 1)
+        row_sum = row_sum * rescale + tl.sum(p.to(tl.float32), 1)
         v = v_desc.load([batch, kv_head, n0, 0]).reshape(BLOCK_N, HEAD_DIM)
         acc = tl.dot(p.to(v.dtype), v, acc * rescale[:, None])
         row_max = new_max
@@ -306,7 +312,7 @@ def main(argv=None) -> int:
             rows.append(("pipelined", cfg, lambda c=cfg: pipelined_forward(q, k, v, scale=128 ** -0.5, causal=causal,
                                                                             cfg=c)))
         if a.split_exp:
-            for mode, label in ((0, "1-D grid"), (3, "fma 1/2"), (4, "fma 1/4"), (5, "fma 3/4")):
+            for mode, label in ((0, "1-D grid"), (3, "fma 1/2"), (4, "fma 1/4"), (5, "fma 3/4"), (6, "mufu f16x2")):
                 rows.append((label, cfg, lambda c=cfg, m=mode: grouped_forward(q, k, v, scale=128 ** -0.5,
                                                                                causal=causal, cfg=c, group=1, mode=m)))
             continue
