@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from ..analysis.attention_masks import MaskFacts, NotAttention
 from ..analysis.constant_values import ConstantValues
-from ..analysis.torch_ops import dtype, functorch_transform_inside, meta, op_of, shape
+from ..analysis.torch_ops import dtype, functorch_transform_inside, grad_enabled_at, meta, op_of, shape
 from ..attention.op import flash_attention
 from ..buffer_guards import InputGuard, UnspecialisedGraph
 from ..pass_manager import PassContext, PassResult
@@ -205,6 +205,7 @@ class FuseAttention:
             site = AttentionSite(node=prefix + node.name, source=_source_line(node), fused=False)
             try:
                 m = match_site(node, values) if kind == "softmax" else match_sdpa(node, values)
+                _same_grad_mode(m)
             except NotAttention as why:
                 site.reason = str(why)
                 ctx.attention.append(site)
@@ -232,3 +233,13 @@ class FuseAttention:
             ctx.unspecialised = UnspecialisedGraph(root)
         for buf in m.facts.buffers:
             ctx.input_guards.append(InputGuard.of(values.index[buf], buf.name, values.buffers[buf], site.node))
+
+
+def _same_grad_mode(m: Match) -> None:
+    """The fused op runs at the site's output in that node's grad mode: a site whose scores, softmax and
+    output sit in different no_grad / enable_grad / inference_mode regions would give gradients where
+    eager gives none (or none where eager gives some), so it stays as written."""
+    modes = {grad_enabled_at(n) for n in (*m.chain, m.out)}
+    if len(modes) > 1:
+        raise NotAttention("its nodes sit in different grad-mode regions (no_grad / enable_grad / inference_mode); "
+                           "left as written")

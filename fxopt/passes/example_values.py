@@ -3,6 +3,7 @@ insert: later passes read them (precision's dtype decisions), and so do the earl
 ops' kernels (codegen/own_op_compiles.before_autograd_compiles)."""
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 from torch._dispatch.python import enable_python_dispatcher
 from torch._subclasses.fake_tensor import FakeTensor
@@ -29,7 +30,24 @@ def run_on_fakes(node: fx.Node, mode):
 
 
 def fill_missing_values(graph: fx.Graph, mode) -> None:
-    """Nodes an earlier pass inserted (the fused attention op) get their example values."""
-    for node in graph.nodes:
-        if node.op in ("call_function", "call_method") and "example_value" not in node.meta:
-            node.meta["example_value"] = run_on_fakes(node, mode)
+    """Nodes an earlier pass inserted (the fused attention op) get their example values. Calls that change
+    the process's state (grad mode, inference mode, autocast, functorch levels: dynamo records no value for
+    them) are not run: run here they switched the compiling thread's grad mode, so a graph ending in
+    `torch.set_grad_enabled(False)` was compiled for inference. Grad mode is restored whatever runs."""
+    with torch.set_grad_enabled(torch.is_grad_enabled()):
+        for node in graph.nodes:
+            if (node.op in ("call_function", "call_method") and "example_value" not in node.meta
+                    and not changes_global_state(node)):
+                node.meta["example_value"] = run_on_fakes(node, mode)
+
+
+_STATE_CALLS = ("_set_grad_enabled", "_enter_inference_mode", "_exit_inference_mode", "_enter_autocast",
+                "_exit_autocast")
+
+
+def changes_global_state(node: fx.Node) -> bool:
+    """A call of grad mode's, inference mode's, autocast's or functorch's state switches."""
+    if node.op != "call_function":
+        return False
+    return (getattr(node.target, "__name__", "") in _STATE_CALLS
+            or str(getattr(node.target, "__module__", "")).startswith("torch._C._functorch"))

@@ -36,7 +36,7 @@ import torch.fx as fx
 
 from ..analysis.mutations import Mutations, op_name, storage_root, written_by
 from ..analysis.precision_policy import FP32, LOW, category_of, feeds_reduction, policy_with
-from ..analysis.torch_ops import dtype, meta, op_of
+from ..analysis.torch_ops import dtype, functorch_transform_inside, meta, op_of
 from ..pass_manager import PassContext, PassResult
 from ..report import CastRecord
 from .attention import FUSED_OP
@@ -139,6 +139,10 @@ class MixedPrecision:
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         mode = fake_mode(gm)
         if mode is None:
+            return PassResult(gm, False, {})
+        region = _region_inside(gm)
+        if region:
+            ctx.note("(graph)", f"precision= left this graph as written: {region}")
             return PassResult(gm, False, {})
         graph = gm.graph
         fill_missing_values(graph, mode)
@@ -323,3 +327,21 @@ def _uncast(value: fx.Node, want: torch.dtype, original: dict) -> fx.Node | None
         return None
     source = value.args[0]
     return source if isinstance(source, fx.Node) and _node_dtypes(source) == want else None
+
+
+def _region_inside(gm: fx.GraphModule) -> str | None:
+    """Why the policy cannot be placed on this graph, or None. Casts are placed by the policy table
+    alone and shared between readers, so they would override a user's own autocast region, carry one
+    grad-mode region's (no_grad, inference_mode) cast into another, or be made outside a torch.func
+    transform's level."""
+    if functorch_transform_inside(gm):
+        return "a torch.func transform is inside it"
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        name = getattr(n.target, "__name__", "")
+        if name in ("_enter_autocast", "_exit_autocast"):
+            return "it opens a torch.autocast region of its own (autocast decides those dtypes)"
+        if name in ("_set_grad_enabled", "_enter_inference_mode"):
+            return "it switches grad mode inside (no_grad / enable_grad / inference_mode)"
+    return None
