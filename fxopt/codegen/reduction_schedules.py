@@ -197,7 +197,8 @@ class LoopedSchedule:
         em.load_policy = ("evict_first" if p == self.passes else "evict_last") if self.strided else None
         em.store_hint = self.strided
         loop = ["roffset = (rnumel - 1) // RBLOCK * RBLOCK - rstep"] if backwards else []
-        loop += [f"rindex = {start} + tl.arange(0, RBLOCK)[None, :]", mask_line("r", em.exact_r and not chunked),
+        loop += [rindex_line(f"{start} + tl.arange(0, RBLOCK)[None, :]", em.wide),
+                 mask_line("r", em.exact_r and not chunked),
                  *em.rcoords]
         wanted = row_ancestors(em, [r.args[0] for r in reds if r not in self.pairs] +
                                    [em.outs[j][0] for j in stores])
@@ -253,7 +254,8 @@ class LoopedSchedule:
     def split_lines(self) -> tuple[list[str], list[str], list[fx.Node]]:
         """(partial kernel body, final kernel body, reductions whose partials go through workspaces)."""
         em = self.em
-        chunk = ["rstart = tl.program_id(1) * RCHUNK", "first_chunk = (xindex * 0 + tl.program_id(1)) == 0"]
+        chunk = [f"rstart = tl.program_id(1){'.to(tl.int64)' if em.wide else ''} * RCHUNK",
+                 "first_chunk = (xindex * 0 + tl.program_id(1)) == 0"]
         partial = chunk + self._scalar_leaves() + self._scalars_until(0, SPLIT_GUARD)
         lines, reds = self._pass(0, chunked=True)
         partial += lines + ["# -- this chunk's partial results ----"]
@@ -370,3 +372,9 @@ def per_call_config(em, loop_rblock: int):
     setup = [f"{r} = min({loop_rblock}, next_power_of_2({pexpr(em.rnumel)}))", per_call_xblock(em, x, r)]
     warps = f"max(1, min(16, {x} * {r} // 256))"
     return f"cdiv({pexpr(em.xnumel)}, {x})", {"XBLOCK": x, "RBLOCK": r}, warps, setup
+
+
+def rindex_line(expr: str, wide: bool) -> str:
+    """`rindex = expr`, in 64 bits where the kernel's addresses need them: the row coordinates derived
+    from rindex are multiplied by their strides, which wrapped in 32 bits (`4096 * r0` past 2^31)."""
+    return f"rindex = ({expr}).to(tl.int64)" if wide else f"rindex = {expr}"

@@ -37,8 +37,8 @@ from .erf_poly import with_erf_helper
 from .joint_sums import joint_order, joint_reduce, sum_kind, with_combine_helpers
 from .kernel import Kernel
 from .reduction_schedules import (COMBINE, EVEN_PER_CALL, LoopedSchedule, even_source, floating, inner_view,
-                                  lane_reduce, mask_line, per_call_xblock, persistent_per_call, split_kernel,
-                                  per_call_config, strided_config, strided_rows)
+                                  lane_reduce, mask_line, per_call_xblock, persistent_per_call, rindex_line,
+                                  split_kernel, per_call_config, strided_config, strided_rows)
 from .pointwise_ops import LOWERINGS, LowerCtx
 from .triton_pointwise import PointwiseEmitter, cdiv_source, view_root
 
@@ -56,6 +56,8 @@ def _pow2(n) -> int:
 
 class ReductionEmitter(PointwiseEmitter):
     headroom: int | None = None  # bytes a scratch buffer may take under the graph's peak (None: unknown)
+    wide = False  # 64-bit offsets (set by generate)
+
     def __init__(self, gm: fx.GraphModule, name: str, target: str):
         super().__init__(gm, name, target)
         self.columns = column_sums(self.nodes)  # column epilogue (codegen/column_sums.py)
@@ -155,6 +157,7 @@ class ReductionEmitter(PointwiseEmitter):
         self.raddr = [rs.address(i) for i in range(len(all_layouts))]
         wide = needs_int64(self.xnumel * self.rnumel,
                            [xs.max_address(i) + rs.max_address(i) for i in range(len(all_layouts))])
+        self.wide = wide  # row offsets too: `stride * r0` passes 2^31 in a tall or strided row (rindex_line)
         column = ref[self.D[-1]] != 1 and any(ref[d] == 1 for d in self.xdims)
         # never for a symbolic row; always with column sums (the fuser took them only for rows that fit)
         persistent = bool(self.columns) or _pow2(self.rnumel) <= (64 if column else PERSISTENT_MAX)
@@ -342,7 +345,7 @@ class ReductionEmitter(PointwiseEmitter):
 
     def _row_index(self) -> list[str]:
         """rindex, its mask and the row's coordinates: what a whole-row block's loads address by."""
-        return ["rindex = tl.arange(0, RBLOCK)[None, :]", mask_line("r", self.exact_r), *self.rcoords]
+        return [rindex_line("tl.arange(0, RBLOCK)[None, :]", self.wide), mask_line("r", self.exact_r), *self.rcoords]
 
     def _persistent(self, hoisted=()) -> list[str]:
         """One block of rows, whole; loads numbered in `hoisted` were issued before a row loop."""
@@ -391,3 +394,4 @@ def generate_reduction_kernel(gm: fx.GraphModule, name: str, target: str, headro
         raise NotImplementedError(f"fxopt: reduction kernel {name} never stores output(s) "
                                   f"{[em.output_nodes[j].name for j in unstored]}")
     return kernel
+
