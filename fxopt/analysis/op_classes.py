@@ -315,6 +315,9 @@ def pointwise_unsupported_reason(node: fx.Node, target: str) -> str | None:
 # kernels (codegen/cat_pieces.py) with the element-wise ops that consume them, never into reduction
 # groups or recomputed chains, which keep to pointwise_unsupported_reason.
 GATHERS = frozenset({aten.cat.default})
+# each piece nests one more tl.where in the kernel's source (Python's parser stops at 200 nested brackets)
+# and adds a pointer argument: wider cats are one ATen copy anyway
+MAX_CAT_PIECES = 64
 
 
 def cat_unsupported_reason(node: fx.Node, target: str) -> str | None:
@@ -325,6 +328,8 @@ def cat_unsupported_reason(node: fx.Node, target: str) -> str | None:
     inputs = node.args[0] if node.args else []
     if not isinstance(out, torch.Tensor) or not isinstance(inputs, (list, tuple)) or len(inputs) < 2:
         return "cat of fewer than two tensors"
+    if len(inputs) > MAX_CAT_PIECES:
+        return f"cat of {len(inputs)} tensors stays an ATen call (a kernel takes at most {MAX_CAT_PIECES} pieces)"
     if out.dtype not in SUPPORTED_DTYPES:
         return f"dtype {out.dtype} has no Triton lowering"
     vals = [a.meta.get("val") if isinstance(a, fx.Node) else None for a in inputs]

@@ -48,6 +48,7 @@ _aten = torch.ops.aten
 # views that keep the elements' order: a row scalar moves between its kept and dropped shapes through these
 _RESHAPES = (_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default, _aten.squeeze.default,
              _aten.squeeze.dim, _aten.squeeze.dims, _aten.unsqueeze.default, _aten.alias.default)
+COLUMN_CHAIN_DEPTH = 64  # ops of a column operand computed in a row kernel (_column_operand)
 
 
 class _ReductionGroupSupport(OperatorSupportBase):
@@ -112,18 +113,22 @@ class _ReductionGroupSupport(OperatorSupportBase):
                     self._after_columns.add(n)
         return node in self._after_columns
 
-    def _column_operand(self, node: fx.Node) -> bool:
+    def _column_operand(self, node: fx.Node, depth: int = 0) -> bool:
         """A pointwise op of graph inputs only whose shape the row broadcasts from the right ([M] of
         [N, M]: `w.float()` in LayerNorm's backward). Computed in the kernel where it is read, so its
         inputs are read once per program instead of a kernel writing the result and the row kernel
         reading it back. Kept out of the group if anything outside it reads the value (see
-        _drop_escaping_column_operands)."""
+        _drop_escaping_column_operands). A chain deeper than COLUMN_CHAIN_DEPTH stays outside (a
+        recursion per op: 450 ops overflowed Python's stack)."""
         shape, val = self.key[0], node.meta.get("val")
+        if depth > COLUMN_CHAIN_DEPTH:
+            return False
         if not (node.op == "call_function" and not is_view(node) and reduction_info(node) is None
                 and isinstance(val, torch.Tensor) and 0 < val.dim() < len(shape)
                 and sizes(val) == shape[len(shape) - val.dim():] and node.all_input_nodes):
             return False
-        return all(a.op in ("placeholder", "get_attr") or self._column_operand(a) for a in node.all_input_nodes)
+        return all(a.op in ("placeholder", "get_attr") or self._column_operand(a, depth + 1)
+                   for a in node.all_input_nodes)
 
     def _column_value(self, node: fx.Node) -> bool:
         """A column sum of the group's shape, or a pointwise op computed from such sums only. A sum of
