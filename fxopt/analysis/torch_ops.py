@@ -169,6 +169,25 @@ def new_axis_at_2(node: fx.Node) -> bool:
     return len(idx) == 3 and idx[0] == full and idx[1] == full and idx[2] is None
 
 
+# calls dynamo records for `with torch.no_grad()` / `inference_mode()` / `torch.autocast(...)` regions
+GRAD_MODE_SWITCHES = ("_set_grad_enabled", "_enter_inference_mode", "_exit_inference_mode")
+AUTOCAST_SWITCHES = ("_enter_autocast", "_exit_autocast")
+
+
+def state_switch(node: fx.Node) -> str | None:
+    """"grad", "autocast" or "functorch" for a call that switches that process state, else None."""
+    if node.op != "call_function":
+        return None
+    name = getattr(node.target, "__name__", "")
+    if name in GRAD_MODE_SWITCHES:
+        return "grad"
+    if name in AUTOCAST_SWITCHES:
+        return "autocast"
+    if str(getattr(node.target, "__module__", "")).startswith("torch._C._functorch"):
+        return "functorch"
+    return None
+
+
 def functorch_transform_inside(gm: fx.GraphModule) -> bool:
     """Whether dynamo captured a torch.func transform inside the graph (`torch.compile(torch.func.grad(f))`:
     calls of torch._C._functorch's nesting and wrapping functions). fxopt's own ops have no functorch

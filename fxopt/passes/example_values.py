@@ -8,6 +8,8 @@ import torch.fx as fx
 from torch._dispatch.python import enable_python_dispatcher
 from torch._subclasses.fake_tensor import FakeTensor
 
+from ..analysis.torch_ops import state_switch
+
 
 def fake_mode(gm: fx.GraphModule):
     """The fake mode dynamo traced in: new values are computed in it, never on real data."""
@@ -37,17 +39,5 @@ def fill_missing_values(graph: fx.Graph, mode) -> None:
     with torch.set_grad_enabled(torch.is_grad_enabled()):
         for node in graph.nodes:
             if (node.op in ("call_function", "call_method") and "example_value" not in node.meta
-                    and not changes_global_state(node)):
+                    and state_switch(node) is None):
                 node.meta["example_value"] = run_on_fakes(node, mode)
-
-
-_STATE_CALLS = ("_set_grad_enabled", "_enter_inference_mode", "_exit_inference_mode", "_enter_autocast",
-                "_exit_autocast")
-
-
-def changes_global_state(node: fx.Node) -> bool:
-    """A call of grad mode's, inference mode's, autocast's or functorch's state switches."""
-    if node.op != "call_function":
-        return False
-    return (getattr(node.target, "__name__", "") in _STATE_CALLS
-            or str(getattr(node.target, "__module__", "")).startswith("torch._C._functorch"))

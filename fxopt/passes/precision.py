@@ -36,7 +36,7 @@ import torch.fx as fx
 
 from ..analysis.mutations import Mutations, op_name, storage_root, written_by
 from ..analysis.precision_policy import FP32, LOW, category_of, feeds_reduction, policy_with
-from ..analysis.torch_ops import dtype, functorch_transform_inside, meta, op_of
+from ..analysis.torch_ops import dtype, functorch_transform_inside, meta, op_of, state_switch
 from ..pass_manager import PassContext, PassResult
 from ..report import CastRecord
 from .attention import FUSED_OP
@@ -336,12 +336,9 @@ def _region_inside(gm: fx.GraphModule) -> str | None:
     transform's level."""
     if functorch_transform_inside(gm):
         return "a torch.func transform is inside it"
-    for n in gm.graph.nodes:
-        if n.op != "call_function":
-            continue
-        name = getattr(n.target, "__name__", "")
-        if name in ("_enter_autocast", "_exit_autocast"):
-            return "it opens a torch.autocast region of its own (autocast decides those dtypes)"
-        if name in ("_set_grad_enabled", "_enter_inference_mode"):
-            return "it switches grad mode inside (no_grad / enable_grad / inference_mode)"
+    switches = {state_switch(n) for n in gm.graph.nodes}
+    if "autocast" in switches:
+        return "it opens a torch.autocast region of its own (autocast decides those dtypes)"
+    if "grad" in switches:
+        return "it switches grad mode inside (no_grad / enable_grad / inference_mode)"
     return None
