@@ -1,8 +1,9 @@
 """Pointwise fusion: maximal groups of elementwise ops become one submodule each (one kernel later).
 
-Which nodes may share a kernel is a partitioning question: torch.fx's CapabilityBasedPartitioner
-merges supported nodes without creating a cycle. A group iterates over one domain, so it is run once
-per (shape, device) of the values it may hold; inputs of any broadcastable shape are read in place.
+Which nodes may share a kernel is a partitioning question: propose_partitions (torch.fx's
+CapabilityBasedPartitioner's rule, with reachability in bitsets) merges supported nodes without creating
+a cycle. A group iterates over one domain, so it is run once per (shape, device) of the values it may
+hold; inputs of any broadcastable shape are read in place.
 Views and expands that feed a group are copied into its subgraph, so codegen reads their base with
 the view's strides instead of the wrapper materialising anything.
 
@@ -13,13 +14,11 @@ the view's strides instead of the wrapper materialising anything.
 """
 from __future__ import annotations
 
-import inspect
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
 from ..analysis.op_classes import GATHERS, classify, is_view, kernel_unsupported_reason
@@ -27,12 +26,9 @@ from ..analysis.reductions import reduction_unsupported_reason
 from ..analysis.symbolic import sizes
 from ..pass_manager import PassContext, PassResult
 from .fuse_partitions import acyclic_subset, fuse_partitions
+from .propose_partitions import propose_partitions
 
 FUSED_PREFIX = "fused"
-# Keep groups to dependent chains where torch lets us say so (torch >= 2.12); older partitioners also
-# merge independent same-shape nodes, which is correct, just less predictable.
-_NO_HORIZONTAL = ({"skip_horizontal_fusion": True}
-                  if "skip_horizontal_fusion" in inspect.signature(CapabilityBasedPartitioner).parameters else {})
 
 
 class _SameDomainPointwise(OperatorSupportBase):
@@ -127,10 +123,8 @@ class FusePointwise:
         cyclic: set[str] = set()  # ops of groups that would have made a cycle (fuse_partitions.acyclic_subset)
         for i, key in enumerate(keys):
             support = _SameDomainPointwise(key, ctx.target)
-            partitioner = CapabilityBasedPartitioner(gm, support, allows_single_node_partition=True,
-                                                     **_NO_HORIZONTAL)
             # a cat alone saves no pass over memory: ATen's copy kernel does it as well (op_classes.GATHERS)
-            partitions = [p for p in partitioner.propose_partitions() if not all(n.target in GATHERS for n in p.nodes)]
+            partitions = [p for p in propose_partitions(gm, support) if not all(n.target in GATHERS for n in p.nodes)]
             partitions, dropped = acyclic_subset(gm.graph, partitions)
             cyclic |= {n.name for p in dropped for n in p.nodes}
             if not partitions:

@@ -3,7 +3,7 @@ the row it came from (epilogue) become one group, so softmax, LayerNorm and RMSN
 
 A group is keyed by (input shape S, reduced dims D, device) and holds: reductions of that key,
 pointwise ops of shape S (row values), and pointwise ops of the reduced shape (row scalars,
-with or without keepdim). CapabilityBasedPartitioner merges them without creating cycles, as for
+with or without keepdim). propose_partitions merges them without creating cycles, as for
 pointwise fusion; groups without a reduction are dropped and left to the pointwise fuser.
 
 Column sums: a sum over every kept dim of the group's shape (LayerNorm/RMSNorm backward's weight and
@@ -31,7 +31,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
 from ..analysis.op_classes import is_view, pointwise_unsupported_reason
@@ -39,9 +38,10 @@ from ..analysis.symbolic import sizes
 from ..analysis.reductions import (COLUMN_SUM, dropped_shape, is_column_sum_of, kept_shape, reduces_trailing_dims,
                                    reduction_info, reduction_unsupported_reason)
 from ..pass_manager import PassContext, PassResult
-from .fuse import _NO_HORIZONTAL, FUSED_PREFIX, absorb_input_views
+from .fuse import FUSED_PREFIX, absorb_input_views
 from .recompute import RESERVED_FOR
 from .fuse_partitions import acyclic_subset, fuse_partitions
+from .propose_partitions import propose_partitions
 
 REDUCTION_PREFIX = f"{FUSED_PREFIX}red"
 _aten = torch.ops.aten
@@ -172,9 +172,7 @@ class FuseReductions:
             if info and info.device.startswith(ctx.device_type) and reduction_unsupported_reason(node, ctx.target) is None:
                 keys[info.key] = None
         for i, key in enumerate(sorted(keys, key=_columns_last)):
-            partitioner = CapabilityBasedPartitioner(gm, _ReductionGroupSupport(key, ctx.target),
-                                                     allows_single_node_partition=True, **_NO_HORIZONTAL)
-            proposed = partitioner.propose_partitions()
+            proposed = propose_partitions(gm, _ReductionGroupSupport(key, ctx.target))
             groups = [p for p in proposed if any(reduction_info(n) is not None and reduction_info(n).key == key
                                                  for n in p.nodes)]
             if not groups:
