@@ -6,6 +6,8 @@ workloads.WORKLOADS.
   gpt_block_train_cg                    the GPT-2 training step with CUDA graphs on both compilers
   gpt_block_b1 / gpt_block_b1_cg        a launch-bound GPT block forward (1 x 16 tokens), without and
                                         with CUDA graphs
+  gpt_stack_train                       24 GPT-2 blocks trained as one graph: how the first call's
+                                        compile grows with depth
 
 "Mixed" workloads (`Workload.precision="bf16"`) keep the parameters and inputs in float32 whatever
 --dtype says: eager and Inductor run the function under `torch.autocast(bf16)`, fxopt compiles it with
@@ -231,3 +233,34 @@ def make_gpt_block_b1(device, dtype, quick):
 workload("gpt_block_b1_cg", "as gpt_block_b1 with CUDA graphs: Inductor mode='reduce-overhead', fxopt "
          "cudagraphs=True", kind="model", flops=_forward_flops, min_bytes=_io_bytes,
          cudagraphs=True)(make_gpt_block_b1)  # the same block and input, with graphs
+
+
+# ---------------------------------------------------------------- a deep stack: compile time against depth
+
+class GPTStack(nn.Module):
+    """GPT-2 medium's body: `n_layer` blocks, captured as one graph (no graph breaks between blocks)."""
+
+    def __init__(self, n_layer: int, d_model: int, n_head: int, max_len: int):
+        super().__init__()
+        self.blocks = nn.ModuleList(attn.GPTBlock(d_model, n_head, max_len) for _ in range(n_layer))
+
+    def forward(self, x, use_sdpa: bool = False):
+        for block in self.blocks:
+            x = block(x, use_sdpa)
+        return x
+
+
+def _stack_train_flops(inputs) -> int:
+    stack, x = inputs[:2]
+    return len(stack.blocks) * _train_flops((stack.blocks[0], x))
+
+
+@workload("gpt_stack_train", "24 GPT-2 blocks fwd+bwd as one graph (GPT-2 medium body: d1024 16 heads), fp32 "
+          "params; autocast(bf16) vs precision='bf16'; B4 T1024", training=True, flops=_stack_train_flops,
+          min_bytes=_io_bytes, anchor=_block_train_sdpa, **MIXED)
+def make_gpt_stack_train(device, dtype, quick):
+    n_layer, d_model, n_head, B, T = (2, 128, 4, 2, 64) if quick else (24, 1024, 16, 4, 1024)
+    stack = GPTStack(n_layer, d_model, n_head, max_len=T).to(device=device)
+    stack.train(False)
+    x = randn(B, T, d_model, device=device, dtype=torch.float32).requires_grad_(True)
+    return _block_train, (stack, x, torch.randn_like(x).requires_grad_(False))

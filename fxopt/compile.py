@@ -13,7 +13,7 @@ from torch.autograd import forward_ad
 
 from . import pipeline, torch_references
 from .aot import donated_backward_inputs
-from .codegen.cache import module_cache, source_hash
+from .codegen.cache import module_cache
 from .codegen.harness import standalone_source
 from .codegen.precompile import precompile
 from .codegen.wrapper_runtime import batched
@@ -21,6 +21,7 @@ from .codegen.fast_launch import FastKernel
 from .codegen.interpreter_guard import GuardedKernel
 from .codegen.wrapper_layouts import launch_checks
 from .codegen.kernel import Kernel
+from .codegen.kernel_identity import kernel_identity
 from .codegen.combined_casts import generate_combined_casts_kernel
 from .codegen.triton_pointwise import generate_pointwise_kernel
 from .codegen.triton_reduction import generate_reduction_kernel
@@ -43,7 +44,7 @@ from .report import GraphReport, KernelRecord, Report
 from .verify import graph_dtypes, verifier_for
 
 log = logging.getLogger("fxopt")
-_KERNELS: dict[tuple, object] = {}  # (kernel source hash, target) -> loaded JITFunction, shared by wrappers
+_KERNELS: dict[tuple, object] = {}  # (kernel_identity, target) -> loaded JITFunction, shared by wrappers
 _warned_eager = False
 
 
@@ -257,9 +258,9 @@ def _load(gm: fx.GraphModule, kernels: dict[str, Kernel], record: GraphReport, e
         module = cache.load(record.wrapper_source)
     record.cache = {"hits": cache.hits - hits, "misses": 1 - (cache.hits - hits)}
     checks = launch_checks(gm, kernels, _kernels_of) if mode == "triton" else {}
-    for k in _launched(kernels):  # one JITFunction per distinct kernel, so Triton compiles it once
+    for k in _launched(kernels):  # one JITFunction per distinct kernel (same up to names), so Triton compiles it once
         if mode == "triton":
-            key = (source_hash(k.source), record.target)  # an interpreted kernel never serves CUDA
+            key = (kernel_identity(k.source), record.target)  # an interpreted kernel never serves CUDA
             fn = _KERNELS.setdefault(key, getattr(module, k.name))
             # each launch site its own FastKernel: what it re-checks per launch depends on where its
             # arguments come from (codegen/wrapper_layouts.launch_checks)
@@ -279,8 +280,8 @@ def _load(gm: fx.GraphModule, kernels: dict[str, Kernel], record: GraphReport, e
             record.triton_compile_seconds = time.perf_counter() - start
 
         with _triton_interpreter(False):  # a process-wide TRITON_INTERPRET=1 (CPU tests) must not reach nvcc-side compiles
-            pending = precompile(gm, module, [k for k in _launched(kernels) if not k.symbolic], record.wrapper_source,
-                                 cache, env.compile_workers, background)  # symbolic kernels compile at their first call
+            pending = precompile(gm, module, _distinct_compiles(module, _launched(kernels)), record.wrapper_source,
+                                 cache, env.compile_workers, background)
         if pending is None:
             timed()
         else:
@@ -297,6 +298,20 @@ def _after(pending, call):
         pending.result()
         return call(args)
     return call_compiled
+
+
+def _distinct_compiles(module, launched: list[Kernel]) -> list[Kernel]:
+    """The kernels to compile ahead: one per JITFunction and specialisation (the 24 blocks of a model
+    share each block kernel's JITFunction: one compile, not 24); symbolic kernels compile at their
+    first call."""
+    seen, todo = set(), []
+    for k in launched:
+        fn = getattr(module, k.name)
+        key = (id(getattr(fn, "fn", fn)), repr(k.warmup_args()), repr(k.constexprs), repr(k.options()))
+        if not k.symbolic and key not in seen:
+            seen.add(key)
+            todo.append(k)
+    return todo
 
 
 def _launched(kernels: dict[str, Kernel]) -> list[Kernel]:

@@ -1,0 +1,78 @@
+"""Kernels equal up to the names they bind share one JITFunction (one Triton compile); kernels that differ
+in anything else (a called function, a constant, a keyword, a parameter) never do."""
+from __future__ import annotations
+
+import torch
+
+import fxopt.compile as fxopt_compile
+from fxopt.codegen.kernel_identity import kernel_identity
+from tests.helpers import CountingBackend
+
+_KERNEL = '''@triton.jit
+def fused_mul_{n}(in_ptr0, out_ptr0, xnumel, XBLOCK: tl.constexpr):
+    xindex = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)
+    xmask = xindex < xnumel
+    {a} = tl.load(in_ptr0 + xindex, {mask}=xmask, other=0)  # f32[8] ({a})
+    {b} = tl.{fn}({a}) * {c}  # aten.mul.Tensor
+    tl.store(out_ptr0 + xindex, {b}, xmask)
+'''
+
+
+def _kernel(**changes) -> str:
+    fields = dict(n=0, a="arg0_1", b="mul", mask="mask", fn="exp", c="2.0")
+    return _KERNEL.format(**{**fields, **changes})
+
+
+def test_names_and_comments_do_not_matter():
+    assert kernel_identity(_kernel()) == kernel_identity(_kernel(n=7, a="getitem_31", b="mul_17"))
+    assert kernel_identity(_kernel()) == kernel_identity(_kernel().replace("# aten.mul.Tensor", "# another note"))
+
+
+def test_anything_else_does():
+    base = kernel_identity(_kernel())
+    for change in (dict(fn="log"), dict(c="3.0"), dict(mask="other2")):
+        assert kernel_identity(_kernel(**change)) != base, change
+    renamed_parameter = _kernel().replace("in_ptr0", "in_ptr9")  # launches pass constexprs by name
+    assert kernel_identity(renamed_parameter) != base
+    swapped = _kernel(a="mul", b="arg0_1")  # consistent renaming both ways: the same program
+    assert kernel_identity(swapped) == base
+    assert kernel_identity(_kernel(a="x", b="x")) != base  # one name for two values: another program
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(d)
+        self.proj = torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + torch.nn.functional.gelu(self.proj(self.norm(x))) * 0.5
+
+
+def _compile_blocks(n_blocks: int, monkeypatch):
+    """(JITFunctions loaded, kernels generated, model, input, output) for n blocks, from empty caches."""
+    monkeypatch.setattr(fxopt_compile, "_KERNELS", {})
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[_Block(24) for _ in range(n_blocks)])
+    x = torch.randn(5, 24, requires_grad=True)
+    backend = CountingBackend()
+    y = torch.compile(model, backend=backend)(x)
+    y.square().sum().backward()
+    kernels = sum(len(g.kernels) for g in backend.report.graphs)
+    return len(fxopt_compile._KERNELS), kernels, model, x, y
+
+
+def test_identical_blocks_share_their_kernels_and_match_float64(monkeypatch):
+    loaded_3, kernels_3, *_ = _compile_blocks(3, monkeypatch)
+    loaded_6, kernels_6, model, x, y = _compile_blocks(6, monkeypatch)
+    assert kernels_6 > kernels_3 and loaded_6 == loaded_3, (loaded_3, kernels_3, loaded_6, kernels_6)
+    model64 = torch.nn.Sequential(*[_Block(24) for _ in range(6)]).double()
+    model64.load_state_dict(model.state_dict())
+    x64 = x.detach().double().requires_grad_()
+    y64 = model64(x64)
+    y64.square().sum().backward()
+    torch.testing.assert_close(y.double(), y64, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-4, atol=1e-4)
+    for p, p64 in zip(model.parameters(), model64.parameters()):
+        torch.testing.assert_close(p.grad.double(), p64.grad, rtol=1e-4, atol=1e-4)
