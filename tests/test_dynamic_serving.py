@@ -8,11 +8,14 @@ Llama below, whose kernels run in the interpreter).
 The block's causal buffer is longer than the longest sequence: a length equal to the buffer's makes
 dynamo guard `T != max_len` on the slice `bias[:, :, :T, :T]` and compile once more (dynamo's guard on
 the model code, the same under Inductor)."""
+import copy
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
+import fxopt
 from helpers import CountingBackend, assert_close_to_reference
 from benchmarks.workloads_attention import GPTBlock
 
@@ -88,3 +91,41 @@ def test_size_oblivious_sizes_serve_batch_1_from_the_same_compilation_and_length
             x = torch.randn(b, 1, 32)
             assert_close_to_reference(compiled(x), reference(x.double()), torch.float32)
     assert backend.calls >= calls + 1
+
+
+class _CachedAttention(torch.nn.Module):
+    """A decode step over a static KV cache written by slice at a Python-int position, its causal mask
+    sliced from a buffer at that position (how GPT-2 serving code is often written)."""
+
+    def __init__(self, d: int = 32, heads: int = 2, max_len: int = 24):
+        super().__init__()
+        self.heads, self.qkv = heads, torch.nn.Linear(d, 3 * d)
+        self.register_buffer("kc", torch.zeros(1, heads, max_len, d // heads))
+        self.register_buffer("vc", torch.zeros(1, heads, max_len, d // heads))
+        self.register_buffer("bias", torch.tril(torch.ones(max_len, max_len)).view(1, 1, max_len, max_len))
+
+    def forward(self, x, pos: int):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in self.qkv(x).split(C, 2))
+        self.kc[:, :, pos:pos + T] = k
+        self.vc[:, :, pos:pos + T] = v
+        att = (q @ self.kc[:, :, :pos + T].transpose(-2, -1)) * (C // self.heads) ** -0.5
+        att = att.masked_fill(self.bias[:, :, pos:pos + T, :pos + T] == 0, float("-inf"))
+        return (att.softmax(-1) @ self.vc[:, :, :pos + T]).transpose(1, 2).reshape(B, T, C)
+
+
+@pytest.mark.parametrize("options", [{}, {"precision": "bf16"}], ids=["fp32", "bf16"])
+def test_size_oblivious_decode_after_prefill_compiles(options):
+    """Found by a sweep: the decode step (recompiled with symbolic position and length) failed with
+    "PendingUnbackedSymbolNotFound": filling example values for the fused attention op (and the
+    precision pass's casts) re-ran slices at symbolic offsets, which under backed_size_oblivious make
+    unbacked size symbols that aot_autograd's trace then refused."""
+    torch.manual_seed(0)
+    model = _CachedAttention()
+    reference = copy.deepcopy(model).double()
+    compiled = torch.compile(copy.deepcopy(model), backend=fxopt.backend(**options))
+    tol = torch.bfloat16 if options else torch.float32
+    with torch.fx.experimental._config.patch(backed_size_oblivious=True), torch.no_grad():
+        for pos, length in ((0, 5), (5, 1), (6, 1)):
+            x = torch.randn(1, length, 32)
+            assert_close_to_reference(compiled(x, pos), reference(x.double(), pos), tol)

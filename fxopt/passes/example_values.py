@@ -3,6 +3,8 @@ insert: later passes read them (precision's dtype decisions), and so do the earl
 ops' kernels (codegen/own_op_compiles.before_autograd_compiles)."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.fx as fx
 from torch._dispatch.python import enable_python_dispatcher
@@ -23,9 +25,13 @@ def fake_mode(gm: fx.GraphModule):
 def run_on_fakes(node: fx.Node, mode):
     """The node's value computed from its inputs' example values (what dynamo recorded, re-done), the
     way dynamo computes them: under the Python dispatcher, so composite ops (F.linear) decompose with
-    symbolic sizes instead of asking C++ for a concrete numel()."""
+    symbolic sizes instead of asking C++ for a concrete numel(). Size symbols it makes (a slice at a
+    symbolic offset under `backed_size_oblivious` makes unbacked ones) belong to no trace: the shape
+    environment is told to forget them, or aot_autograd's trace refused them as pending."""
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["example_value"])
-    with mode, enable_python_dispatcher():
+    shape_env = getattr(mode, "shape_env", None)
+    forget = getattr(shape_env, "ignore_fresh_unbacked_symbols", contextlib.nullcontext)
+    with mode, enable_python_dispatcher(), forget():
         if node.op == "call_method":
             return getattr(args[0], node.target)(*args[1:], **kwargs)
         return node.target(*args, **kwargs)
