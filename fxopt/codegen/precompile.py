@@ -183,6 +183,9 @@ def _compile_in_workers(gm, module, todo: list[Kernel], source: str, cache, work
     for k in todo:
         fn = getattr(module, k.name)
         fn = getattr(fn, "fn", fn)  # the JITFunction inside FastKernel
+        if fn.__module__ != module.__name__:
+            continue  # another wrapper's kernel of the same program (compile._KERNELS): a worker would compile this
+            # wrapper's text of it, which the shared JITFunction never looks up
         spec = compile_pool.specialization(fn, *k.warmup_args(), grid=k.grid_tuple(), **k.options(), **k.constexprs)
         if spec is not None:
             jobs[k.name] = pool.submit(path, fn.__module__, k.name, spec)
