@@ -60,6 +60,8 @@ class _ReductionGroupSupport(OperatorSupportBase):
         self._after_columns: set[fx.Node] | None = None
 
     def is_node_supported(self, submodules, node: fx.Node) -> bool:
+        if self._too_far(node):
+            return False
         if any(self._after_column(a) or self._column_value(a) for a in node.all_input_nodes):
             # a column sum is known only after every row: only ops of column sums alone (the casts
             # after a weight gradient) may use it, in the kernel's combine step; nothing downstream of
@@ -94,6 +96,19 @@ class _ReductionGroupSupport(OperatorSupportBase):
         if sizes(val) == self.key[0] and any(self._reads_ambiguously(a) for a in node.all_input_nodes):
             return False
         return not self._ambiguous_row_scalar(node, sizes(val))
+
+    def _too_far(self, node: fx.Node) -> bool:
+        """A cheap test that implies every check below refuses the node: a tensor that is no reduction
+        and no view, of a shape neither among the group's nor broadcast to its rows (row values, row
+        scalars, column operands and column sums all are). A graph with many reduction keys (200
+        softmaxes over 200 row lengths) asked every node the full question once per key."""
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor) or is_view(node) or reduction_info(node) is not None:
+            return False
+        shape, full = sizes(val), self.key[0]
+        if shape in self.shapes or len(shape) > len(full):
+            return shape not in self.shapes
+        return not all(d == 1 or d == f for d, f in zip(reversed(shape), reversed(full)))
 
     def _reads_ambiguously(self, operand: fx.Node) -> bool:
         """A full-shape node reading a row scalar without keepdim (`x.sum(1) * x` for a square x) broadcasts
