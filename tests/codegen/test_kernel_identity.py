@@ -39,6 +39,17 @@ def test_anything_else_does():
     assert kernel_identity(_kernel(a="x", b="x")) != base  # one name for two values: another program
 
 
+def test_calls_continued_on_the_next_line_keep_their_keywords():
+    """Found by a sweep: read line by line, `mask=m)` on a continuation line looked like an assignment,
+    and a kernel binding `mask` compared equal to one binding `other` (no generated kernel spans lines
+    today; a later one would have launched the wrong program)."""
+    def loop(keyword, var="r0"):
+        return (f"def k(p, m):\n    acc = 0.0\n    for {var} in range(4):\n        x = tl.load(p + {var},\n"
+                f"            {keyword}=m)\n        {keyword} = x\n        acc += {keyword}\n    return acc\n")
+    assert kernel_identity(loop("mask")) != kernel_identity(loop("other"))
+    assert kernel_identity(loop("mask")) == kernel_identity(loop("mask", var="r7"))  # the loop variable is its own
+
+
 class _Block(torch.nn.Module):
     def __init__(self, d: int):
         super().__init__()
