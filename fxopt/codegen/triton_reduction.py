@@ -394,4 +394,3 @@ def generate_reduction_kernel(gm: fx.GraphModule, name: str, target: str, headro
         raise NotImplementedError(f"fxopt: reduction kernel {name} never stores output(s) "
                                   f"{[em.output_nodes[j].name for j in unstored]}")
     return kernel
-

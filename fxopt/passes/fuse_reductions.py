@@ -106,9 +106,9 @@ class _ReductionGroupSupport(OperatorSupportBase):
         if not isinstance(val, torch.Tensor) or is_view(node) or reduction_info(node) is not None:
             return False
         shape, full = sizes(val), self.key[0]
-        if shape in self.shapes or len(shape) > len(full):
-            return shape not in self.shapes
-        return not all(d == 1 or d == f for d, f in zip(reversed(shape), reversed(full)))
+        if shape in self.shapes:
+            return False
+        return len(shape) > len(full) or not all(d == 1 or d == f for d, f in zip(reversed(shape), reversed(full)))
 
     def _reads_ambiguously(self, operand: fx.Node) -> bool:
         """A full-shape node reading a row scalar without keepdim (`x.sum(1) * x` for a square x) broadcasts

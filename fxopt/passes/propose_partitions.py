@@ -61,34 +61,28 @@ def propose_partitions(gm: fx.GraphModule, support: OperatorSupportBase) -> list
 
 def _reachability(nodes: list, index: dict) -> tuple[list[int], list[int]]:
     """Per node (by position): the bitsets of its descendants and of its ancestors."""
-    down = [0] * len(nodes)
-    for i in reversed(range(len(nodes))):
-        bits = 0
-        for user in nodes[i].users:
-            j = index[user]
-            bits |= down[j] | (1 << j)
-        down[i] = bits
-    up = [0] * len(nodes)
-    for i, node in enumerate(nodes):
-        bits = 0
-        for arg in node.all_input_nodes:
-            j = index[arg]
-            bits |= up[j] | (1 << j)
-        up[i] = bits
-    return down, up
+    def closure(order, neighbours) -> list[int]:
+        reached = [0] * len(nodes)
+        for i in order:  # each node's neighbours come before it in `order`
+            for other in neighbours(nodes[i]):
+                j = index[other]
+                reached[i] |= reached[j] | (1 << j)
+        return reached
+
+    return (closure(reversed(range(len(nodes))), lambda n: n.users),
+            closure(range(len(nodes)), lambda n: n.all_input_nodes))
 
 
 def _merge_unless_cycle(groups: dict, owner: dict, a: int, b: int) -> int:
     """Merge groups a and b unless a path leaves them and comes back; return the surviving id (the
     larger group's, a's on a tie, as torch does)."""
     ga, gb = groups[a], groups[b]
-    bits, ups = ga.bits | gb.bits, ga.up | gb.up
-    reach = (ga.down | gb.down) & ~bits  # nodes outside reachable from the merged set
-    if _returns(groups, reach, bits, ups, (a, b)):
+    bits, downs, ups = ga.bits | gb.bits, ga.down | gb.down, ga.up | gb.up
+    if _returns(groups, downs & ~bits, bits, ups, (a, b)):  # (from the nodes outside reachable from the two)
         return a
     keep, gone = (b, a) if len(ga.nodes) < len(gb.nodes) else (a, b)
     kept, removed = groups[keep], groups.pop(gone)
-    kept.bits, kept.down, kept.up = bits, ga.down | gb.down, ups
+    kept.bits, kept.down, kept.up = bits, downs, ups
     kept.nodes += removed.nodes
     for n in removed.nodes:
         owner[n] = keep
