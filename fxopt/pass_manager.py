@@ -13,6 +13,7 @@ from typing import Callable, Protocol
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from .errors import VerifyError
 from .options import Environment, Options
@@ -88,6 +89,20 @@ def count_nodes(gm: fx.GraphModule) -> int:
     return sum(1 for n in gm.graph.nodes if n.op not in ("placeholder", "output"))
 
 
+def lazy_code(gm: fx.GraphModule) -> fx.GraphModule:
+    """The same graph in a module that makes its Python code only when it is run or printed.
+
+    Passes recompile the module after changing its graph, so that it stays runnable, and recompiling an
+    eager GraphModule generates and compiles the whole graph's code: a 24-block GPT-2 backward paid that
+    after each pass, every fused submodule's code again with it (2.5 of its 7.1 s of compile, CPU machine),
+    and nothing ran that code between passes (verify runs the graph node by node, through fx.Interpreter)."""
+    if isinstance(gm, _LazyGraphModule):
+        return gm
+    lazy = _LazyGraphModule(gm, gm.graph, type(gm).__name__)
+    lazy.meta = gm.meta
+    return lazy
+
+
 @dataclass
 class PassManager:
     """Runs passes in order. A failing pass raises with the list of passes that ran before it."""
@@ -98,6 +113,7 @@ class PassManager:
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, list[PassRecord], dict]:
         records: list[PassRecord] = []
         snapshots: dict[str, fx.GraphModule] = {}
+        gm = lazy_code(gm)
         if ctx.options.keep_graphs:
             snapshots["captured"] = snapshot(gm)
         for p in self.passes:
@@ -124,8 +140,5 @@ class PassManager:
             records.append(record)
             if ctx.options.keep_graphs:
                 snapshots[p.name] = snapshot(gm)
-        # once, at the end: recompiling a GraphModule recompiles every fused submodule in it too, and after
-        # each pass that was 2.5 of a 24-block GPT-2 backward's 7.1 s of compile (CPU machine); between
-        # passes nothing runs the graph's code (verify runs it node by node, through fx.Interpreter)
-        gm.recompile()
+        gm.recompile()  # (lazy: the code is made when the graph is first run or printed)
         return gm, records, snapshots

@@ -70,6 +70,29 @@ def test_records_time_and_node_counts():
     assert "self.fused" in fuse.text and "# f32[4] cpu" in fuse.text
 
 
+def test_the_pass_manager_makes_the_graphs_code_only_when_it_runs():
+    """Passes recompile after each change; the pass manager's module defers the code to the first call, and
+    the fused groups' modules are deferred too, so nothing between passes generates or compiles code."""
+    import torch.fx as fx
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+    from fxopt.pass_manager import PassContext, PassManager
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+    gm = make_fx(lambda x, y: torch.sigmoid(x * y) + torch.cos(x), tracing_mode="fake")(torch.randn(4), torch.randn(4))
+    gm.meta["marker"] = 1
+    ctx = PassContext(options=fxopt.Options(), env=fxopt.options.Environment.read(), graph_name="inference",
+                      target="interpret")
+    fuse = [p for p in pipeline.post_grad_passes(fxopt.Options()) if p.name == "fuse"]
+    out, records, _ = PassManager(fuse).run(gm, ctx)
+    assert records[0].stats["groups"] == 1
+    assert isinstance(out, _LazyGraphModule) and out._needs_recompile() and out.meta == {"marker": 1}
+    groups = [m for m in out.children() if isinstance(m, fx.GraphModule)]
+    assert len(groups) == 1 and groups[0]._needs_recompile()
+    x, y = torch.randn(4, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
+    torch.testing.assert_close(out(x, y), torch.sigmoid(x * y) + torch.cos(x))
+    assert not out._needs_recompile() and "fused" in out.code
+
+
 def test_snapshots_of_a_graph_with_a_constant_tensor_share_it():
     """explain keeps a copy of the graph after every pass; a tensor constant (torch.tensor(...) in the
     model) must not be cloned there: under aot_autograd's fake mode cloning its storage fails."""

@@ -136,3 +136,46 @@ def test_a_view_of_an_input_read_by_two_kernels_is_not_a_kernel_output():
         for got, want in zip(grads(compile_fxopt(f), x, torch.float32), grads(f, x, torch.float64)):
             torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
     torch._dynamo.reset()
+
+
+class _WithConstant(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Module()
+        self.inner.register_buffer("scale", torch.full((4,), 3.0))
+
+    def forward(self, x, y):
+        a = (x.sin() * self.inner.scale).cos()  # the group reads a nested buffer through get_attr
+        b = torch.matmul(a, y)
+        return b.sin() + a, a * 2
+
+
+def test_each_group_is_the_module_torch_fuse_as_graphmodule_builds_but_lazy():
+    """Same placeholders, outputs and code as torch's eager builder; the code is made only when asked."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+    from torch.fx.passes.utils.fuser_utils import fuse_as_graphmodule, topo_sort
+    from fxopt.passes.fuse_partitions import lift_group
+
+    class _WithAttr(_Pointwise):
+        def is_node_supported(self, submodules, node):
+            return node.op == "get_attr" or super().is_node_supported(submodules, node)
+
+    for model in (_model, _WithConstant()):
+        gm = fx.symbolic_trace(model)
+        partitions = CapabilityBasedPartitioner(gm, _WithAttr(), allows_single_node_partition=True).propose_partitions()
+        assert len(partitions) >= 2
+        for i, p in enumerate(partitions):
+            nodes = topo_sort(list(p.nodes))
+            ours, our_in, our_out = lift_group(gm, nodes, f"g{i}")
+            theirs, their_in, their_out = fuse_as_graphmodule(gm, nodes, f"g{i}", p.nodes)
+            assert isinstance(ours, _LazyGraphModule) and ours._needs_recompile()
+            assert (our_in, our_out) == (their_in, their_out)
+            assert ours.code == theirs.code
+            assert type(ours).__name__ == f"g{i}"
+            args = [torch.randn(4, 4) for _ in our_in]
+            torch.testing.assert_close(ours(*args), theirs(*args))
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    fused = fuse_partitions(gm, partitions, prefix="fused_")
+    fused.recompile()
+    for got, want in zip(fused(x, y), _WithConstant()(x, y)):
+        torch.testing.assert_close(got, want)
