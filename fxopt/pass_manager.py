@@ -100,6 +100,9 @@ def lazy_code(gm: fx.GraphModule) -> fx.GraphModule:
         return gm
     lazy = _LazyGraphModule(gm, gm.graph, type(gm).__name__)
     lazy.meta = gm.meta
+    for name, value in vars(gm).items():  # attributes a compiler set on the module, such as a shape env
+        if name not in vars(lazy) or name == "shape_env":
+            setattr(lazy, name, value)
     return lazy
 
 

@@ -80,12 +80,14 @@ def test_the_pass_manager_makes_the_graphs_code_only_when_it_runs():
     from torch.fx.experimental.proxy_tensor import make_fx
     gm = make_fx(lambda x, y: torch.sigmoid(x * y) + torch.cos(x), tracing_mode="fake")(torch.randn(4), torch.randn(4))
     gm.meta["marker"] = 1
+    gm.compiler_note = "kept"
     ctx = PassContext(options=fxopt.Options(), env=fxopt.options.Environment.read(), graph_name="inference",
                       target="interpret")
     fuse = [p for p in pipeline.post_grad_passes(fxopt.Options()) if p.name == "fuse"]
     out, records, _ = PassManager(fuse).run(gm, ctx)
     assert records[0].stats["groups"] == 1
     assert isinstance(out, _LazyGraphModule) and out._needs_recompile() and out.meta == {"marker": 1}
+    assert out.compiler_note == "kept"
     groups = [m for m in out.children() if isinstance(m, fx.GraphModule)]
     assert len(groups) == 1 and groups[0]._needs_recompile()
     x, y = torch.randn(4, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
