@@ -24,6 +24,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.passes.utils.fuser_utils import erase_nodes, fuse_by_partitions, insert_subgm, topo_sort
 
 from ..analysis.op_classes import is_view
+from ..analysis.torch_ops import module_attribute
 
 # torch >= 2.10 places the fused call at the group's last node, then sorts stably; older torch appended
 # it to the graph and sorted with `legalize_graph`: there torch's own function runs, for the same graphs
@@ -70,14 +71,8 @@ def lift_group(gm: fx.GraphModule, nodes: list[fx.Node], class_name: str):
     results = tuple(copies[n] for n in outputs)
     graph.output(results[0] if len(results) == 1 else results)
     # attributes and modules the group reads, under their dotted names (GraphModule resolves them from a dict)
-    owned = {n.target: gm.get_submodule(n.target) if n.op == "call_module" else _attribute(gm, n.target)
-             for n in graph.nodes if n.op in ("get_attr", "call_module")}
+    owned = {n.target: module_attribute(gm, n.target) for n in graph.nodes if n.op in ("get_attr", "call_module")}
     return _LazyGraphModule(owned, graph, class_name), tuple(placeholders), outputs
-
-
-def _attribute(gm: fx.GraphModule, target: str):
-    owner, _, name = target.rpartition(".")
-    return getattr(gm.get_submodule(owner) if owner else gm, name)
 
 
 def _views_read_outside_stay_outside(graph: fx.Graph, group) -> None:
