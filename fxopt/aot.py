@@ -9,6 +9,8 @@ debug logging fxopt does not use. What fxopt needs from the helper is done here:
 - list, tuple and dict inputs flattened (dynamo's flatten_graph_inputs);
 - the backward compiler, the backward graph it returns and the compiled forward hidden from dynamo
   (torch._dynamo.disable), so dynamo never traces fxopt's own code or wrappers.
+And one thing the helper does not do: the graph texts aot_autograd prints for its logs and its cache
+are skipped where neither reads them (aot_graph_texts.py).
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ import functools
 import torch
 from torch._dynamo.utils import counters, flatten_graph_inputs
 from torch._functorch.aot_autograd import aot_module_simplified
+
+from .aot_graph_texts import skipping_graph_texts
 
 __all__ = ["aot_compile"]
 
@@ -34,7 +38,8 @@ def aot_compile(gm: torch.fx.GraphModule, example_inputs, **aot_options):
     counters["aot_autograd"]["total"] += 1
     aot_options = {**aot_options, "bw_compiler": _hidden_from_dynamo(aot_options["bw_compiler"])}
     try:
-        compiled = aot_module_simplified(gm, example_inputs, **aot_options)
+        with skipping_graph_texts():  # texts of the graphs that only a log or a cache reads
+            compiled = aot_module_simplified(gm, example_inputs, **aot_options)
     except _Restart:
         raise
     except Exception:
