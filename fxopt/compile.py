@@ -321,7 +321,7 @@ def _launched(kernels: dict[str, Kernel]) -> list[Kernel]:
 
 
 def _kernels_of(k: Kernel) -> list[Kernel]:
-    return [s for s in (k.prologue, k, k.epilogue, k.alternative) if s is not None]
+    return k.launched()
 
 
 @contextlib.contextmanager

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..analysis.symbolic import is_symbolic, pexpr
+from .kernel_identity import kernel_identity
 
 
 @dataclass
@@ -45,11 +46,13 @@ class Kernel:
     def symbolic(self) -> bool:
         return bool(self.symbols)
 
+    def launched(self) -> list["Kernel"]:
+        """Every Triton function this kernel launches, in full_source's order."""
+        return [k for k in (self.prologue, self, self.epilogue, self.alternative) if k is not None]
+
     def full_source(self) -> str:
         """Every Triton function this kernel launches (a split reduction's partial kernel first)."""
-        alternative = "\n\n" + self.alternative.source if self.alternative is not None else ""
-        epilogue = "\n\n" + self.epilogue.source if self.epilogue is not None else ""
-        return (self.prologue.source + "\n\n" if self.prologue is not None else "") + self.source + epilogue + alternative
+        return "\n\n".join(k.source for k in self.launched())
 
     def warmup_args(self) -> list:
         """Arguments for JITFunction.warmup: pointer dtypes, then the real integer arguments."""
@@ -75,3 +78,20 @@ class Kernel:
     def options(self) -> dict:
         """Triton's launch options besides the constexprs: num_warps, and maxnreg where capped."""
         return {"num_warps": self.num_warps, **({} if self.maxnreg is None else {"maxnreg": self.maxnreg})}
+
+
+def kernel_definitions(kernels) -> str:
+    """The wrapper's kernel section: each distinct program defined once. A function equal to an earlier one
+    up to names (kernel_identity: the 24 blocks of a GPT-2 medium give 24 texts of each block kernel)
+    becomes a second name for it, so the module defines, and Triton compiles, one JITFunction for all of
+    them; the section a 24-block stack's backward imports shrank from 266 functions to about 20.
+    Graphs without repeats get the text they always had."""
+    first: dict[str, str] = {}
+    out = []
+    for k in kernels:
+        parts = []
+        for fn in k.launched():
+            same = first.setdefault(kernel_identity(fn.source), fn.name)
+            parts.append(fn.source if same == fn.name else f"{fn.name} = {same}  # the same program as {same}")
+        out.append("\n" + "\n\n".join(parts) + "\n")
+    return "".join(out)

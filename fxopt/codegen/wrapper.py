@@ -25,7 +25,7 @@ from ..analysis.liveness import buffer_intervals, inplace_pairs, tensor_bytes
 from ..analysis.op_classes import is_view, out_variant, tensor_devices
 from ..analysis.symbolic import expr, hint, pexpr, ptuple, shape_env_of, sizes, strides, symbol_bindings
 from ..report import BufferRecord, MemoryPlan
-from .kernel import Kernel
+from .kernel import Kernel, kernel_definitions
 from .wrapper_layouts import (FRESH_CONTIGUOUS, VIEW_METHODS, allocation, elided_splits, known_layouts,
                               scratch_allocation)
 from .wrapper_layouts import device_source as _dev
@@ -267,7 +267,7 @@ def generate_wrapper(gm: fx.GraphModule, kernels: dict[str, Kernel], graph: str,
         extra += "\nfrom fxopt.codegen import direct_calls as fxopt_ops"
     src = KERNELS_HEADER.format(graph=graph, filename=filename, libdevice=libdevice)
     if mode == "triton":
-        src += "".join("\n" + k.full_source() + "\n" for k in kernels.values())
+        src += kernel_definitions(kernels.values())
     src += "\n" + KERNELS_END + HEADER.format(extra=extra)
     if profile:
         src += PROFILE_HEADER

@@ -6,7 +6,8 @@ import torch
 
 import fxopt.compile as fxopt_compile
 from fxopt.codegen.kernel_identity import kernel_identity
-from tests.helpers import CountingBackend
+from fxopt.codegen.kernel import Kernel, kernel_definitions
+from tests.helpers import CountingBackend, jit_kernels
 
 _KERNEL = '''@triton.jit
 def fused_mul_{n}(in_ptr0, out_ptr0, xnumel, XBLOCK: tl.constexpr):
@@ -61,7 +62,8 @@ class _Block(torch.nn.Module):
 
 
 def _compile_blocks(n_blocks: int, monkeypatch):
-    """(JITFunctions loaded, kernels generated, model, input, output) for n blocks, from empty caches."""
+    """(JITFunctions loaded, kernels generated, model, input, output, functions the wrappers define) for n
+    blocks, from empty caches."""
     monkeypatch.setattr(fxopt_compile, "_KERNELS", {})
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -71,13 +73,15 @@ def _compile_blocks(n_blocks: int, monkeypatch):
     y = torch.compile(model, backend=backend)(x)
     y.square().sum().backward()
     kernels = sum(len(g.kernels) for g in backend.report.graphs)
-    return len(fxopt_compile._KERNELS), kernels, model, x, y
+    defined = sum(jit_kernels(g.wrapper_source) for g in backend.report.graphs)
+    return len(fxopt_compile._KERNELS), kernels, model, x, y, defined
 
 
 def test_identical_blocks_share_their_kernels_and_match_float64(monkeypatch):
-    loaded_3, kernels_3, *_ = _compile_blocks(3, monkeypatch)
-    loaded_6, kernels_6, model, x, y = _compile_blocks(6, monkeypatch)
+    loaded_3, kernels_3, *_, defined_3 = _compile_blocks(3, monkeypatch)
+    loaded_6, kernels_6, model, x, y, defined_6 = _compile_blocks(6, monkeypatch)
     assert kernels_6 > kernels_3 and loaded_6 == loaded_3, (loaded_3, kernels_3, loaded_6, kernels_6)
+    assert defined_6 == defined_3 < kernels_6, (defined_3, defined_6, kernels_6)  # the wrappers define each once
     model64 = torch.nn.Sequential(*[_Block(24) for _ in range(6)]).double()
     model64.load_state_dict(model.state_dict())
     x64 = x.detach().double().requires_grad_()
@@ -87,3 +91,29 @@ def test_identical_blocks_share_their_kernels_and_match_float64(monkeypatch):
     torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-4, atol=1e-4)
     for p, p64 in zip(model.parameters(), model64.parameters()):
         torch.testing.assert_close(p.grad.double(), p64.grad, rtol=1e-4, atol=1e-4)
+
+
+def _plain(name: str, source: str, **parts) -> Kernel:
+    return Kernel(name=name, kind="reduction", source=source, ops=[], grid=1, int_args=[], constexprs={},
+                  num_warps=4, **parts)
+
+
+def test_a_repeated_kernel_and_its_prologue_become_second_names():
+    first = _plain("fused_mul_0", _kernel(n=0), prologue=_plain("fused_mul_10", _kernel(n=10, c="3.0")))
+    again = _plain("fused_mul_1", _kernel(n=1, a="x_9"), prologue=_plain("fused_mul_11", _kernel(n=11, c="3.0")))
+    other = _plain("fused_mul_2", _kernel(n=2, fn="log"))
+    text = kernel_definitions([first, again, other])
+    assert "fused_mul_11 = fused_mul_10  # the same program as fused_mul_10" in text
+    assert "fused_mul_1 = fused_mul_0  # the same program as fused_mul_0" in text
+    assert jit_kernels(text) == 3 and "def fused_mul_2(" in text
+    namespace = {}
+    exec("import triton\nimport triton.language as tl\n" + text, namespace)  # every launched name is defined
+    assert namespace["fused_mul_1"] is namespace["fused_mul_0"]
+    assert namespace["fused_mul_11"] is namespace["fused_mul_10"]
+    assert namespace["fused_mul_2"] is not namespace["fused_mul_0"]
+
+
+def test_kernels_without_repeats_keep_their_text():
+    kernels = [_plain("fused_mul_0", _kernel(n=0), prologue=_plain("fused_mul_10", _kernel(n=10, c="3.0"))),
+               _plain("fused_mul_2", _kernel(n=2, fn="log"))]
+    assert kernel_definitions(kernels) == "".join("\n" + k.full_source() + "\n" for k in kernels)
