@@ -4,7 +4,7 @@ On every training compile aot_autograd prints its joint, forward and backward gr
 (`GraphModule.print_readable`, graph_compile._log_joint_graph and _log_fw_bw_graphs). The texts feed
 two readers only: the structured trace (TORCH_TRACE, tlparse) and the AOTAutograd cache entry, which
 Inductor's path fills and fxopt's never does (`aot_module_simplified` leaves `cache_info` unset).
-Printing a 24-block GPT-2 stack's three graphs took 0.22 s of its first call on the CPU machine
+Printing a 24-block GPT-2 stack's three graphs took 0.21 s of its first call on the CPU machine
 (benchmarks/results/2026-12-06-cpu-b.md), on the main thread, before fxopt's own compile starts.
 
 `skipping_graph_texts()` marks the calling thread for the length of one fxopt compile; while it is
