@@ -257,7 +257,7 @@ def _load(gm: fx.GraphModule, kernels: dict[str, Kernel], record: GraphReport, e
     with _triton_interpreter(record.target == "interpret"):
         module = cache.load(record.wrapper_source)
     record.cache = {"hits": cache.hits - hits, "misses": 1 - (cache.hits - hits)}
-    checks = launch_checks(gm, kernels, _kernels_of) if mode == "triton" else {}
+    checks = launch_checks(gm, kernels, Kernel.launched) if mode == "triton" else {}
     for k in _launched(kernels):  # one JITFunction per distinct kernel (same up to names), so Triton compiles it once
         if mode == "triton":
             key = (kernel_identity(k.source), record.target)  # an interpreted kernel never serves CUDA
@@ -317,11 +317,7 @@ def _distinct_compiles(module, launched: list[Kernel]) -> list[Kernel]:
 def _launched(kernels: dict[str, Kernel]) -> list[Kernel]:
     """Every Triton function the wrapper launches (split reductions launch a prologue kernel too, column
     partials kept in an output a fix-up after; a symbolic row's kernel has a persistent alternative)."""
-    return [p for k in kernels.values() for p in _kernels_of(k)]
-
-
-def _kernels_of(k: Kernel) -> list[Kernel]:
-    return k.launched()
+    return [p for k in kernels.values() for p in k.launched()]
 
 
 @contextlib.contextmanager

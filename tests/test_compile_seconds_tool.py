@@ -13,4 +13,3 @@ def test_compile_seconds_reports_both_graphs_of_a_small_stack(capsys):
     compile_seconds.main(["--layers", "1", "--d-model", "32", "--tokens", "8"])
     out = capsys.readouterr().out
     assert "1 GPT-2 blocks" in out and "backward: compile" in out
-

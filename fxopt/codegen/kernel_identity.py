@@ -6,10 +6,11 @@ block on a cold first call). Two kernels whose token streams are equal once the 
 themselves (the function's own name, assigned and loop variables, helpers defined beside it) are
 numbered in order of appearance, and comments are dropped (a regular expression reads the tokens, the
 bracket depth carried from line to line: Python's tokenize and ast took 1.1 s for a 24-block backward's
-242 kernels), compute the same thing: the wrapper then launches one JITFunction for both (compile.py
-`_KERNELS`). Everything else is kept as it is: names the kernel does not bind (`tl`, `libdevice`, attributes after a dot), keyword names in calls, and the
-parameters, which launches pass by name (`XBLOCK=`); so kernels that call different functions or take
-different arguments never compare equal."""
+242 kernels), compute the same thing: the wrapper defines the program once and names the repeats after
+it (kernel.kernel_definitions), and graphs share one JITFunction for it (compile.py `_KERNELS`).
+Everything else is kept as it is: names the kernel does not bind (`tl`, `libdevice`, attributes after a
+dot), keyword names in calls, and the parameters, which launches pass by name (`XBLOCK=`); so kernels
+that call different functions or take different arguments never compare equal."""
 from __future__ import annotations
 
 import functools
