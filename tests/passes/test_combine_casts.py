@@ -111,3 +111,20 @@ def test_a_graph_without_a_single_peak_joins_nothing_and_the_pass_ends(monkeypat
         return w1.to(torch.bfloat16), x * 2, w2.to(torch.bfloat16), x + 1
     result = _fused_then_combined(f, torch.randn(4096), torch.randn(8), torch.randn(64))
     assert result.stats == {"kernels": 0, "casts": 0}
+
+
+def test_more_casts_than_a_kernel_takes_split_into_kernels_of_at_most_max_members(device):
+    """MAX_MEMBERS + 4 returned parameter casts (the peak is at the end, so all may join): two kernels,
+    the first of MAX_MEMBERS members, every result equal to torch's cast."""
+    from fxopt.passes.combine_casts import MAX_MEMBERS
+    n = MAX_MEMBERS + 4
+
+    def f(*ws):
+        return tuple(w.to(torch.float16) for w in ws)
+    torch.manual_seed(0)
+    ws = [torch.randn(3 + i, device=device) for i in range(n)]  # shapes of their own: one group each
+    be = CountingBackend()
+    out = torch.compile(f, backend=be)(*ws)
+    for got, w in zip(out, ws):
+        assert got.dtype == torch.float16 and torch.equal(got, w.to(torch.float16))
+    assert sorted(len(k.ops) for k in _combined(be.report)) == [4, MAX_MEMBERS]
