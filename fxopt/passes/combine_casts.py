@@ -16,11 +16,10 @@ Cost rule: a moved cast's result is allocated earlier, from the first cast's pla
 only if that never raises the graph's peak (liveness.live_bytes; in training the casts are mostly
 kept for the backward and alive at the forward's end, where its peak is). Members are float casts of
 contiguous inputs of static size, each under 2**31 elements (32-bit offsets); at most MAX_MEMBERS
-per kernel (each program tests every member's range). 16, not 64: Triton's front end is Python that
-holds the GIL on the compile pool beside the main thread's compile, and a 64-member kernel took it for
-1.5-1.8 s on an H100 host (16 members: 0.38 s; the 24-block stack's kernels of 16 are one program,
-compiled once; benchmarks/results/2026-12-07-h100.md). A few more launches per step: 12 instead of 3
-for 192 casts.
+per kernel (each program tests every member's range). 16, not 64: a 64-member kernel's compile took
+3.6 s on an H100 host's compile pool, 1.5-1.8 s of it Triton's front end (16 members: 1.8 s and 0.38 s;
+the 24-block stack's kernels of 16 are one program, compiled once; benchmarks/results/2026-12-07-h100.md).
+The price is a few more launches per step: 12 instead of 3 for 192 casts.
 """
 from __future__ import annotations
 
