@@ -20,6 +20,8 @@ import sys
 import tempfile
 import textwrap
 
+from benchmarks.key_beside_tracing import BUSY_MAIN
+
 CHILD = textwrap.dedent('''\
     import runpy, sys, threading, time
     import fxopt.codegen.offline_compile  # noqa: F401 (the kernel files' --compile-for needs it)
@@ -36,11 +38,7 @@ CHILD = textwrap.dedent('''\
     t0 = time.perf_counter()
     if thread:
         thread.start()
-    busy = 0.0
-    if mode != "alone":
-        for _ in range(work):
-            sum(i * i for i in range(1000))
-        busy = time.perf_counter() - t0
+    ''') + BUSY_MAIN + textwrap.dedent('''\
     if thread:
         thread.join()
     print(f"{done[0] if done else 0.0:.3f} {busy:.3f}")
@@ -50,8 +48,8 @@ CHILD = textwrap.dedent('''\
 def _run(mode: str, path: str, target: str, work: int, interval: float) -> tuple[float, float]:
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="fxopt-gil-"))
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    out = subprocess.run([sys.executable, "-c", CHILD, mode, path, target, str(work), str(interval)], env=env, check=True,
-                         capture_output=True, text=True).stdout.split()
+    argv = [sys.executable, "-c", CHILD, mode, path, target, str(work), str(interval)]
+    out = subprocess.run(argv, env=env, check=True, capture_output=True, text=True).stdout.split()
     return float(out[-2]), float(out[-1])
 
 

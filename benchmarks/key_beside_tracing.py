@@ -15,6 +15,15 @@ import subprocess
 import sys
 import textwrap
 
+# The main thread's fixed Python work in a child (mode, work and t0 set before it): shared with
+# compile_beside_tracing.py.
+BUSY_MAIN = '''\
+busy = 0.0
+if mode != "alone":
+    for _ in range(work):
+        sum(i * i for i in range(1000))
+    busy = time.perf_counter() - t0
+'''
 CHILD = textwrap.dedent('''\
     import contextlib, sys, threading, time
     from triton.runtime.cache import triton_key
@@ -28,11 +37,7 @@ CHILD = textwrap.dedent('''\
     t0 = time.perf_counter()
     thread = threading.Thread(target=key)
     thread.start()
-    busy = 0.0
-    if mode != "alone":
-        for _ in range(work):
-            sum(i * i for i in range(1000))
-        busy = time.perf_counter() - t0
+    ''') + BUSY_MAIN + textwrap.dedent('''\
     thread.join()
     print(f"{done[0]:.3f} {busy:.3f}")
     ''')
