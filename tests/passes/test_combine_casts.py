@@ -115,7 +115,7 @@ def test_a_graph_without_a_single_peak_joins_nothing_and_the_pass_ends(monkeypat
 
 def test_more_casts_than_a_kernel_takes_split_into_kernels_of_at_most_max_members(device):
     """MAX_MEMBERS + 4 returned parameter casts (the peak is at the end, so all may join): two kernels,
-    the first of MAX_MEMBERS members, every result equal to torch's cast."""
+    one of MAX_MEMBERS members and one of 4, every result equal to torch's cast."""
     from fxopt.passes.combine_casts import MAX_MEMBERS
     n = MAX_MEMBERS + 4
 
