@@ -114,6 +114,9 @@ class Environment:
     # FXOPT_COMPILE_SWITCH_INTERVAL: the GIL switch interval (seconds) while kernels compile on threads
     # beside the tracing main thread (codegen/gil_handoff.py); 0 leaves the interpreter's alone
     compile_switch_interval: float = 2e-4
+    # FXOPT_COMPILE_GC_PAUSE=0: Python's cyclic garbage collector keeps running during fxopt's compiles
+    # (gc_pause.py: paused by default, its full passes over a large process cost a first call seconds)
+    compile_gc_pause: bool = True
 
     @classmethod
     def read(cls) -> "Environment":
@@ -130,6 +133,7 @@ class Environment:
             backward_with_forward=_switch("FXOPT_BACKWARD_WITH_FORWARD", True),
             own_ops_early=_switch("FXOPT_OWN_OPS_EARLY", True),
             compile_switch_interval=_seconds("FXOPT_COMPILE_SWITCH_INTERVAL", 2e-4),
+            compile_gc_pause=_switch("FXOPT_COMPILE_GC_PAUSE", True),
         )
 
 
