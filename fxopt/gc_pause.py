@@ -3,9 +3,9 @@
 A compile builds and drops hundreds of thousands of objects (fx nodes, fake tensors, sympy
 expressions), and every so many allocations the collector walks all of the process's tracked objects:
 torch's modules, dynamo's graph, aot_autograd's traces. For a 24-block GPT-2 stack that is about 560,000
-objects per full pass. Its training step's first call on the CPU machine spent 2.3 s in collections, about
-0.8-1.0 s of them inside fxopt's backend call (aot_autograd and fxopt's own compile), which the pause
-removes (benchmarks/results/2026-12-07-cpu.md). What the compile leaves unreachable is collected by the
+objects per full pass. Its training step's first call on the CPU machine spent 1.9-2.1 s in full
+collections; pausing them during fxopt's backend call (aot_autograd and fxopt's own compile) saved
+0.85-0.94 s of that (benchmarks/results/2026-12-07-cpu.md). What the compile leaves unreachable is collected by the
 first collection after it, as it would have been.
 
 The collector is process-wide, so the pause is counted: it starts when the first compile enters and
@@ -16,31 +16,26 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import threading
 
-_lock = threading.Lock()
-_active = 0
-_paused = False  # this module disabled the collector (it was enabled when the first compile entered)
+from .counted_override import CountedOverride
 
 
-@contextlib.contextmanager
+def _disable() -> bool:
+    """True when this disabled the collector (it was running)."""
+    if gc.isenabled():
+        gc.disable()
+        return True
+    return False
+
+
+def _enable(paused: bool) -> None:
+    if paused and not gc.isenabled():
+        gc.enable()
+
+
+_pause = CountedOverride(_disable, _enable)
+
+
 def collector_paused(enabled: bool = True):
-    """Run the block with the cyclic collector disabled (enabled=False: leave it as it is)."""
-    global _active, _paused
-    if not enabled:
-        yield
-        return
-    with _lock:
-        if _active == 0 and gc.isenabled():
-            gc.disable()
-            _paused = True
-        _active += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _active -= 1
-            if _active == 0:
-                if _paused and not gc.isenabled():
-                    gc.enable()
-                _paused = False
+    """A context that runs its block with the cyclic collector disabled (enabled=False: left as it is)."""
+    return _pause() if enabled else contextlib.nullcontext()

@@ -22,37 +22,28 @@ the value (seconds, default 0.0002; 0: leave the interpreter's interval alone).
 """
 from __future__ import annotations
 
-import contextlib
 import sys
-import threading
 
+from ..counted_override import CountedOverride
 from ..options import Environment
 
-_lock = threading.Lock()
-_active = 0
-_saved: float | None = None  # the interval before the first phase
-_set = 0.0  # the interval the phases run with
+
+def _shorten() -> tuple[float, float]:
+    """(the interval before, the interval the phases run with), the latter set."""
+    saved = sys.getswitchinterval()
+    wanted = Environment.read().compile_switch_interval
+    chosen = wanted if 0 < wanted < saved else saved
+    if chosen != saved:
+        sys.setswitchinterval(chosen)
+    return saved, chosen
 
 
-@contextlib.contextmanager
-def quick_handoff():
-    """Run the block with the switch interval at most FXOPT_COMPILE_SWITCH_INTERVAL's (0.2 ms: 0.1 ms
-    gave the key thread little more and cost the busy thread time)."""
-    global _active, _saved, _set
-    with _lock:
-        if _active == 0:
-            _saved = sys.getswitchinterval()
-            wanted = Environment.read().compile_switch_interval
-            _set = wanted if 0 < wanted < _saved else _saved
-            if _set != _saved:
-                sys.setswitchinterval(_set)
-        _active += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _active -= 1
-            if _active == 0:
-                if abs(sys.getswitchinterval() - _set) < 2e-6:  # nobody else changed it (it keeps µs)
-                    sys.setswitchinterval(_saved)
-                _saved = None
+def _restore(token: tuple[float, float]) -> None:
+    saved, chosen = token
+    if abs(sys.getswitchinterval() - chosen) < 2e-6:  # nobody else changed it (it keeps µs)
+        sys.setswitchinterval(saved)
+
+
+# Run a block with the switch interval at most FXOPT_COMPILE_SWITCH_INTERVAL's (0.2 ms: 0.1 ms gave the
+# key thread little more and cost the busy thread time).
+quick_handoff = CountedOverride(_shorten, _restore)

@@ -42,7 +42,7 @@ def test_overlapping_phases_on_two_threads_restore_after_the_last():
     release.set()
     t.join()
     assert sys.getswitchinterval() == pytest.approx(0.005, abs=2e-6)
-    assert gil_handoff._active == 0
+    assert gil_handoff.quick_handoff.active == 0
 
 
 def test_a_shorter_interval_is_left_alone():
@@ -76,7 +76,7 @@ def test_the_environment_sets_the_interval_or_turns_it_off(monkeypatch):
     with pytest.raises(ValueError, match="FXOPT_COMPILE_SWITCH_INTERVAL='fast' is not a number of seconds"):
         with quick_handoff():
             pass
-    assert gil_handoff._active == 0 and sys.getswitchinterval() == pytest.approx(0.005, abs=2e-6)
+    assert gil_handoff.quick_handoff.active == 0 and sys.getswitchinterval() == pytest.approx(0.005, abs=2e-6)
 
 
 @pytest.fixture
