@@ -53,7 +53,8 @@ def as_fake_cuda(value, mode: FakeTensorMode):
 
 
 def run_passes(name: str, gm: torch.fx.GraphModule, target: str, profile: bool):
-    """(seconds, the pass records, the profile or None) of the post-grad passes on a copy of gm."""
+    """(seconds, the graph after, the pass records, the profile or None) of the post-grad passes on a
+    copy of gm."""
     gm = copy.deepcopy(gm)
     if target == "cuda":
         mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -67,10 +68,10 @@ def run_passes(name: str, gm: torch.fx.GraphModule, target: str, profile: bool):
     start = time.perf_counter()
     if prof:
         prof.enable()
-    _, records, _ = PassManager(pipeline.post_grad_passes(options), None).run(gm, ctx)
+    out, records, _ = PassManager(pipeline.post_grad_passes(options), None).run(gm, ctx)
     if prof:
         prof.disable()
-    return time.perf_counter() - start, records, prof
+    return time.perf_counter() - start, out, records, prof
 
 
 def main(argv=None) -> int:
@@ -82,9 +83,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     for name, gm in captured_graphs(args.layers, args.d_model, args.tokens):
         for target in ("interpret", "cuda"):
-            seconds, records, prof = run_passes(name, gm, target, args.profile)
+            seconds, out, records, prof = run_passes(name, gm, target, args.profile)
             slowest = sorted(records, key=lambda r: -r.seconds)[:6]
-            print(f"{name:8} {target:9} {seconds:5.2f} s  " + ", ".join(f"{r.name} {r.seconds:.2f}" for r in slowest))
+            groups = sum(n.op == "call_module" for n in out.graph.nodes)
+            print(f"{name:8} {target:9} {seconds:5.2f} s  {groups:3d} groups  "
+                  + ", ".join(f"{r.name} {r.seconds:.2f}" for r in slowest))
             if prof:
                 pstats.Stats(prof).sort_stats("cumulative").print_stats(20)
     return 0
