@@ -22,7 +22,7 @@ from .buffer_guards import guarded
 from .compile import compile_aten_graph
 from .cudagraphs import graphed_compiler
 from .decompositions import decomposition_table
-from .gc_pause import collector_paused
+from .gc_pause import pausing_collector
 from .options import Environment, Options, backward_with_forward
 from .pass_manager import PassContext, PassManager
 from .passes.cse import eliminate_common_subexpressions
@@ -34,14 +34,10 @@ _DUMP_REPORTS: dict[str, Report] = {}  # one accumulating report per dump direct
 _lock = threading.Lock()
 
 
+@pausing_collector
 def compile_dynamo_graph(gm: fx.GraphModule, example_inputs, options: Options, report: Report | None = None):
     """Compile one graph dynamo captured; forward and backward go through aot_autograd. Python's cyclic
     garbage collector is paused meanwhile (gc_pause.py)."""
-    with collector_paused(Environment.read().compile_gc_pause):
-        return _compile_dynamo_graph(gm, example_inputs, options, report)
-
-
-def _compile_dynamo_graph(gm: fx.GraphModule, example_inputs, options: Options, report: Report | None):
     env = Environment.read()
     warm_compile_keys(example_inputs)  # CUDA graphs: Triton's per-process keys computed while aot_autograd traces
     compile_pool.prestart(example_inputs, env.compile_workers)  # and the compile workers started (if any)

@@ -31,7 +31,7 @@ from .analysis.roofline import roofline
 from .analysis.symbolic import (graph_symbols, guard_texts, has_symbolic_shapes, hint, shape_env_of,
                                 symbolic_unsupported_reason)
 from .errors import node_error
-from .gc_pause import collector_paused
+from .gc_pause import pausing_collector
 from .graph_svg import graph_svg
 from .memory.plan_report import memory_plan
 from .memory.size_plans import size_plans
@@ -95,17 +95,12 @@ def _kernel_name(gm: fx.GraphModule, index: int) -> str:
     return f"fused_{short}_{index}"
 
 
+@pausing_collector
 def compile_aten_graph(gm: fx.GraphModule, example_inputs, *, options: Options, graph_name: str,
                        report: Report, on_done=None):
     """Run the post-grad pipeline on an ATen graph and return the boxed callable aot_autograd wants.
     The cyclic garbage collector is paused meanwhile (a backward compiled at its first call is outside
     compile_dynamo_graph's pause)."""
-    with collector_paused(Environment.read().compile_gc_pause):
-        return _compile_aten_graph(gm, example_inputs, options, graph_name, report, on_done)
-
-
-def _compile_aten_graph(gm: fx.GraphModule, example_inputs, options: Options, graph_name: str, report: Report,
-                        on_done):
     env = Environment.read()
     configure_logging(env.log_level)
     start = time.perf_counter()

@@ -14,10 +14,11 @@ someone enabled meanwhile is left alone. FXOPT_COMPILE_GC_PAUSE=0 leaves the col
 """
 from __future__ import annotations
 
-import contextlib
+import functools
 import gc
 
 from .counted_override import CountedOverride
+from .options import Environment
 
 
 def _disable() -> bool:
@@ -33,9 +34,15 @@ def _enable(paused: bool) -> None:
         gc.enable()
 
 
-_pause = CountedOverride(_disable, _enable)
+collector_paused = CountedOverride(_disable, _enable)  # `with collector_paused():` runs a block without it
 
 
-def collector_paused(enabled: bool = True):
-    """A context that runs its block with the cyclic collector disabled (enabled=False: left as it is)."""
-    return _pause() if enabled else contextlib.nullcontext()
+def pausing_collector(compile_fn):
+    """`compile_fn` run with the collector paused, unless FXOPT_COMPILE_GC_PAUSE=0."""
+    @functools.wraps(compile_fn)
+    def compile_paused(*args, **kwargs):
+        if not Environment.read().compile_gc_pause:
+            return compile_fn(*args, **kwargs)
+        with collector_paused():
+            return compile_fn(*args, **kwargs)
+    return compile_paused

@@ -1,7 +1,6 @@
 """fxopt/gc_pause.py: Python's cyclic garbage collector is paused while fxopt compiles, and put back as
 it was after, whatever happens inside."""
 import gc
-import sys
 import threading
 
 import pytest
@@ -12,14 +11,14 @@ from fxopt.gc_pause import collector_paused
 
 @pytest.fixture
 def collector_states(monkeypatch):
-    """gc.isenabled() as each ATen graph's compile saw it (forward, then backward)."""
-    compile_module = sys.modules["fxopt.compile"]
-    seen, original = [], compile_module._compile_aten_graph
+    """gc.isenabled() as each ATen graph's compile saw it (forward, then backward), when its passes start."""
+    from fxopt import pipeline
+    seen, original = [], pipeline.post_grad_passes
 
     def recording(*args, **kwargs):
         seen.append(gc.isenabled())
         return original(*args, **kwargs)
-    monkeypatch.setattr(compile_module, "_compile_aten_graph", recording)
+    monkeypatch.setattr(pipeline, "post_grad_passes", recording)
     return seen
 
 
