@@ -1,0 +1,126 @@
+"""Python's full garbage collections in a cold first call, by phase: before fxopt's compile (dynamo's
+tracing), inside it (aot_autograd and fxopt's passes, where fxopt pauses the collector), after it (the
+first run and the kernels it waits for).
+
+A full (generation 2) collection walks every tracked object in the process; on a GPU host the process
+holds more of them (CUDA, more of torch imported), so each costs more than on the CPU machine. This tells
+how much of a first call they take and where, with fxopt's pause (fxopt/gc_pause.py) on or off:
+
+    T=$(mktemp -d); TORCHINDUCTOR_CACHE_DIR=$T/i TRITON_CACHE_DIR=$T/t FXOPT_CACHE_DIR=$T/f \\
+        [FXOPT_COMPILE_GC_PAUSE=0] python -m benchmarks.gc_first_call gpt_stack_train [--backend inductor] \\
+        [--pause-dynamo]
+
+Run each in a fresh process with empty caches (as the runner's first-call column is).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+
+import torch
+
+from . import measure, workloads
+
+
+class CollectionLog:
+    """(start, seconds, generation) of every collection, from gc.callbacks."""
+
+    def __init__(self):
+        self.events: list[tuple[float, float, int]] = []
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.events.append((self._start, time.perf_counter() - self._start, info["generation"]))
+
+
+def compile_windows(windows: list) -> None:
+    """Record (start, end) of every fxopt.backend.compile_dynamo_graph call (fxopt's whole backend call)."""
+    mod = sys.modules.get("fxopt.backend")
+    original = mod.compile_dynamo_graph
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            windows.append((start, time.perf_counter()))
+    mod.compile_dynamo_graph = timed
+
+
+def phase_of(t: float, windows: list) -> str:
+    if not windows:
+        return "the whole call"
+    if any(a <= t <= b for a, b in windows):
+        return "inside fxopt's compile"
+    return "before it (dynamo)" if t < windows[0][0] else "after it (first run)"
+
+
+def pause_in_dynamo() -> None:
+    """Pause the collector for each whole dynamo compile (tracing and the backend call), through dynamo's
+    compile start/end callbacks: what fxopt would gain by pausing before its own backend is called."""
+    from torch._dynamo.callback import on_compile_end, on_compile_start
+
+    from fxopt.gc_pause import collector_paused
+    held: list = []
+
+    @on_compile_start
+    def start(*_):
+        held.append(collector_paused())
+        held[-1].__enter__()
+
+    @on_compile_end
+    def end(*_):
+        if held:
+            held.pop().__exit__(None, None, None)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.gc_first_call", description=__doc__.splitlines()[0])
+    ap.add_argument("workload")
+    ap.add_argument("--backend", default="fxopt", choices=["fxopt", "inductor"])
+    ap.add_argument("--dtype", default="bf16", choices=sorted(measure.DTYPES))
+    ap.add_argument("--quick", action="store_true", help="the workload's small shapes")
+    ap.add_argument("--pause-dynamo", action="store_true", help="also pause the collector in dynamo's tracing")
+    args = ap.parse_args(argv)
+    import fxopt  # noqa: F401  (imported before the clock, as a user's program would)
+    import fxopt.backend  # noqa: F401
+    windows: list = []
+    if args.pause_dynamo:
+        pause_in_dynamo()
+    if args.backend == "fxopt":
+        compile_windows(windows)
+    w = workloads.get(args.workload)[0]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    fn, inputs = w.make(device, measure.DTYPES[args.dtype], args.quick)
+    measure.sync(device)
+    log = CollectionLog()
+    gc.callbacks.append(log)
+    with measure.grad_mode(w):
+        t0 = time.perf_counter()
+        measure.runnable(w, args.backend, fn, fresh=True)(*inputs)
+        measure.sync(device)
+        wall = time.perf_counter() - t0
+    gc.callbacks.remove(log)
+    full = [(s, d) for s, d, g in log.events if g == 2 and s >= t0]
+    young = [d for s, d, g in log.events if g < 2 and s >= t0]
+    print(f"first call of {args.workload} on {args.backend} ({device}): {wall:.2f} s; "
+          f"tracked objects after it: {len(gc.get_objects()):,}")
+    print(f"full collections: {len(full)} taking {sum(d for _, d in full):.2f} s; "
+          f"younger ones: {len(young)} taking {sum(young):.2f} s")
+    by_phase: dict[str, list[float]] = {}
+    for s, d in full:
+        by_phase.setdefault(phase_of(s, windows), []).append(d)
+    for phase, ds in by_phase.items():
+        print(f"  {phase:24s} {len(ds):3d} full collections, {sum(ds):.2f} s (longest {max(ds):.2f} s)")
+    for a, b in windows:
+        print(f"  fxopt's compile: {a - t0:.2f} s to {b - t0:.2f} s after the call began ({b - a:.2f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
