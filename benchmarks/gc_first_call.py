@@ -4,11 +4,12 @@ first run and the kernels it waits for).
 
 A full (generation 2) collection walks every tracked object in the process; on a GPU host the process
 holds more of them (CUDA, more of torch imported), so each costs more than on the CPU machine. This tells
-how much of a first call they take and where, with fxopt's pause (fxopt/gc_pause.py) on or off:
+how much of a first call they take and where, with fxopt's pause (fxopt/gc_pause.py: over each whole
+dynamo compile; `--fxopt-only`: inside fxopt's backend call only, as before 2026-12-07) or off:
 
     T=$(mktemp -d); TORCHINDUCTOR_CACHE_DIR=$T/i TRITON_CACHE_DIR=$T/t FXOPT_CACHE_DIR=$T/f \\
         [FXOPT_COMPILE_GC_PAUSE=0] python -m benchmarks.gc_first_call gpt_stack_train [--backend inductor] \\
-        [--pause-dynamo]
+        [--fxopt-only]
 
 Run each in a fresh process with empty caches (as the runner's first-call column is).
 """
@@ -61,23 +62,10 @@ def phase_of(t: float, windows: list) -> str:
     return "before it (dynamo)" if t < windows[0][0] else "after it (first run)"
 
 
-def pause_in_dynamo() -> None:
-    """Pause the collector for each whole dynamo compile (tracing and the backend call), through dynamo's
-    compile start/end callbacks: what fxopt would gain by pausing before its own backend is called."""
-    from torch._dynamo.callback import on_compile_end, on_compile_start
-
-    from fxopt.gc_pause import collector_paused
-    held: list = []
-
-    @on_compile_start
-    def start(*_):
-        held.append(collector_paused())
-        held[-1].__enter__()
-
-    @on_compile_end
-    def end(*_):
-        if held:
-            held.pop().__exit__(None, None, None)
+def pause_in_fxopt_only() -> None:
+    """The pause as it was before it covered dynamo's tracing: only inside fxopt's backend call."""
+    for name in ("fxopt.gc_pause", "fxopt.backend"):
+        importlib.import_module(name).pause_dynamo_compiles = lambda: False
 
 
 def main(argv=None) -> int:
@@ -86,12 +74,13 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default="fxopt", choices=["fxopt", "inductor"])
     ap.add_argument("--dtype", default="bf16", choices=sorted(measure.DTYPES))
     ap.add_argument("--quick", action="store_true", help="the workload's small shapes")
-    ap.add_argument("--pause-dynamo", action="store_true", help="also pause the collector in dynamo's tracing")
+    ap.add_argument("--fxopt-only", action="store_true",
+                    help="pause the collector inside fxopt's backend call only, not over dynamo's tracing")
     args = ap.parse_args(argv)
     import fxopt  # noqa: F401  (imported before the clock, as a user's program would)
     windows: list = []
-    if args.pause_dynamo:
-        pause_in_dynamo()
+    if args.fxopt_only:
+        pause_in_fxopt_only()
     if args.backend == "fxopt":
         compile_windows(windows)
     w = workloads.get(args.workload)[0]

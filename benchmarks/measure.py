@@ -100,11 +100,12 @@ def autocast(fn, precision: str | None):
 def _recording_fxopt(**options):
     """The fxopt backend with the workload's options, keeping its Report so the runner can read the
     memory plan (planned bytes / lower bound) of what it compiled."""
-    from fxopt.backend import compile_dynamo_graph
+    from fxopt.backend import before_tracing, compile_dynamo_graph
     from fxopt.options import Options
     from fxopt.report import Report
     FXOPT_REPORTS[:] = [Report()]
     opts = Options(**{**{k: v for k, v in options.items() if v}, **FXOPT_OPTIONS})
+    before_tracing()  # as torch.compile(backend="fxopt") does when it loads the entry point
     return lambda gm, example_inputs: compile_dynamo_graph(gm, example_inputs, opts, FXOPT_REPORTS[0])
 
 

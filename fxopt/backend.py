@@ -22,7 +22,7 @@ from .buffer_guards import guarded
 from .compile import compile_aten_graph
 from .cudagraphs import graphed_compiler
 from .decompositions import decomposition_table
-from .gc_pause import pausing_collector
+from .gc_pause import pause_dynamo_compiles, pausing_collector
 from .options import Environment, Options, backward_with_forward
 from .pass_manager import PassContext, PassManager
 from .passes.cse import eliminate_common_subexpressions
@@ -37,7 +37,9 @@ _lock = threading.Lock()
 @pausing_collector
 def compile_dynamo_graph(gm: fx.GraphModule, example_inputs, options: Options, report: Report | None = None):
     """Compile one graph dynamo captured; forward and backward go through aot_autograd. Python's cyclic
-    garbage collector is paused meanwhile (gc_pause.py)."""
+    garbage collector is paused meanwhile (gc_pause.py), and over later dynamo compiles too (again after a
+    torch._dynamo.reset(), which drops the callbacks)."""
+    pause_dynamo_compiles()
     env = Environment.read()
     warm_compile_keys(example_inputs)  # CUDA graphs: Triton's per-process keys computed while aot_autograd traces
     compile_pool.prestart(example_inputs, env.compile_workers)  # and the compile workers started (if any)
@@ -140,11 +142,19 @@ def fxopt_backend(gm: fx.GraphModule, example_inputs, **options):
     return compile_dynamo_graph(gm, example_inputs, Options.from_kwargs(**nested, **options))
 
 
-def backend(**options):
-    """A configured backend: torch.compile(model, backend=fxopt.backend(precision="bf16")). Triton's
-    one-time set-up starts now, while dynamo traces (codegen/precompile.warm_before_tracing)."""
-    opts = Options.from_kwargs(**options)
+def before_tracing() -> None:
+    """What starts when torch.compile is handed fxopt's backend, before dynamo traces: Triton's one-time
+    set-up on threads (codegen/precompile.warm_before_tracing) and the collector's pause over each dynamo
+    compile from now on (gc_pause.pause_dynamo_compiles)."""
     warm_before_tracing()
+    pause_dynamo_compiles()
+
+
+def backend(**options):
+    """A configured backend: torch.compile(model, backend=fxopt.backend(precision="bf16")); what comes
+    before dynamo's tracing starts now (before_tracing)."""
+    opts = Options.from_kwargs(**options)
+    before_tracing()
 
     def fxopt_configured(gm: fx.GraphModule, example_inputs):
         return compile_dynamo_graph(gm, example_inputs, opts)

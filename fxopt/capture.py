@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .backend import compile_dynamo_graph
+from .backend import before_tracing, compile_dynamo_graph
 from .options import Options
 from .report import Report
 
@@ -26,6 +26,7 @@ def capture(model, inputs, on_graph=None) -> list[tuple[fx.GraphModule, list]]:
             on_graph(gm, list(example_inputs))
         return gm.forward
 
+    before_tracing()
     compiled = torch.compile(model, backend=recording_backend, dynamic=False)
     compiled(*inputs)
     if not graphs:
@@ -68,6 +69,7 @@ def optimize(model, *inputs, **options):
     def fxopt_optimize(gm, example_inputs):
         return compile_dynamo_graph(gm, example_inputs, opts, report)
 
+    before_tracing()
     compiled = torch.compile(model, backend=fxopt_optimize, fullgraph=True, dynamic=False)
     compiled(*inputs)
     compiled.report = report

@@ -23,15 +23,23 @@ class CountedOverride:
 
     @contextlib.contextmanager
     def __call__(self):
+        self.enter()
+        try:
+            yield
+        finally:
+            self.leave()
+
+    def enter(self) -> None:
+        """One user in (for callers whose start and end are two callbacks, not one block)."""
         with self._lock:
             if self.active == 0:
                 self._token = self._apply()
             self.active += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self.active -= 1
-                if self.active == 0:
-                    self._restore(self._token)
-                    self._token = None
+
+    def leave(self) -> None:
+        """One user out; the last one restores the setting."""
+        with self._lock:
+            self.active -= 1
+            if self.active == 0:
+                self._restore(self._token)
+                self._token = None

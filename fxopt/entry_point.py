@@ -2,12 +2,12 @@
 
 Dynamo loads it when torch.compile is called, before it traces the model: the moment to start
 Triton's one-time set-up (its driver's C utilities, its cache keys) on threads, so they are ready
-when fxopt's first compile needs them (codegen/precompile.warm_before_tracing). Importing fxopt
-itself starts nothing; `fxopt.backend(...)` starts the same set-up when it is called.
+when fxopt's first compile needs them (codegen/precompile.warm_before_tracing), and to pause Python's
+garbage collector over dynamo's compiles, tracing included (gc_pause.pause_dynamo_compiles). Importing
+fxopt itself starts nothing; `fxopt.backend(...)` starts the same when it is called.
 """
-from .backend import fxopt_backend
-from .codegen.precompile import warm_before_tracing
+from .backend import before_tracing, fxopt_backend
 
-warm_before_tracing()
+before_tracing()
 
 __all__ = ["fxopt_backend"]

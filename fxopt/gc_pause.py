@@ -46,3 +46,37 @@ def pausing_collector(compile_fn):
         with collector_paused():
             return compile_fn(*args, **kwargs)
     return compile_paused
+
+
+_held: list[bool] = []  # per dynamo compile in progress: whether its start callback paused the collector
+
+
+def _dynamo_compile_started(*_args) -> None:
+    paused = Environment.read().compile_gc_pause
+    if paused:
+        collector_paused.enter()
+    _held.append(paused)
+
+
+def _dynamo_compile_ended(*_args) -> None:
+    if _held and _held.pop():
+        collector_paused.leave()
+
+
+def pause_dynamo_compiles() -> bool:
+    """From now on in this process, pause the collector over each whole dynamo compile, not only
+    fxopt's part of it: dynamo's tracing comes before any backend is called, and it is where most of the
+    full collections left in a first call happen (three of four for the 24-block stack on the CPU
+    machine, benchmarks/results/2026-12-08-cpu.md). Called when torch.compile is handed fxopt's backend
+    (`backend="fxopt"` or `fxopt.backend(...)`), through dynamo's compile start/end callbacks (one pair
+    per outermost compile, the end run however it ends), so it covers any dynamo compile in the process
+    from then on. torch._dynamo.reset() drops the callbacks; fxopt's next compile registers them again.
+    Returns whether they are registered (False on a torch without them)."""
+    try:
+        from torch._dynamo.callback import callback_handler
+    except ImportError:
+        return False
+    if _dynamo_compile_started not in callback_handler.start_callbacks:
+        callback_handler.register_start_callback(_dynamo_compile_started)
+        callback_handler.register_end_callback(_dynamo_compile_ended)
+    return True

@@ -25,7 +25,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from .analysis.roofline import Ceilings
-from .backend import compile_dynamo_graph
+from .backend import before_tracing, compile_dynamo_graph
 from .options import Options
 from .report import GraphReport, Report
 
@@ -182,6 +182,7 @@ def profile(model, *inputs, warmup: int = 3, repeat: int = 10, dynamic: bool = F
         raise ValueError(f"fxopt.profile: repeat={repeat}; at least one step must be timed")
     report = Report()
     opts = Options.from_kwargs(**options).replace(profile=True)
+    before_tracing()
     compiled = torch.compile(model, backend=lambda gm, example: compile_dynamo_graph(gm, example, opts, report),
                              dynamic=dynamic)
     step = _step(compiled, model, inputs)

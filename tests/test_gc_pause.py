@@ -87,3 +87,59 @@ def test_overlapping_pauses_on_two_threads_end_with_the_last():
         t.join(10)
     assert states == {"after first": False, "inside second, first done": False}
     assert gc.isenabled()
+
+
+@pytest.fixture
+def tracing_states():
+    """gc.isenabled() as each dynamo compile saw it when it started tracing: a start callback registered
+    after fxopt's (dynamo runs them in order), removed after the test."""
+    from torch._dynamo.callback import callback_handler
+    seen = []
+
+    def record(*_):
+        seen.append(gc.isenabled())
+    torch._dynamo.reset()  # drops every callback, fxopt's too: each test registers what it tests
+    import fxopt
+    fxopt.backend()  # torch.compile handed fxopt's backend: the pause over dynamo's compiles registered
+    callback_handler.register_start_callback(record)
+    yield seen
+    if record in callback_handler.start_callbacks:
+        callback_handler.remove_start_callback(record)
+
+
+def _compiled_sum():
+    x = torch.randn(5, dtype=torch.float64)
+    torch.testing.assert_close(torch.compile(lambda t: (t * 2).sum(), backend="fxopt")(x), (x * 2).sum())
+
+
+def test_dynamos_tracing_runs_with_the_collector_paused_and_it_is_back_after(tracing_states):
+    _compiled_sum()
+    assert tracing_states == [False]
+    assert gc.isenabled()
+
+
+def test_the_switch_leaves_dynamos_tracing_alone(tracing_states, monkeypatch):
+    monkeypatch.setenv("FXOPT_COMPILE_GC_PAUSE", "0")
+    _compiled_sum()
+    assert tracing_states == [True] and gc.isenabled()
+
+
+def test_an_error_in_tracing_puts_the_collector_back(tracing_states):
+    def broken(t):
+        return t.no_such_method()
+    with pytest.raises(Exception, match="no_such_method"):
+        torch.compile(broken, backend="fxopt", fullgraph=True)(torch.randn(3))
+    assert tracing_states == [False] and gc.isenabled()
+
+
+def test_fxopts_next_compile_registers_the_pause_again_after_a_reset():
+    from torch._dynamo.callback import callback_handler
+
+    from fxopt.gc_pause import _dynamo_compile_started
+    torch._dynamo.reset()
+    assert _dynamo_compile_started not in callback_handler.start_callbacks
+    _compiled_sum()  # traced without it (reset dropped it); fxopt's compile puts it back for the next
+    assert callback_handler.start_callbacks.count(_dynamo_compile_started) == 1
+    _compiled_sum()
+    assert callback_handler.start_callbacks.count(_dynamo_compile_started) == 1
+    assert gc.isenabled()

@@ -47,18 +47,23 @@ def test_nothing_starts_without_a_gpu_or_under_the_interpreter(fresh, monkeypatc
 
 
 def test_backend_factory_and_entry_point_start_it(monkeypatch):
-    """fxopt.backend(...) and the module the entry point names both call warm_before_tracing."""
+    """fxopt.backend(...) and the module the entry point names both call before_tracing, which starts
+    warm_before_tracing and the collector's pause over dynamo's compiles."""
     import fxopt
 
     backend_module = importlib.import_module("fxopt.backend")  # (the attribute fxopt.backend is the factory)
     calls = []
-    monkeypatch.setattr(backend_module, "warm_before_tracing", lambda: calls.append("factory"))
-    monkeypatch.setattr(precompile, "warm_before_tracing", lambda: calls.append("entry point"))
+    monkeypatch.setattr(backend_module, "before_tracing", lambda: calls.append("before tracing"))
     fxopt.backend(precision="fp32")
     monkeypatch.delitem(sys.modules, "fxopt.entry_point", raising=False)
     module = importlib.import_module("fxopt.entry_point")
-    assert calls == ["factory", "entry point"]
+    assert calls == ["before tracing", "before tracing"]
     assert module.fxopt_backend is backend_module.fxopt_backend
+    monkeypatch.undo()
+    monkeypatch.setattr(backend_module, "warm_before_tracing", lambda: calls.append("warm"))
+    monkeypatch.setattr(backend_module, "pause_dynamo_compiles", lambda: calls.append("pause"))
+    backend_module.before_tracing()
+    assert calls[2:] == ["warm", "pause"]
 
 
 def test_stand_in_calls_wait_for_the_driver_thread(fresh, monkeypatch):
