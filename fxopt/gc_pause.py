@@ -67,7 +67,7 @@ def pause_dynamo_compiles() -> bool:
     """From now on in this process, pause the collector over each whole dynamo compile, not only
     fxopt's part of it: dynamo's tracing comes before any backend is called, and it is where most of the
     full collections left in a first call happen (three of four for the 24-block stack on the CPU
-    machine, benchmarks/results/2026-12-08-cpu.md). Called when torch.compile is handed fxopt's backend
+    machine, benchmarks/results/2026-12-07-cpu-b.md). Called when torch.compile is handed fxopt's backend
     (`backend="fxopt"` or `fxopt.backend(...)`), through dynamo's compile start/end callbacks (one pair
     per outermost compile, the end run however it ends), so it covers any dynamo compile in the process
     from then on. torch._dynamo.reset() drops the callbacks; fxopt's next compile registers them again.
