@@ -84,12 +84,26 @@ class ImportTracer:
         return None  # never loads anything itself
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.first_call_profile", description=__doc__.splitlines()[0])
+def workload_arguments(ap: argparse.ArgumentParser) -> None:
+    """The workload and how to compile it: what every first-call probe takes."""
     ap.add_argument("workload")
     ap.add_argument("--backend", default="fxopt", choices=["fxopt", "inductor"])
     ap.add_argument("--dtype", default="bf16", choices=sorted(measure.DTYPES))
     ap.add_argument("--quick", action="store_true", help="the workload's small shapes")
+
+
+def made_workload(args):
+    """(workload, device, function, inputs) of workload_arguments' choices, made and synchronised."""
+    w = workloads.get(args.workload)[0]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    fn, inputs = w.make(device, measure.DTYPES[args.dtype], args.quick)
+    measure.sync(device)
+    return w, device, fn, inputs
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.first_call_profile", description=__doc__.splitlines()[0])
+    workload_arguments(ap)
     ap.add_argument("--top", type=int, default=45)
     ap.add_argument("--imports", default="torch._inductor,torch.ao,torch.export",
                     help="comma-separated module prefixes whose first import is traced ('' for none)")
@@ -103,10 +117,7 @@ def main(argv=None) -> int:
         install_timeline(events)
         compile_stages.install(stages)
     import fxopt  # noqa: F401  (imported before the clock, as a user's program would)
-    w = workloads.get(args.workload)[0]
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    fn, inputs = w.make(device, measure.DTYPES[args.dtype], args.quick)
-    measure.sync(device)
+    w, device, fn, inputs = made_workload(args)
     tracer = ImportTracer(tuple(p for p in args.imports.split(",") if p))
     sys.meta_path.insert(0, tracer)
     profile = cProfile.Profile()

@@ -21,9 +21,9 @@ import importlib
 import sys
 import time
 
-import torch
 
-from . import measure, workloads
+from . import measure
+from .first_call_profile import made_workload, workload_arguments
 
 
 class CollectionLog:
@@ -70,10 +70,7 @@ def pause_in_fxopt_only() -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.gc_first_call", description=__doc__.splitlines()[0])
-    ap.add_argument("workload")
-    ap.add_argument("--backend", default="fxopt", choices=["fxopt", "inductor"])
-    ap.add_argument("--dtype", default="bf16", choices=sorted(measure.DTYPES))
-    ap.add_argument("--quick", action="store_true", help="the workload's small shapes")
+    workload_arguments(ap)
     ap.add_argument("--fxopt-only", action="store_true",
                     help="pause the collector inside fxopt's backend call only, not over dynamo's tracing")
     args = ap.parse_args(argv)
@@ -83,10 +80,7 @@ def main(argv=None) -> int:
         pause_in_fxopt_only()
     if args.backend == "fxopt":
         compile_windows(windows)
-    w = workloads.get(args.workload)[0]
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    fn, inputs = w.make(device, measure.DTYPES[args.dtype], args.quick)
-    measure.sync(device)
+    w, device, fn, inputs = made_workload(args)
     log = CollectionLog()
     gc.callbacks.append(log)
     with measure.grad_mode(w):

@@ -1,6 +1,9 @@
 """The compile-time probes of benchmarks/ run on the CPU machine and measure what they say: the post-grad
 passes on graphs with fake CUDA values (passes_on_fake_cuda.py), and a dumped kernel's compile beside a
 busy main thread (compile_beside_tracing.py). Their times are for the results files, not asserted here."""
+import gc
+import importlib
+
 import pytest
 import torch
 
@@ -37,3 +40,29 @@ def test_compile_beside_tracing_compiles_a_dumped_kernel_alone_and_beside(tmp_pa
     assert out[0].startswith("busy thread alone:")
     name, alone, beside, lost = out[-1].split()
     assert name == kernel.name and float(alone) > 0 and float(beside) > 0 and float(lost) > -1
+
+
+def test_gc_first_call_puts_each_full_collection_in_a_phase(capsys, monkeypatch):
+    """benchmarks/gc_first_call.py: the phases it names follow the compile window it records, and with
+    the collector forced to run a full pass inside fxopt's compile (the pause switched off) one is seen."""
+    from benchmarks import gc_first_call
+    windows = [(1.0, 2.0)]
+    assert [gc_first_call.phase_of(t, windows) for t in (0.5, 1.5, 2.5)] == [
+        "before it (dynamo)", "inside fxopt's compile", "after it (first run)"]
+    assert gc_first_call.phase_of(0.5, []) == "the whole call"
+    monkeypatch.setenv("FXOPT_COMPILE_GC_PAUSE", "0")
+    pipeline = importlib.import_module("fxopt.pipeline")
+    monkeypatch.setattr(pipeline, "post_grad_passes", _collecting(pipeline.post_grad_passes))
+    torch._dynamo.reset()
+    gc_first_call.main(["gpt_block", "--quick", "--dtype", "fp32"])
+    out = capsys.readouterr().out
+    assert "first call of gpt_block on fxopt" in out
+    assert "inside fxopt's compile" in out and "fxopt's compile:" in out
+
+
+def _collecting(original):
+    """post_grad_passes with a full collection first: one the probe must place inside the compile."""
+    def passes(*args, **kwargs):
+        gc.collect()
+        return original(*args, **kwargs)
+    return passes
