@@ -6,7 +6,8 @@ torch's modules, dynamo's graph, aot_autograd's traces. For a 24-block GPT-2 sta
 objects per full pass. Its training step's first call on the CPU machine spent 1.9-2.1 s in full
 collections; pausing them during fxopt's backend call (aot_autograd and fxopt's own compile) saved
 0.85-0.94 s of that (benchmarks/results/2026-12-07-cpu.md). What the compile leaves unreachable is collected by the
-first collection after it, as it would have been.
+first collection after it, as it would have been. Once torch.compile has been handed fxopt's backend,
+the pause also covers each whole dynamo compile, its tracing included (pause_dynamo_compiles).
 
 The collector is process-wide, so the pause is counted: it starts when the first compile enters and
 ends when the last one leaves, on any thread. A collector someone else disabled stays disabled, and one
