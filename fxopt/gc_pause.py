@@ -23,8 +23,8 @@ from .options import Environment
 
 
 def _disable() -> bool:
-    """True when this disabled the collector (it was running)."""
-    if gc.isenabled():
+    """True when this disabled the collector (it was running, and FXOPT_COMPILE_GC_PAUSE is not 0)."""
+    if gc.isenabled() and Environment.read().compile_gc_pause:
         gc.disable()
         return True
     return False
@@ -39,28 +39,28 @@ collector_paused = CountedOverride(_disable, _enable)  # `with collector_paused(
 
 
 def pausing_collector(compile_fn):
-    """`compile_fn` run with the collector paused, unless FXOPT_COMPILE_GC_PAUSE=0."""
+    """`compile_fn` run with the collector paused (unless FXOPT_COMPILE_GC_PAUSE=0)."""
     @functools.wraps(compile_fn)
     def compile_paused(*args, **kwargs):
-        if not Environment.read().compile_gc_pause:
-            return compile_fn(*args, **kwargs)
         with collector_paused():
             return compile_fn(*args, **kwargs)
     return compile_paused
 
 
-_held: list[bool] = []  # per dynamo compile in progress: whether its start callback paused the collector
+_started = 0  # dynamo compiles whose start callback entered the pause (an end without one, as when the
+# callbacks were registered mid-compile, leaves nothing)
 
 
 def _dynamo_compile_started(*_args) -> None:
-    paused = Environment.read().compile_gc_pause
-    if paused:
-        collector_paused.enter()
-    _held.append(paused)
+    global _started
+    collector_paused.enter()
+    _started += 1
 
 
 def _dynamo_compile_ended(*_args) -> None:
-    if _held and _held.pop():
+    global _started
+    if _started:
+        _started -= 1
         collector_paused.leave()
 
 
