@@ -7,7 +7,11 @@ objects per full pass. Its training step's first call on the CPU machine spent 1
 collections; pausing them during fxopt's backend call (aot_autograd and fxopt's own compile) saved
 0.85-0.94 s of that (benchmarks/results/2026-12-07-cpu.md). What the compile leaves unreachable is collected by the
 first collection after it, as it would have been. Once torch.compile has been handed fxopt's backend,
-the pause also covers each whole dynamo compile, its tracing included (pause_dynamo_compiles).
+the pause also covers each whole dynamo compile, its tracing included (pause_dynamo_compiles): on an H100
+host that left no full collection in the stack's first call, against seven taking 2.34 s
+(benchmarks/results/2026-12-07-h100-b.md). The young collection after the pause still walks what the compile
+kept (about 0.9 s there). gc.freeze() would skip that walk, but it would keep the compile's cyclic garbage
+(dynamo's tracing state, possibly a real tensor) for good, so the collector gets it.
 
 The collector is process-wide, so the pause is counted: it starts when the first compile enters and
 ends when the last one leaves, on any thread. A collector someone else disabled stays disabled, and one
