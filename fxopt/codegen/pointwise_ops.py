@@ -18,7 +18,7 @@ import torch.fx as fx
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
 from .division import lower_div
-from .dtypes import LOW_PRECISION, TL_DTYPE, compute_dtype
+from .dtypes import TL_DTYPE, compute_dtype
 from .erf_poly import erf_call, gelu_call
 
 aten = torch.ops.aten
@@ -361,31 +361,10 @@ PROMOTED_OPERANDS = {aten.eq.Tensor, aten.eq.Scalar, aten.ne.Tensor, aten.ne.Sca
                      aten.ge.Tensor, aten.ge.Scalar, aten.isnan.default, aten.isinf.default}
 UNCAST_OPERANDS = {aten._to_copy.default, prims.convert_element_type.default, aten.clone.default}
 
-# Comparisons, selections and remainders: eager casts every operand to the common (for selections and
-# remainders, the result's) dtype first, so with bf16/fp16 tensors a scalar is rounded (`h == 0.1` compares
-# with fp16(0.1), `clamp(h, 0.1)` gives fp16(0.1), `h % 0.1` divides by fp16(0.1): ATen's remainder kernels
-# take no opmath scalar); arithmetic computes a scalar in fp32 (opmath), as fxopt does.
-COMPARISONS = PROMOTED_OPERANDS - {aten.isnan.default, aten.isinf.default}
-RESULT_DTYPE_OPERANDS = {aten.where.self, aten.clamp.default, aten.clamp.Tensor, aten.clamp_min.default,
-                         aten.clamp_max.default, aten.hardtanh.default, aten.remainder.Scalar,
-                         aten.remainder.Tensor, aten.fmod.Scalar, aten.fmod.Tensor}
-
-
-def _promoted(node: fx.Node) -> tuple[torch.dtype, torch.dtype]:
+def promoted_dtypes(node: fx.Node) -> tuple[torch.dtype, torch.dtype]:
     """(computation dtype, common dtype) of the node's operands under torch's default type promotion."""
     vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in node.args if a is not None]
     return elementwise_dtypes(*vals, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)
-
-
-def rounded_operands(node: fx.Node) -> torch.dtype | None:
-    """The bf16/fp16 dtype a comparison's, selection's or remainder's operands are rounded to first, or None."""
-    if node.target in COMPARISONS:
-        common = _promoted(node)[1]
-    elif node.target in RESULT_DTYPE_OPERANDS:
-        common = node.meta["val"].dtype
-    else:
-        return None
-    return common if common in LOW_PRECISION else None
 
 
 def operand_dtype(node: fx.Node) -> torch.dtype | None:
@@ -396,5 +375,5 @@ def operand_dtype(node: fx.Node) -> torch.dtype | None:
     if node.target in BOOL_OPERANDS:
         return torch.bool
     if node.target in PROMOTED_OPERANDS:
-        return compute_dtype(_promoted(node)[0])
+        return compute_dtype(promoted_dtypes(node)[0])
     return compute_dtype(out)

@@ -15,7 +15,8 @@
         tl.store(out_ptr0 + xindex, gelu.to(tl.bfloat16), xmask)
 
 Views and expands at the group's inputs (moved into the subgraph by the fuse pass) become strides of
-the load; values are computed in fp32 for bf16/fp16 and rounded only where eager casts explicitly.
+the load; values are computed in fp32 for bf16/fp16, rounded where stored, where eager casts to bf16/fp16,
+and where an op reads them as eager holds them (codegen/operand_rounding.py).
 
 When an operand is contiguous along an outer dim while the output is contiguous along the innermost
 one (`x.t() * 2 + y`), the kernel is tiled instead (plan_tiles): program axis 0 walks YBLOCK rows of
@@ -34,88 +35,23 @@ grid per call (`cdiv(xnumel, XBLOCK)`); a 2-D tiling needs a static innermost di
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.fx as fx
 
 from ..analysis.op_classes import is_view
-from ..analysis.symbolic import expr, hint, is_symbolic, pexpr, shape_env_of, sizes, storage_offset, strides
+from ..analysis.symbolic import expr, hint, pexpr, shape_env_of, sizes, storage_offset, strides
 from ..printing import describe_value, target_name
 from .dtypes import LOW_PRECISION, TL_DTYPE, cast_operand, compute_dtype, literal
 from .cat_pieces import (cat_pieces, cat_value, coordinate_layout, coordinate_name, is_gather, piece_layout,
                          piece_mask)
 from .erf_poly import with_erf_helper
-from .indexing import (IterationSpace, Layout, TiledSpace, index_symbols, needs_int64, print_index, size_symbols,
-                       tile_dim)
+from .indexing import IterationSpace, Layout, index_symbols, needs_int64, print_index, size_symbols
 from .kernel import Kernel
-from .pointwise_ops import LOWERINGS, UNCAST_OPERANDS, LowerCtx, operand_dtype, rounded_operands
+from .operand_rounding import reads_own_dtype, rounded_operands
+from .pointwise_launch import TilePlan, cdiv_source, launch_config, plan_tiles
+from .pointwise_ops import LOWERINGS, UNCAST_OPERANDS, LowerCtx, operand_dtype
 
 aten = torch.ops.aten
-INT32_MAX = 2**31 - 1
-
-
-def launch_config(numel: int) -> tuple[int, int]:
-    """XBLOCK and num_warps: 1024 elements over 4 warps (8 per thread) for large tensors (and for
-    symbolic sizes, whose tail block is masked like any other)."""
-    xblock = 1024
-    if is_symbolic(numel):
-        return xblock, 4
-    while xblock > 64 and xblock >= 2 * numel:
-        xblock //= 2
-    return xblock, max(1, min(4, xblock // 256))
-
-
-@dataclass(frozen=True)
-class TilePlan:
-    space: TiledSpace
-    yblock: int
-    xblock: int
-    num_warps: int
-    grid: tuple | str  # (y tiles, x tiles): program axes 0 and 1; or, when the innermost dim is symbolic,
-    # one axis of y tiles * x tiles (source over the size symbols): axis 1's limit of 65535 could be passed
-
-
-GRID_MAX = (2**31 - 1, 65535)  # CUDA's limits on grid axes 0 and 1
-
-
-def _pow2(n) -> int:
-    if is_symbolic(n):
-        return 1 << 30  # unknown: as large as any block; the config clamps it
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def cdiv_source(numel, block: int):
-    """The programs that cover numel in blocks: an int, or source the wrapper evaluates per call."""
-    if is_symbolic(numel):
-        return f"cdiv({pexpr(numel)}, {block})"
-    return -(-numel // block)
-
-
-def tile_config(ynumel: int, xnumel: int) -> tuple[int, int, int]:
-    """YBLOCK, XBLOCK and num_warps of a tiled kernel: 64x64 tiles over 4 warps; an axis shorter than
-    64 gives the rest of the 4096-element tile to the other axis (a tile never exceeds either axis)."""
-    elements = 4096
-    xblock = min(64, _pow2(xnumel))
-    yblock = min(elements // xblock, _pow2(ynumel))
-    xblock = min(elements // yblock, _pow2(xnumel))
-    return yblock, xblock, max(1, min(4, yblock * xblock // 256))
-
-
-def plan_tiles(space: IterationSpace) -> TilePlan | None:
-    """A 2-D tiling when some operand is contiguous along an outer dim and strided along the innermost
-    (see indexing.tile_dim), None otherwise or when the tiled grid would exceed CUDA's limits."""
-    ydim = tile_dim(space)
-    if ydim is None:
-        return None
-    tiles = TiledSpace(space, ydim)
-    yblock, xblock, warps = tile_config(tiles.ynumel, tiles.xnumel)
-    grid = (cdiv_source(tiles.ynumel, yblock), cdiv_source(tiles.xnumel, xblock))
-    if is_symbolic(tiles.xnumel):
-        return TilePlan(tiles, yblock, xblock, warps, f"{grid[0]} * {grid[1]}")
-    if any(isinstance(g, int) and g > limit for g, limit in zip(grid, GRID_MAX)):
-        return None
-    return TilePlan(tiles, yblock, xblock, warps, grid)
 
 
 def layout_of(val: torch.Tensor, base: torch.Tensor | None = None) -> Layout:
@@ -336,17 +272,19 @@ class PointwiseEmitter:
         """The kernel variable holding a node's value (the reduction emitter renames some)."""
         return node.name
 
-    def _operand(self, arg, want: torch.dtype | None, common: torch.dtype | None = None) -> str:
+    def _operand(self, arg, want: torch.dtype | None, common: torch.dtype | None = None, own: bool = False) -> str:
         """`arg` as `want`; `common` (bf16/fp16 or None): the dtype eager rounds a higher-precision operand to
-        first (a Python scalar, a 0-d fp32 tensor), see rounded_operands."""
+        first (a Python scalar, a 0-d fp32 tensor); `own`: a bf16/fp16 value held in fp32 is read rounded to
+        its dtype (codegen/operand_rounding.py)."""
         if isinstance(arg, fx.Node):
             have = self.vdtype[arg]
             var = self._var(arg)
             dtype = getattr(arg.meta["val"], "dtype", have)  # (a SymInt operand has none: an int)
+            if own and dtype in LOW_PRECISION and have == torch.float32:
+                var = f"{var}.to({TL_DTYPE[dtype]}).to(tl.float32)"
             if common is not None and dtype != torch.bool and (dtype != common or have == torch.float32):
                 # through float32, as eager's conversions to bf16/fp16 go (c10's Half and BFloat16 take a float;
-                # the interpreter would also reinterpret an int's bits as bf16); a bf16 value the kernel holds
-                # in fp32 is rounded too (amax's backward compares its recomputed input with the saved max)
+                # the interpreter would also reinterpret an int's bits as bf16)
                 via = "" if have == torch.float32 else ".to(tl.float32)"
                 return f"{var}{via}.to({TL_DTYPE[common]}).to({TL_DTYPE[want]})"
             if want is None or want == have:
@@ -376,11 +314,11 @@ class PointwiseEmitter:
         out = n.meta["val"].dtype
         want = operand_dtype(n)
         args = self._schema_args(n)
-        common = rounded_operands(n)
+        common, own = rounded_operands(n), reads_own_dtype(n)
         if n.target is aten.where.self:
             operands = [self._operand(args[0], torch.bool)] + [self._operand(a, want, common) for a in args[1:]]
         else:
-            operands = [self._operand(a, want, common) for a in args]
+            operands = [self._operand(a, want, common, own) for a in args]
         if n.target in UNCAST_OPERANDS:  # eager's float64 -> bf16 goes through float32, float -> uint8 through int64
             operands[0] = cast_operand(operands[0], self.vdtype.get(args[0]), out, self.target)
         ctx = LowerCtx(self.target, out, want if want is not None else compute_dtype(out), self.rounds_to)

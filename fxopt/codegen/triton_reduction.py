@@ -40,7 +40,8 @@ from .reduction_schedules import (COMBINE, EVEN_PER_CALL, LoopedSchedule, even_s
                                   lane_reduce, mask_line, per_call_xblock, persistent_per_call, rindex_line,
                                   split_kernel, per_call_config, strided_config, strided_rows)
 from .pointwise_ops import LOWERINGS, LowerCtx
-from .triton_pointwise import PointwiseEmitter, cdiv_source, view_root
+from .pointwise_launch import cdiv_source
+from .triton_pointwise import PointwiseEmitter, view_root
 
 PERSISTENT_MAX = ROW_IN_REGISTERS  # widest row (elements) kept whole in registers
 LOOP_RBLOCK = 4096

@@ -14,7 +14,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import fxopt
 from fxopt.codegen.indexing import IterationSpace, Layout, TiledSpace, tile_dim
-from fxopt.codegen.triton_pointwise import GRID_MAX, generate_pointwise_kernel, plan_tiles, tile_config
+from fxopt.codegen.pointwise_launch import GRID_MAX, plan_tiles, tile_config
+from fxopt.codegen.triton_pointwise import generate_pointwise_kernel
 
 from helpers import assert_close_to_reference, compile_fxopt, to64
 
