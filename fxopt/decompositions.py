@@ -42,6 +42,15 @@ def _var(x, dim=None, *, correction=None, keepdim=False):
     return _var_mean(x, dim, correction=correction, keepdim=keepdim)[0]
 
 
+def _threshold_backward(grad_output, self, threshold):
+    """relu's (and F.threshold's) backward. torch's decomposition compares `self <= threshold` in self's
+    dtype, which rounds the threshold to bf16/fp16 first (4095 -> fp16 4096, so x = 4096 lost its
+    gradient); eager's kernel compares in fp32. A 16-bit input is compared in fp32 here (exact)."""
+    if self.dtype in (torch.float16, torch.bfloat16):
+        self = self.float()
+    return torch.where(self <= threshold, 0, grad_output)
+
+
 def _core_aten() -> dict:
     """Core ATen's decompositions. `core_aten_decompositions()` is torch.export's table: it also lists
     every CompositeImplicitAutograd op of every namespace (508 more entries, 0.07 s of a first call on
@@ -57,6 +66,7 @@ def decomposition_table() -> dict:
                                      aten.native_group_norm]))
     table[aten.var_mean.correction] = _var_mean
     table[aten.var.correction] = _var
+    table[aten.threshold_backward.default] = _threshold_backward
     # torch's decomposition of the CPU flash attention returns the attention probabilities where the
     # op returns the log-sum-exp; its backward (still the fused op's) then reads probabilities as lse
     # and the gradients come out wrong. SDPA that fxopt does not fuse stays one ATen call instead.

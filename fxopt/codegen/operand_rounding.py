@@ -8,10 +8,12 @@ ops read their operands rounded, in two ways:
   result's) dtype, as eager casts every operand to it first: with bf16/fp16 tensors a scalar is rounded
   (`h == 0.1` compares with fp16(0.1), `clamp(h, 0.1)` gives fp16(0.1), `h % 0.1` divides by fp16(0.1):
   ATen's remainder kernels take no opmath scalar), and so is a value the kernel holds in fp32;
-- casts, rounding to integers (floor, ceil, trunc, round), sign, isinf/isnan and logical ops read each
-  bf16/fp16 operand rounded to its own dtype. `(x * 3).int()` of fp16 x = 1365 is
-  4096 in eager, since fp16(4095) = 4096; unrounded it was 4095. `nan_to_num(x * 1000)` of x = 100 must
-  see eager's inf, and `(x * 1e-6).sign()` eager's underflow to 0.
+- casts, rounding to integers (floor, ceil, trunc, round), sign, isinf/isnan, logical ops,
+  maximum/minimum, and the comparisons, selections and remainders above read each bf16/fp16 operand
+  rounded to its own dtype (also where the common dtype is fp32: `x * 3 == y` with x fp16, y
+  fp32). `(x * 3).int()` of fp16 x = 1365 is 4096 in eager, since fp16(4095) = 4096; unrounded it was
+  4095. `nan_to_num(x * 1000)` of x = 100 must see eager's inf, and `(x * 1e-6).sign()` eager's
+  underflow to 0.
 Arithmetic computes a scalar in fp32 (opmath), as eager does, so it needs neither.
 """
 from __future__ import annotations
@@ -28,10 +30,10 @@ COMPARISONS = PROMOTED_OPERANDS - {aten.isnan.default, aten.isinf.default}
 RESULT_DTYPE_OPERANDS = {aten.where.self, aten.clamp.default, aten.clamp.Tensor, aten.clamp_min.default,
                          aten.clamp_max.default, aten.hardtanh.default, aten.remainder.Scalar,
                          aten.remainder.Tensor, aten.fmod.Scalar, aten.fmod.Tensor}
-OWN_DTYPE_OPERANDS = (UNCAST_OPERANDS - {aten.clone.default}) | {
+OWN_DTYPE_OPERANDS = (UNCAST_OPERANDS - {aten.clone.default}) | COMPARISONS | RESULT_DTYPE_OPERANDS | {
     aten.floor.default, aten.ceil.default, aten.trunc.default, aten.round.default, aten.sign.default,
     aten.isnan.default, aten.isinf.default, aten.logical_and.default, aten.logical_or.default,
-    aten.logical_xor.default, aten.logical_not.default}
+    aten.logical_xor.default, aten.logical_not.default, aten.maximum.default, aten.minimum.default}
 
 
 def rounded_operands(node: fx.Node) -> torch.dtype | None:

@@ -280,9 +280,11 @@ class PointwiseEmitter:
             have = self.vdtype[arg]
             var = self._var(arg)
             dtype = getattr(arg.meta["val"], "dtype", have)  # (a SymInt operand has none: an int)
-            if own and dtype in LOW_PRECISION and have == torch.float32:
+            rounded = own and dtype in LOW_PRECISION and have == torch.float32
+            if rounded:
                 var = f"{var}.to({TL_DTYPE[dtype]}).to(tl.float32)"
-            if common is not None and dtype != torch.bool and (dtype != common or have == torch.float32):
+            if common is not None and dtype != torch.bool and (dtype != common or (have == torch.float32
+                                                                                   and not rounded)):
                 # through float32, as eager's conversions to bf16/fp16 go (c10's Half and BFloat16 take a float;
                 # the interpreter would also reinterpret an int's bits as bf16)
                 via = "" if have == torch.float32 else ".to(tl.float32)"
@@ -316,7 +318,7 @@ class PointwiseEmitter:
         args = self._schema_args(n)
         common, own = rounded_operands(n), reads_own_dtype(n)
         if n.target is aten.where.self:
-            operands = [self._operand(args[0], torch.bool)] + [self._operand(a, want, common) for a in args[1:]]
+            operands = [self._operand(args[0], torch.bool)] + [self._operand(a, want, common, own) for a in args[1:]]
         else:
             operands = [self._operand(a, want, common, own) for a in args]
         if n.target in UNCAST_OPERANDS:  # eager's float64 -> bf16 goes through float32, float -> uint8 through int64

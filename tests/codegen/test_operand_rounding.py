@@ -1,6 +1,7 @@
 """Ops that are not continuous in their operands read a bf16/fp16 value the kernel holds in fp32 rounded to
 its dtype, as eager holds it (codegen/operand_rounding.py; found by the sweep of 2026-12-07): casts, floor,
-ceil, trunc, round, sign, isinf/isnan and logical ops. Each is compared with eager bit for bit. The
+ceil, trunc, round, sign, isinf/isnan, logical ops, maximum/minimum, and comparisons and selections where
+the fp16 value meets an fp32 one. Each is compared with eager bit for bit. The
 values are chosen so that the unrounded fp32 value gives another answer: fp16(1365 * 3) is 4096, not 4095.
 
 bf16 runs on the GPU only: the Triton interpreter truncates fp32 -> bf16 conversions instead of rounding
@@ -65,6 +66,38 @@ def test_in_place_floor_of_a_scaled_input(device):
         x.floor_()
         return x
     check(fn, half(device, 21.8125, 31.8125))
+
+
+MIXED = {  # name: (function, fp16 values, fp32 values): the fp16 intermediate meets an fp32 tensor
+    "==": (lambda x, y: x * 3 == y, [1365.0], [4096.0]),
+    ">": (lambda x, y: x * 3 > y, [1366.0], [4097.0]),
+    "where": (lambda x, y: torch.where(y > 0, x * 3, y), [1365.0, 1366.0], [1.0, 1.0]),
+    "clamp": (lambda x, y: torch.clamp(y, max=x * 3), [1365.0], [4096.0]),
+    "maximum": (lambda x, y: torch.maximum(x * 3, y), [1366.0], [0.0]),
+    "remainder": (lambda x, y: (x * 3) % y, [1365.0], [7.0]),
+    "row sum ==": (lambda x, y: x.reshape(1, 2).sum(-1) == y, [2048.0, 2047.0], [4096.0]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MIXED))
+def test_fp16_values_are_read_rounded_beside_fp32(case, device):
+    """Promoted to fp32 for the op, the fp16 operand is still the value eager holds (4096, not 4095)."""
+    fn, a, b = MIXED[case]
+    check(fn, half(device, *a), torch.tensor(b, device=device))
+
+
+def test_threshold_backward_compares_with_the_unrounded_threshold(device):
+    """torch's decomposition compared x <= fp16(4095) = 4096 and dropped x = 4096's gradient; eager's
+    kernel compares in fp32 (fxopt/decompositions.py)."""
+    x = half(device, 4096.0, 4094.0, 2.0)
+    def grads(fn):
+        t = x.clone().requires_grad_()
+        fn(t).sum().backward()
+        return t.grad
+    f = lambda t: torch.nn.functional.threshold(t * 1, 4095.0, 0.0) * 2  # noqa: E731
+    torch.testing.assert_close(grads(compile_fxopt(f)), grads(f), rtol=0, atol=0)
+    g = lambda t: torch.nn.functional.threshold(t * 1, 1.9999, 0.0) * 2  # noqa: E731
+    torch.testing.assert_close(grads(compile_fxopt(g)), grads(g), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("case", ["to int64", "floor"])
