@@ -280,11 +280,10 @@ class PointwiseEmitter:
             have = self.vdtype[arg]
             var = self._var(arg)
             dtype = getattr(arg.meta["val"], "dtype", have)  # (a SymInt operand has none: an int)
-            rounded = own and dtype in LOW_PRECISION and have == torch.float32
-            if rounded:
+            if own and dtype in LOW_PRECISION and have == torch.float32:
                 var = f"{var}.to({TL_DTYPE[dtype]}).to(tl.float32)"
-            if common is not None and dtype != torch.bool and (dtype != common or (have == torch.float32
-                                                                                   and not rounded)):
+            # (every op with a `common` dtype reads its operands `own`: one of that dtype is rounded above)
+            if common is not None and dtype != torch.bool and dtype != common:
                 # through float32, as eager's conversions to bf16/fp16 go (c10's Half and BFloat16 take a float;
                 # the interpreter would also reinterpret an int's bits as bf16)
                 via = "" if have == torch.float32 else ".to(tl.float32)"
