@@ -42,13 +42,31 @@ def _var(x, dim=None, *, correction=None, keepdim=False):
     return _var_mean(x, dim, correction=correction, keepdim=keepdim)[0]
 
 
+def _compares_in_fp32(self) -> bool:
+    """Whether eager's threshold kernels compare self in fp32: the CPU kernels do for a 16-bit input
+    (threshold 4095 stays 4095); the CUDA kernels convert the threshold to self's dtype first (fp16
+    4095 -> 4096), which is what `self <= threshold` in self's dtype gives."""
+    return self.dtype in (torch.float16, torch.bfloat16) and self.device.type == "cpu"
+
+
 def _threshold_backward(grad_output, self, threshold):
-    """relu's (and F.threshold's) backward. torch's decomposition compares `self <= threshold` in self's
-    dtype, which rounds the threshold to bf16/fp16 first (4095 -> fp16 4096, so x = 4096 lost its
-    gradient); eager's kernel compares in fp32. A 16-bit input is compared in fp32 here (exact)."""
-    if self.dtype in (torch.float16, torch.bfloat16):
+    """relu's (and F.threshold's) backward. torch's decomposition compares in self's dtype: CUDA's
+    answer, but on the CPU x = 4096 lost the gradient eager keeps."""
+    if _compares_in_fp32(self):
         self = self.float()
     return torch.where(self <= threshold, 0, grad_output)
+
+
+def _threshold(table: dict):
+    """F.threshold's forward: torch's reference compares in fp32 (the CPU kernel's answer); on other
+    devices the comparison is in self's dtype, as the CUDA kernel's."""
+    reference = table[aten.threshold.default]
+
+    def threshold(self, threshold, value):
+        if _compares_in_fp32(self) or self.dtype not in (torch.float16, torch.bfloat16):
+            return reference(self, threshold, value)
+        return torch.where(self <= threshold, value, self)
+    return threshold
 
 
 def _core_aten() -> dict:
@@ -67,6 +85,7 @@ def decomposition_table() -> dict:
     table[aten.var_mean.correction] = _var_mean
     table[aten.var.correction] = _var
     table[aten.threshold_backward.default] = _threshold_backward
+    table[aten.threshold.default] = _threshold(table)
     # torch's decomposition of the CPU flash attention returns the attention probabilities where the
     # op returns the log-sum-exp; its backward (still the fused op's) then reads probabilities as lse
     # and the gradients come out wrong. SDPA that fxopt does not fuse stays one ATen call instead.
