@@ -57,6 +57,15 @@ def _threshold_backward(grad_output, self, threshold):
     return torch.where(self <= threshold, 0, grad_output)
 
 
+def _hardtanh_backward(grad_output, self, min_val, max_val):
+    """Both devices' eager kernels compare a 16-bit input with the bounds in fp32; torch before 2.12
+    decomposed it in self's dtype, which rounds the bounds (fp16 2.0001 -> 2, so x = 2 lost its
+    gradient on the H100's torch 2.11)."""
+    if self.dtype in (torch.float16, torch.bfloat16):
+        self = self.float()
+    return torch.where((self <= min_val) | (self >= max_val), 0, grad_output)
+
+
 def _threshold(table: dict):
     """F.threshold's forward: torch's reference compares in fp32 (the CPU kernel's answer); on other
     devices the comparison is in self's dtype, as the CUDA kernel's."""
@@ -86,6 +95,7 @@ def decomposition_table() -> dict:
     table[aten.var.correction] = _var
     table[aten.threshold_backward.default] = _threshold_backward
     table[aten.threshold.default] = _threshold(table)
+    table[aten.hardtanh_backward.default] = _hardtanh_backward
     # torch's decomposition of the CPU flash attention returns the attention probabilities where the
     # op returns the log-sum-exp; its backward (still the fused op's) then reads probabilities as lse
     # and the gradients come out wrong. SDPA that fxopt does not fuse stays one ATen call instead.

@@ -101,3 +101,18 @@ def test_threshold_compares_as_the_devices_kernel_does(device):
     for threshold in (4095.0, 1.9999, 4096):
         f = lambda t: torch.nn.functional.threshold(t * 1, threshold, 0.0) * 2  # noqa: E731
         torch.testing.assert_close(run(compile_fxopt(f)), run(f), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_hardtanh_backward_compares_with_the_unrounded_bounds(dtype, device):
+    """x = 2 inside hardtanh(-2.0001, 2.0001) keeps its gradient (bounds 2.0 in 16 bits would drop it):
+    eager's kernels compare in fp32 on both devices; torch 2.11's decomposition rounded the bounds."""
+    x = torch.tensor([2.0, -2.0, 3.0, 0.5, 256.0], dtype=dtype, device=device)
+
+    def grad(fn):
+        t = x.clone().requires_grad_()
+        fn(t).float().sum().backward()
+        return t.grad
+    for bound in (2.0001, 257.0):
+        f = lambda t: torch.nn.functional.hardtanh(t * 1, -bound, bound)  # noqa: E731
+        torch.testing.assert_close(grad(compile_fxopt(f)), grad(f), rtol=0, atol=0)
