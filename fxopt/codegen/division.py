@@ -9,6 +9,8 @@ equal in eager differ across kernels: amax's backward finds its element by equal
 divided (the fuzzer of 2026-12-06). So every kernel, pointwise or reduction, writes a float32 division
 by a value broadcast along the last dim (size 1 there, the result's larger) as the product with its
 reciprocal.
+
+The C remainder (fmod) and ATen's remainder (the divisor's sign) are here too.
 """
 from __future__ import annotations
 
@@ -32,3 +34,20 @@ def lower_div(c, n: fx.Node, o: list[str]) -> str:
     if c.compute == torch.float32 and by_row_value(n):
         return f"({o[0]} * (1.0 / {o[1]}))"
     return f"({o[0]} / {o[1]})"
+
+
+def remainder(c, a, b):
+    """Python-style remainder (sign of the divisor), as ATen computes it: the C remainder (fmod for
+    floats, exact; srem for integers) corrected by b where the signs differ. a - b * floor(a / b) is
+    not exact: it loses integers from 2^24 on (the division runs in fp32) and whole periods for floats.
+    Floats on the GPU use libdevice.fmod: Triton's float `%` there is not exact for |a| >> |b|
+    (remainder(-1e30, 7) came out 2.8e22); the interpreter's `%` is numpy's exact fmod."""
+    exact_fmod = c.target == "cuda" and c.compute.is_floating_point
+    r = f"libdevice.fmod({a}, {b})" if exact_fmod else f"({a} % {b})"
+    return f"tl.where(({r} != 0) & (({r} < 0) != ({b} < 0)), {r} + {b}, {r})"
+
+
+def fmod(c, a: str, b: str) -> str:
+    """C's remainder: libdevice.fmod for floats, Triton's `%` (srem, the same sign rule) for integers,
+    which libdevice.fmod does not take (an int fmod did not compile on the GPU)."""
+    return f"libdevice.fmod({a}, {b})" if c.compute.is_floating_point else f"({a} % {b})"

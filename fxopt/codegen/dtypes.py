@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.fx as fx
 
 TL_DTYPE = {
     torch.float32: "tl.float32", torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16",
@@ -35,14 +36,18 @@ def literal(value, dtype: torch.dtype) -> str:
 def cast_via(source: torch.dtype | None, out: torch.dtype) -> str | None:
     """The Triton dtype a cast from `source` to `out` must pass through to round or wrap as eager's
     does, or None. Eager converts float64 and integers to bf16/fp16 through float32 (two roundings;
-    the GPU's one-step cvt rounds 2^24 + 2^16 + 1 differently), and floats to 8/16-bit integers through
-    int64 (wrapping: -1.5 -> uint8 255; the GPU's cvt to a narrow integer saturates negatives to 0)."""
+    the GPU's one-step cvt rounds 2^24 + 2^16 + 1 differently), floats to uint8 through int64 (wrapping:
+    -1.5 -> 255; the GPU's cvt to a narrow integer saturates negatives to 0) and to int8/int16 through
+    int32, which saturates, as eager's CUDA kernels do (1e10 -> int16 -1, not int64's wrapped -7168;
+    the CPU's 0x80000000 for it truncates to 0 there, as eager on the CPU)."""
     if source is None or source == torch.bool:
         return None
     if out in LOW_PRECISION and (source == torch.float64 or not source.is_floating_point):
         return "tl.float32"
-    if out in (torch.int8, torch.uint8, torch.int16) and source.is_floating_point:
+    if out == torch.uint8 and source.is_floating_point:
         return "tl.int64"
+    if out in (torch.int8, torch.int16) and source.is_floating_point:
+        return "tl.int32"
     return None
 
 
@@ -63,3 +68,19 @@ def cast_operand(x: str, source: torch.dtype | None, out: torch.dtype, target: s
         return (f'tl.inline_asm_elementwise("cvt.rn.f32.{kind} $0, $1;", "=r,{register}", [{x}], '
                 "dtype=tl.float32, is_pure=True, pack=1)")
     return f"{x}.to({via})"
+
+
+def as_result_dtype(n: fx.Node, scalar):
+    """A Python-number operand of pow as eager's kernels take it: rounded to a bf16/fp16 result's dtype
+    (both devices convert the exponent, or the base, to the tensor's dtype: x ** 4.095 in fp16 is
+    x ** 4.09375 in eager)."""
+    dtype = n.meta["val"].dtype
+    if isinstance(scalar, float) and dtype in LOW_PRECISION:
+        return torch.tensor(scalar, dtype=dtype).item()
+    return scalar
+
+
+def rounded_base(c, n: fx.Node, expr: str) -> str:
+    """pow.Scalar's base as a literal rounded by as_result_dtype (`expr` where it is not a float)."""
+    base = n.args[0]
+    return literal(as_result_dtype(n, base), c.compute) if isinstance(base, float) else expr

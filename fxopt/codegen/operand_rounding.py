@@ -14,7 +14,10 @@ ops read their operands rounded, in two ways:
   fp32). `(x * 3).int()` of fp16 x = 1365 is 4096 in eager, since fp16(4095) = 4096; unrounded it was
   4095. `nan_to_num(x * 1000)` of x = 100 must see eager's inf, and `(x * 1e-6).sign()` eager's
   underflow to 0.
-Arithmetic computes a scalar in fp32 (opmath), as eager does, so it needs neither.
+Arithmetic computes a scalar in fp32 (opmath), as eager's CUDA kernels do, so it needs neither (eager's
+CPU kernels round the scalar of add/sub to the tensor's dtype; fxopt does not: `x + 4095` of fp16
+x = -4096 is -1 on CUDA and under fxopt, 0 in eager on the CPU). pow is the exception: both devices
+round its scalar operand, exponent or base, to a bf16/fp16 result's dtype (dtypes.as_result_dtype).
 """
 from __future__ import annotations
 
@@ -50,3 +53,4 @@ def rounded_operands(node: fx.Node) -> torch.dtype | None:
 def reads_own_dtype(node: fx.Node) -> bool:
     """Whether the node reads each bf16/fp16 operand rounded to its own dtype (see the module docstring)."""
     return node.target in OWN_DTYPE_OPERANDS
+

@@ -17,8 +17,8 @@ import torch
 import torch.fx as fx
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
-from .division import lower_div
-from .dtypes import TL_DTYPE, compute_dtype
+from .division import fmod, lower_div, remainder
+from .dtypes import TL_DTYPE, as_result_dtype, compute_dtype, rounded_base
 from .erf_poly import erf_call, gelu_call
 
 aten = torch.ops.aten
@@ -226,19 +226,16 @@ def _bitwise_not(c, x: str) -> str:
     return f"(~{x})"
 
 
+def _abs(c, x: str) -> str:
+    """|x|; integers as a wrapping negation, since eager's abs(INT16_MIN) is INT16_MIN and LLVM's abs
+    of the minimum is poison (on an H100, int16 abs(-32768) % 40 came out 8, eager 32 after the wrap)."""
+    if c.compute.is_floating_point:
+        return f"tl.abs({x})"
+    return f"tl.where({x} < 0, -{x}, {x})"
+
+
 def _sign(x):
     return f"tl.where({x} > 0, 1, tl.where({x} < 0, -1, 0)).to({x}.dtype)"
-
-
-def _remainder(c, a, b):
-    """Python-style remainder (sign of the divisor), as ATen computes it: the C remainder (fmod for
-    floats, exact; srem for integers) corrected by b where the signs differ. a - b * floor(a / b) is
-    not exact: it loses integers from 2^24 on (the division runs in fp32) and whole periods for floats.
-    Floats on the GPU use libdevice.fmod: Triton's float `%` there is not exact for |a| >> |b|
-    (remainder(-1e30, 7) came out 2.8e22); the interpreter's `%` is numpy's exact fmod."""
-    exact_fmod = c.target == "cuda" and c.compute.is_floating_point
-    r = f"libdevice.fmod({a}, {b})" if exact_fmod else f"({a} % {b})"
-    return f"tl.where(({r} != 0) & (({r} < 0) != ({b} < 0)), {r} + {b}, {r})"
 
 
 def _add(c, o):
@@ -249,7 +246,7 @@ def _add(c, o):
 
 # Each entry: (LowerCtx, node, operand expressions) -> expression. Operands follow node.args order.
 LOWERINGS = {
-    aten.abs.default: lambda c, n, o: f"tl.abs({o[0]})",
+    aten.abs.default: lambda c, n, o: _abs(c, o[0]),
     # Triton spells float negation 0 - x, which turns -0.0 into +0.0 (so 1/-x would flip sign at 0)
     aten.neg.default: lambda c, n, o: f"({o[0]} * -1.0)" if c.compute.is_floating_point else f"(-{o[0]})",
     aten.exp.default: lambda c, n, o: _exp(c, o[0]),
@@ -320,10 +317,10 @@ LOWERINGS = {
     aten.gt.Scalar: lambda c, n, o: f"({o[0]} > {o[1]})",
     aten.ge.Tensor: lambda c, n, o: f"({o[0]} >= {o[1]})",
     aten.ge.Scalar: lambda c, n, o: f"({o[0]} >= {o[1]})",
-    aten.fmod.Tensor: lambda c, n, o: f"libdevice.fmod({o[0]}, {o[1]})",
-    aten.fmod.Scalar: lambda c, n, o: f"libdevice.fmod({o[0]}, {o[1]})",
-    aten.remainder.Tensor: lambda c, n, o: _remainder(c, o[0], o[1]),
-    aten.remainder.Scalar: lambda c, n, o: _remainder(c, o[0], o[1]),
+    aten.fmod.Tensor: lambda c, n, o: fmod(c, o[0], o[1]),
+    aten.fmod.Scalar: lambda c, n, o: fmod(c, o[0], o[1]),
+    aten.remainder.Tensor: lambda c, n, o: remainder(c, o[0], o[1]),
+    aten.remainder.Scalar: lambda c, n, o: remainder(c, o[0], o[1]),
     aten.bitwise_and.Tensor: lambda c, n, o: f"({o[0]} & {o[1]})",
     aten.bitwise_and.Scalar: lambda c, n, o: f"({o[0]} & {o[1]})",
     aten.bitwise_or.Tensor: lambda c, n, o: f"({o[0]} | {o[1]})",
@@ -337,9 +334,9 @@ LOWERINGS = {
     aten.logical_and.default: lambda c, n, o: f"(({o[0]} != 0) & ({o[1]} != 0))",
     aten.logical_or.default: lambda c, n, o: f"(({o[0]} != 0) | ({o[1]} != 0))",
     aten.logical_xor.default: lambda c, n, o: f"(({o[0]} != 0) ^ ({o[1]} != 0))",
-    aten.pow.Tensor_Scalar: lambda c, n, o: _pow_scalar(c, o[0], n.args[1]),
+    aten.pow.Tensor_Scalar: lambda c, n, o: _pow_scalar(c, o[0], as_result_dtype(n, n.args[1])),
     aten.pow.Tensor_Tensor: lambda c, n, o: f"libdevice.pow({o[0]}, {o[1]})",
-    aten.pow.Scalar: lambda c, n, o: f"libdevice.pow({o[0]}, {o[1]})",
+    aten.pow.Scalar: lambda c, n, o: f"libdevice.pow({rounded_base(c, n, o[0])}, {o[1]})",
     aten.where.self: lambda c, n, o: f"tl.where({o[0]}, {o[1]}, {o[2]})",
     aten._to_copy.default: lambda c, n, o: _cast(c, o[0]),
     prims.convert_element_type.default: lambda c, n, o: _cast(c, o[0]),

@@ -50,6 +50,25 @@ def test_float_to_narrow_integers_wraps_like_eager(device):
         assert_same(fn, x)
 
 
+def test_float_out_of_int32_range_to_int8_int16_saturates_through_int32(device):
+    """Eager's CUDA kernels convert a float to int8/int16 through a saturating int32 (1e10 -> -1), the
+    CPU's through x86's 0x80000000 (-> 0); through int64 fxopt wrapped 1e10 to int16 -7168 on both."""
+    x = torch.tensor([1e10, -1e10, 3e9, -3e9, 40000.0, -40000.0, 200.5], device=device)
+    for dtype in (torch.int8, torch.int16):
+        assert_same(lambda t: (t * 1).to(dtype), x)
+
+
+def test_integer_abs_and_fmod(device):
+    """abs(INT16_MIN) wraps to itself in eager (LLVM's abs of the minimum is poison: the H100 gave
+    32768 % 40 = 8 where eager has 32); an integer fmod by a tensor did not compile on the GPU
+    (libdevice.fmod takes floats)."""
+    a = torch.tensor([-32768, 5, -7, 7, 32767, -1], dtype=torch.int16, device=device)
+    b = torch.tensor([3, -3, 2, -2, 40, 7], dtype=torch.int16, device=device)
+    assert_same(lambda s, t: (s * 1).abs() % 40 + t, a, b)
+    for dtype in (torch.int16, torch.int32, torch.int64):
+        assert_same(lambda s, t: torch.fmod(s * 1, t) + torch.remainder(s, t), a.to(dtype), b.to(dtype))
+
+
 def test_integers_to_bf16_round_through_float32(device):
     """2^24 + 2^16 + 1 -> bf16: eager rounds to float32 first (16777216); one rounding gives 16908288."""
     v = torch.tensor([2 ** 24 + 2 ** 16 + 1, -(2 ** 24 + 2 ** 16 + 1), 7, 2 ** 30 + 2 ** 22 + 1], device=device)

@@ -116,3 +116,16 @@ def test_hardtanh_backward_compares_with_the_unrounded_bounds(dtype, device):
     for bound in (2.0001, 257.0):
         f = lambda t: torch.nn.functional.hardtanh(t * 1, -bound, bound)  # noqa: E731
         torch.testing.assert_close(grad(compile_fxopt(f)), grad(f), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_pow_takes_its_scalar_in_the_tensors_dtype(dtype, device):
+    """Both devices' pow kernels convert a scalar exponent (or base) to a 16-bit tensor's dtype: fp16
+    x ** 4.095 is x ** 4.09375 in eager (2 ** 4.095 = 17.09 rounded differently from eager's 17.08)."""
+    if dtype == torch.bfloat16 and device == "cpu":
+        pytest.skip("the interpreter truncates a kernel's fp32 -> bf16 cast: checked on the GPU")
+    x = torch.tensor([2.0, 6.0, 3.0, 0.5, 11.0, 1.5], dtype=dtype, device=device)
+    for e in (4.095, 0.255, 1.0003):
+        check = lambda fn: torch.testing.assert_close(compile_fxopt(fn)(x), fn(x), rtol=0, atol=0)  # noqa: E731
+        check(lambda t: (t * 1) ** e)
+        check(lambda t: (e / 4) ** (t * 1))
