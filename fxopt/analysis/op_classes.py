@@ -303,6 +303,9 @@ def pointwise_unsupported_reason(node: fx.Node, target: str) -> str | None:
     if t in _CLAMPS and any(isinstance(a, float) and math.isnan(a) for a in (*node.args[1:], *node.kwargs.values())):
         return ("a NaN clamp bound: eager's result differs by device (NaN on the CPU; on CUDA the bound is "
                 "ignored, fmax/fmin), so the node runs as eager")
+    if t is aten.abs.default and out.dtype in (torch.int8, torch.int16) and target == "cuda":
+        return ("abs of an int8/int16 tensor: eager's abs(-32768) wraps to -32768, and LLVM folds Triton's "
+                "abs of the minimum into an unsigned value (abs(x) % 40 was 8, eager 32, on an H100)")
     wrapped = _int_scalar_out_of_range(node)
     if wrapped:
         return wrapped

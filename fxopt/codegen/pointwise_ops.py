@@ -227,14 +227,17 @@ def _bitwise_not(c, x: str) -> str:
 
 
 def _abs(c, x: str) -> str:
-    """|x|; integers as a wrapping negation, since eager's abs(INT16_MIN) is INT16_MIN and LLVM's abs
-    of the minimum is poison (on an H100, int16 abs(-32768) % 40 came out 8, eager 32 after the wrap)."""
+    """|x|; an integer's as a wrapping negation (eager's abs(INT_MIN) is INT_MIN, LLVM's abs of the
+    minimum poison; int8/int16 abs on the GPU stays ATen: op_classes.pointwise_unsupported_reason)."""
+    return f"tl.abs({x})" if c.compute.is_floating_point else f"tl.where({x} < 0, -{x}, {x})"
+
+
+def _sign(c, x):
+    """Floats select float constants: on an H100, `where(y > 0, 1, where(y < 0, -1, 0)).to(float32)` of a
+    y rounded through bf16 was compiled to packed bf16x2 code that returned 1 for negative values
+    whenever a thread held two or more elements (half of a 1M-element sign, and abs's backward, wrong)."""
     if c.compute.is_floating_point:
-        return f"tl.abs({x})"
-    return f"tl.where({x} < 0, -{x}, {x})"
-
-
-def _sign(x):
+        return f"tl.where({x} > 0, 1.0, tl.where({x} < 0, -1.0, 0.0)).to({x}.dtype)"
     return f"tl.where({x} > 0, 1, tl.where({x} < 0, -1, 0)).to({x}.dtype)"
 
 
@@ -281,7 +284,7 @@ LOWERINGS = {
     aten.trunc.default: lambda c, n, o: (f"tl.where({o[0]} < 0, tl.ceil({o[0]}), tl.floor({o[0]}))"
                                          if c.compute.is_floating_point else o[0]),
     aten.round.default: lambda c, n, o: _round_half_even(o[0]) if c.compute.is_floating_point else o[0],
-    aten.sign.default: lambda c, n, o: _sign(o[0]),
+    aten.sign.default: lambda c, n, o: _sign(c, o[0]),
     aten.relu.default: lambda c, n, o: f"tl.where({o[0]} < 0, 0, {o[0]})",
     aten.isnan.default: lambda c, n, o: f"({o[0]} != {o[0]})",
     aten.isinf.default: lambda c, n, o: f"(tl.abs({o[0]}) == float(\"inf\"))",

@@ -59,9 +59,9 @@ def test_float_out_of_int32_range_to_int8_int16_saturates_through_int32(device):
 
 
 def test_integer_abs_and_fmod(device):
-    """abs(INT16_MIN) wraps to itself in eager (LLVM's abs of the minimum is poison: the H100 gave
-    32768 % 40 = 8 where eager has 32); an integer fmod by a tensor did not compile on the GPU
-    (libdevice.fmod takes floats)."""
+    """abs(INT16_MIN) wraps to itself in eager (LLVM folded Triton's int16 abs of it into 32768: the H100
+    gave abs(x) % 40 = 8 where eager has 32, so int8/int16 abs stays ATen on the GPU); an integer fmod by
+    a tensor did not compile on the GPU (libdevice.fmod takes floats)."""
     a = torch.tensor([-32768, 5, -7, 7, 32767, -1], dtype=torch.int16, device=device)
     b = torch.tensor([3, -3, 2, -2, 40, 7], dtype=torch.int16, device=device)
     assert_same(lambda s, t: (s * 1).abs() % 40 + t, a, b)
