@@ -1,0 +1,191 @@
+"""Differential sweep (a correctness tool, not a benchmark): fxopt against eager on the same device over
+values where one rounding step or one device convention changes the answer.
+
+Two families, each compared element by element with eager's result:
+- `scalar`: bf16/fp16 tensors near the dtypes' rounding boundaries (fp16 4094..4098, bf16 254..258, the
+  largest finite values) through ops that take a scalar bound, threshold or operand (threshold, hardtanh,
+  clamp, comparisons, where, masked_fill, softplus, remainder, pow, addcdiv, ...) and the activations,
+  forward and backward;
+- `integer`: integer ops at their limits (shifts, wrapping products, division modes, casts), float casts of
+  out-of-range values, NaN and infinities through casts, rounding, max/min and reductions, for every
+  integer and float dtype.
+Eager's CPU and CUDA kernels differ on some of these (a CPU add rounds its scalar to fp16, the CUDA one does
+not; CUDA's threshold rounds the threshold, the CPU's does not), so run it on the device that matters.
+`--rep N` tiles each vector N times: kernels then hold several elements per thread, which is where a
+packed-bf16 miscompile of sign showed (2026-12-07: none of the 16-element cases caught it).
+
+    python -m benchmarks.edge_sweep --family scalar --rep 256 [--shard 0/6]
+    TRITON_INTERPRET=1 python -m benchmarks.edge_sweep --device cpu     # the interpreter truncates
+                                                                          # fp32 -> bf16: expect bf16 noise
+
+A mismatch is a difference above `--ulps` units in the last place of the result's dtype (exact for
+integers and booleans). Known, accepted differences: fxopt keeps 16-bit intermediates in fp32 (exp2 of
+x * 1e-3 is 1.9 ulp from eager's, which rounds x * 1e-3 first; atan2's fp16 backward overflows in eager,
+not in fxopt), and float sums of values 2^31 apart depend on the order of summation.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+import torch
+import torch.nn.functional as F
+
+F16, BF16 = torch.float16, torch.bfloat16
+NEAR_BOUNDS = {F16: [4094., 4096., 4098., 2.0, -4096., -4094., 0.5, -0.5, 1.0, 6.0, -3.0, 3.0, 65504., -65504.],
+               BF16: [254., 256., 258., 2.0, -256., -254., 0.5, -0.5, 1.0, 6.0, -3.0, 3.0, 3.0e38, -3.0e38]}
+BOUNDS = {F16: [4095., 4097., 4095.5, 2.0001], BF16: [255., 257., 255.5, 2.0001]}
+EDGE_FLOATS = [0.0, -0.0, 1.5, -1.5, 2.5, -2.5, 1e10, -1e10, float("inf"), float("-inf"), float("nan"), 300.7,
+               -300.7, 65504., 3e9, -3e9]
+EDGE_INTS = [0, 1, -1, 7, -7, 2 ** 31 - 1, -2 ** 31, 255, 256, -129, 1 << 20, 40, 31, 33, -33, 5]
+
+
+def _bounded(t: float):
+    """Ops of one 16-bit tensor and one scalar bound t (t not representable in the dtype, mostly)."""
+    return {
+        "threshold": lambda x: F.threshold(x * 1, t, -7.3), "hardtanh": lambda x: F.hardtanh(x * 1, -t, t),
+        "clamp": lambda x: torch.clamp(x * 1, min=-t, max=t), "clamp_min": lambda x: torch.clamp_min(x * 1, t),
+        "le": lambda x: ((x * 1) <= t).float() + x * 0, "lt": lambda x: ((x * 1) < t).float() + x * 0,
+        "eq": lambda x: ((x * 1) == t).float() + x * 0, "ne": lambda x: ((x * 1) != t).float() + x * 0,
+        "where": lambda x: torch.where(x > 0, x * 1, t), "masked_fill": lambda x: (x * 1).masked_fill(x < 0, t),
+        "softplus": lambda x: F.softplus(x * 1, beta=1.0, threshold=t), "add": lambda x: x * 1 + t,
+        "sub_alpha": lambda x: torch.sub(x * 1, x, alpha=t), "mul": lambda x: x * t, "div": lambda x: (x * 1) / t,
+        "remainder": lambda x: torch.remainder(x * 1, t), "fmod": lambda x: torch.fmod(x * 1, t),
+        "nan_to_num": lambda x: torch.nan_to_num(x * float("inf"), posinf=t, neginf=-t),
+        "floor_div": lambda x: torch.div(x * 1, t / 1000, rounding_mode="floor"),
+        "trunc_div": lambda x: torch.div(x * 1, t / 1000, rounding_mode="trunc"),
+        "addcdiv": lambda x: torch.addcdiv(x, x, x.abs() + 1, value=t / 1000),
+        "addcmul": lambda x: torch.addcmul(x, x, x, value=1 / t), "lerp": lambda x: torch.lerp(x * 1, x * 0 + t, 0.3),
+        "int_add": lambda x: (x * 1).int() + t, "int_le": lambda x: ((x * 1).int() <= t).float(),
+        "pow": lambda x: (x.abs() * 1) ** (t / 1000), "rpow": lambda x: (t / 4000) ** (x * 1e-3),
+        "copysign": lambda x: torch.copysign(x * 1, -t), "bool_where": lambda x: torch.where((x * 1) > t, 1.5, -t),
+    }
+
+
+ACTIVATIONS = {
+    "leaky_relu": lambda x: F.leaky_relu(x * 1, 0.1), "elu": lambda x: F.elu(x * 1), "relu6": lambda x: F.relu6(x * 1),
+    "hardsigmoid": lambda x: F.hardsigmoid(x * 1), "hardswish": lambda x: F.hardswish(x * 1),
+    "gelu": lambda x: F.gelu(x * 1), "gelu_tanh": lambda x: F.gelu(x * 1, approximate="tanh"),
+    "silu": lambda x: F.silu(x * 1), "mish": lambda x: F.mish(x * 1), "selu": lambda x: F.selu(x * 1),
+    "softshrink": lambda x: F.softshrink(x * 1, 2.0001), "hardshrink": lambda x: F.hardshrink(x * 1, 2.0001),
+    "tanhshrink": lambda x: F.tanhshrink(x * 1), "logsigmoid": lambda x: F.logsigmoid(x * 1),
+    "round": lambda x: torch.round(x * 0.3), "sign": lambda x: torch.sign(x - 2), "abs": lambda x: (x * -1).abs(),
+    "rsqrt": lambda x: torch.rsqrt(x.abs() + 1), "exp2": lambda x: torch.exp2(x * 1e-3),
+    "sqrt_pow": lambda x: x.abs() ** 0.5, "reciprocal": lambda x: 1 / (x * 1),
+}
+
+INTEGER_OPS = {
+    "shl": lambda a, b: a << (b.abs() % 40), "shr": lambda a, b: a >> (b.abs() % 40), "bits": lambda a, b: (a & b) | (a ^ 5),
+    "not": lambda a, b: ~a, "floor_div": lambda a, b: torch.div(a, torch.where(b == 0, 3, b), rounding_mode="floor"),
+    "trunc_div": lambda a, b: torch.div(a, torch.where(b == 0, 3, b), rounding_mode="trunc"),
+    "remainder": lambda a, b: torch.remainder(a, torch.where(b == 0, 3, b)),
+    "fmod": lambda a, b: torch.fmod(a, torch.where(b == 0, 3, b)), "true_div": lambda a, b: a / torch.where(b == 0, 3, b),
+    "abs": lambda a, b: a.abs() - (-b), "mul_wrap": lambda a, b: a * b + 1, "pow": lambda a, b: a ** 2,
+    "to_f16": lambda a, b: (a * 1).half(), "to_bf16": lambda a, b: (a * 1).bfloat16(),
+    "to_u8": lambda a, b: (a * 1).to(torch.uint8), "to_i8": lambda a, b: (a * 1).to(torch.int8),
+    "max_min": lambda a, b: torch.maximum(a, b) - torch.minimum(a, b), "sign": lambda a, b: torch.sign(a * 1),
+    "clamp": lambda a, b: (a * 1).clamp(-100, 100), "sum": lambda a, b: (a * 1).sum(),
+    "cumsum": lambda a, b: (a * 1).cumsum(0), "argmax": lambda a, b: (a * 1).argmax(),
+}
+
+FLOAT_EDGES = {
+    **{f"to_{str(d)[6:]}": (lambda d: lambda x: (x * 1).to(d))(d)
+       for d in (torch.int32, torch.int64, torch.int8, torch.uint8, torch.int16, torch.bool, F16, BF16)},
+    "round": lambda x: torch.round(x * 1), "round_dec": lambda x: torch.round(x * 1, decimals=1),
+    "floor_int": lambda x: (x * 1).floor().int(), "frac": lambda x: (x * 1).frac(), "sign": lambda x: (x * 1).sign(),
+    "signbit": lambda x: (x * 1).signbit(), "nan_to_num": lambda x: (x * 1).nan_to_num(),
+    "maximum": lambda x: torch.maximum(x * 1, x.flip(0)), "fmax": lambda x: torch.fmax(x * 1, x.flip(0)),
+    "clamp": lambda x: (x * 1).clamp(-2, 2), "amax": lambda x: (x * 1).amax(), "argmax": lambda x: (x * 1).argmax(),
+    "softmax": lambda x: torch.softmax((x * 1).nan_to_num(0, 0, 0), 0), "logsumexp": lambda x: torch.logsumexp(x * 1, 0),
+    "remainder": lambda x: torch.remainder(x * 1, -2.5), "fmod": lambda x: torch.fmod(x * 1, -2.5),
+    "div0": lambda x: (x * 1) / 0.0, "pow_neg": lambda x: (x * 1) ** -1.5, "pow_t": lambda x: torch.pow(x * 1, x.flip(0)),
+}
+
+
+def cases(family: str, device: str, rep: int):
+    """(name, fn, inputs, backward?) for every case of the family."""
+    if family == "scalar":
+        for dt in (F16, BF16):
+            x = torch.tensor(NEAR_BOUNDS[dt], dtype=dt, device=device).repeat(rep)
+            ops = {f"{k}{t}": f for t in BOUNDS[dt] for k, f in _bounded(t).items()} | ACTIVATIONS
+            for name, fn in ops.items():
+                for grad in (False, True):
+                    yield f"{str(dt)[6:]} {name}{' backward' if grad else ''}", fn, (x,), grad
+        return
+    for it in (torch.int32, torch.int64, torch.int16, torch.uint8, torch.int8):
+        info = torch.iinfo(it)
+        a = torch.tensor([min(max(v, info.min), info.max) for v in EDGE_INTS], dtype=it, device=device).repeat(rep)
+        for name, fn in INTEGER_OPS.items():
+            yield f"{str(it)[6:]} {name}", fn, (a, a.flip(0)), False
+    for ft in (torch.float32, F16, BF16):
+        x = torch.tensor(EDGE_FLOATS, dtype=ft, device=device).repeat(rep)
+        for name, fn in FLOAT_EDGES.items():
+            yield f"{str(ft)[6:]} {name}", fn, (x,), False
+
+
+def _outputs(fn, inputs, grad: bool) -> list:
+    xs = [x.clone().requires_grad_(grad) for x in inputs]
+    out = fn(*xs)
+    if grad and out.requires_grad:
+        out.float().sum().backward()
+        return [out.detach(), xs[0].grad]
+    return [out.detach()]
+
+
+def ulps(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest difference in units of the result dtype's last place (inf where dtypes or NaNs differ)."""
+    if got.dtype != want.dtype or got.shape != want.shape:
+        return float("inf")
+    if not want.is_floating_point():
+        return 0.0 if torch.equal(got, want) else float("inf")
+    g, w = got.double(), want.double()
+    same = (g == w) | (g.isnan() & w.isnan())
+    if bool(same.all()):
+        return 0.0
+    if bool((g.isnan() != w.isnan()).any() or ((g.isinf() | w.isinf()) & ~same).any()):
+        return float("inf")
+    info = torch.finfo(want.dtype)
+    step = info.eps * w.abs().clamp_min(info.tiny)
+    return ((g - w).abs() / step)[~same].max().item()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--family", choices=["scalar", "integer", "all"], default="all")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--rep", type=int, default=1, help="tile every input vector this many times")
+    p.add_argument("--shard", default="0/1", help="i/n: run every n-th case from the i-th")
+    p.add_argument("--ulps", type=float, default=1.0, help="tolerance for float results (default 1 ulp)")
+    args = p.parse_args(argv)
+    importlib.import_module("fxopt")  # registers the backend
+    shard, shards = (int(v) for v in args.shard.split("/"))
+    families = ["scalar", "integer"] if args.family == "all" else [args.family]
+    total = bad = 0
+    for family in families:
+        for i, (name, fn, inputs, grad) in enumerate(cases(family, args.device, args.rep)):
+            if i % shards != shard:
+                continue
+            total += 1
+            torch._dynamo.reset()
+            try:
+                want = _outputs(fn, inputs, grad)
+            except RuntimeError:
+                continue  # eager raises too (an integer op without a derivative): nothing to compare
+            try:
+                got = _outputs(torch.compile(fn, backend="fxopt", dynamic=False), inputs, grad)
+                worst = max(ulps(g, w) for g, w in zip(got, want))
+            except Exception as e:  # noqa: BLE001  (a crash is a finding)
+                bad += 1
+                print(f"ERROR {family} {name}: {type(e).__name__}: {str(e)[:300]}")
+                continue
+            if worst > args.ulps:
+                bad += 1
+                print(f"MISMATCH {family} {name}: {worst:.3g} ulp\n  got  {got[-1].flatten()[:16].tolist()}"
+                      f"\n  want {want[-1].flatten()[:16].tolist()}")
+    print(f"{total} cases, {bad} mismatches or errors (shard {args.shard}, rep {args.rep}, {args.device})")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
