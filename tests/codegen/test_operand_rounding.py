@@ -86,6 +86,27 @@ def test_fp16_values_are_read_rounded_beside_fp32(case, device):
     check(fn, half(device, *a), torch.tensor(b, device=device))
 
 
+ELEMENTWISE = [c for c in sorted(CASES) if CASES[c][1] is not None and "sum" not in c]
+ELEMENTWISE_MIXED = [c for c in sorted(MIXED) if "sum" not in c]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", ELEMENTWISE + [f"mixed {c}" for c in ELEMENTWISE_MIXED])
+def test_read_rounded_with_several_elements_per_thread(case, dtype, device):
+    """The element-wise cases above, tiled to thousands of elements, in fp16 and bf16: on the GPU a thread
+    then holds several and packed 16-bit code runs (a bf16 sign was wrong only there, 2026-12-07). GPU
+    only: the interpreter computes one element at a time (and truncates fp32 -> bf16)."""
+    if device != "cuda":
+        pytest.skip("packed 16-bit code exists on the GPU only")
+    tile = lambda values, dt: torch.tensor(values, dtype=dt, device=device).repeat(2048)  # noqa: E731
+    if case.startswith("mixed "):
+        fn, a, b = MIXED[case.removeprefix("mixed ")]
+        check(fn, tile(a, dtype), tile(b, torch.float32))
+    else:
+        fn, values = CASES[case]
+        check(fn, tile(values, dtype))
+
+
 def test_threshold_compares_as_the_devices_kernel_does(device):
     """F.threshold and its backward at a threshold fp16 cannot hold (4095 -> 4096): the CPU kernels compare
     in fp32 (x = 4096 keeps its value and gradient), the CUDA kernels round the threshold to fp16 first
