@@ -14,6 +14,15 @@ echo "== 2. CUDA graphs on the GPU (own process: a failed capture must not distu
 timeout 90 python -m pytest -q tests/test_cudagraphs_gpu.py tests/test_cudagraphs_gpu_memory.py -m gpu -k cuda --tb=short $P > "$OUT/cudagraphs.txt" 2>&1
 tail -5 "$OUT/cudagraphs.txt"
 
+echo "== 2b. numerics where each thread holds several elements (packed 16-bit code; the CUDA tests' shapes are small)"
+FXOPT_TEST_ROWS=1024 timeout 200 python -m pytest -q tests/codegen/test_pointwise_ops.py -k cuda $P > "$OUT/rows.txt" 2>&1
+tail -1 "$OUT/rows.txt"
+for i in 0 1 2 3 4 5; do
+    timeout 300 python -m benchmarks.edge_sweep --rep 256 --shard $i/6 > "$OUT/edge_sweep$i.txt" 2>&1 &
+done
+wait
+grep -h -E "MISMATCH|ERROR|cases" "$OUT"/edge_sweep?.txt | cut -c1-160   # accepted differences: edge_sweep's docstring
+
 echo "== 3. dynamic vs static reductions (the persistent alternative for symbolic rows)"
 for d in "" "--dynamic"; do
     timeout 90 python -m benchmarks.run --no-first-call --backends fxopt --workloads softmax,rmsnorm,ln_gelu,chain $d \
