@@ -71,11 +71,11 @@ def _threshold(table: dict):
     devices the comparison is in self's dtype, as the CUDA kernel's."""
     reference = table[aten.threshold.default]
 
-    def threshold(self, threshold, value):
+    def threshold_forward(self, threshold, value):
         if _compares_in_fp32(self) or self.dtype not in (torch.float16, torch.bfloat16):
             return reference(self, threshold, value)
         return torch.where(self <= threshold, value, self)
-    return threshold
+    return threshold_forward
 
 
 def _core_aten() -> dict:

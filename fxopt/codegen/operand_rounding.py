@@ -53,4 +53,3 @@ def rounded_operands(node: fx.Node) -> torch.dtype | None:
 def reads_own_dtype(node: fx.Node) -> bool:
     """Whether the node reads each bf16/fp16 operand rounded to its own dtype (see the module docstring)."""
     return node.target in OWN_DTYPE_OPERANDS
-
