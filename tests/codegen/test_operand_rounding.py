@@ -170,3 +170,12 @@ def test_sign_and_abs_backward_of_many_16bit_values(dtype, device):
         return t.grad
     f = lambda t: (t * 3).abs()  # noqa: E731
     torch.testing.assert_close(grad(compile_fxopt(f)), grad(f), rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("case", ["to int64", "floor"])
+def test_bf16_values_are_read_rounded(case, device):
+    if device == "cpu":
+        pytest.skip("the Triton interpreter truncates fp32 -> bf16 conversions (module docstring)")
+    fn, values = {"to int64": (lambda x: (x * 0.01).long(), [4096.0]),  # 40.96 -> bf16 41
+                  "floor": (lambda x: (x * 1.1).floor(), [31.8125])}[case]  # 34.99 -> bf16 35
+    check(fn, torch.tensor(values, dtype=torch.bfloat16, device=device))
