@@ -182,10 +182,12 @@ def _pow_scalar(c, x, e):
         return f"(1.0 / ({x} * {x}))"
     if c.target == "cuda":
         return f"libdevice.pow({x}, {e!r})"
-    mag = f"tl.exp2({e!r} * tl.log2(tl.abs({x})))"
+    # the interpreter: |x| ** e through float64 exp2/log2 (in fp32, 1e10 ** -1.5 was 17 ulp off)
+    mag = f"tl.exp2({e!r} * tl.log2(tl.abs({x}).to(tl.float64))).to({x}.dtype)"
     if e.is_integer():  # odd integer exponents keep the sign; negative bases are fine
         return f"tl.where({x} < 0, -{mag}, {mag})" if int(e) % 2 else mag
-    return f"tl.exp2({e!r} * tl.log2({x}))"  # negative base: log2 gives nan, as pow does
+    # a finite negative base is NaN, as pow's; -inf ** e is |x| ** e (0 or inf), as C's pow
+    return f'tl.where(({x} < 0) & ({x} != float("-inf")), float("nan"), {mag})'
 
 
 def _clamp(x, lo, hi):
