@@ -14,10 +14,11 @@ ops read their operands rounded, in two ways:
   fp32). `(x * 3).int()` of fp16 x = 1365 is 4096 in eager, since fp16(4095) = 4096; unrounded it was
   4095. `nan_to_num(x * 1000)` of x = 100 must see eager's inf, and `(x * 1e-6).sign()` eager's
   underflow to 0.
-Arithmetic computes a scalar in fp32 (opmath), as eager's CUDA kernels do, so it needs neither (eager's
-CPU kernels round the scalar of add/sub to the tensor's dtype; fxopt does not: `x + 4095` of fp16
-x = -4096 is -1 on CUDA and under fxopt, 0 in eager on the CPU). pow is the exception: both devices
-round its scalar operand, exponent or base, to a bf16/fp16 result's dtype (dtypes.as_result_dtype).
+Arithmetic computes a scalar in fp32 (opmath), as eager's CUDA kernels do, so it needs neither. Eager's
+CPU add/sub kernels round a Python-number operand and alpha to a 16-bit tensor's dtype (`x + 4095` of fp16
+x = -4096 is 0 on the CPU, -1 on CUDA): the interpreter's kernels do the same (rounded_scalars). pow
+rounds its scalar operand, exponent or base, to a bf16/fp16 result's dtype on both devices
+(dtypes.as_result_dtype).
 """
 from __future__ import annotations
 
@@ -48,6 +49,18 @@ def rounded_operands(node: fx.Node) -> torch.dtype | None:
     else:
         return None
     return common if common in LOW_PRECISION else None
+
+
+CPU_ROUNDED_SCALARS = {aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.rsub.Scalar}
+
+
+def rounded_scalars(node: fx.Node, target: str) -> torch.dtype | None:
+    """The 16-bit dtype eager's CPU add/sub round a Python-number operand (and alpha) to, for interpreter
+    kernels (the CPU's); None elsewhere (CUDA's kernels take the scalar in fp32)."""
+    if target != "interpret" or node.target not in CPU_ROUNDED_SCALARS:
+        return None
+    out = node.meta["val"].dtype
+    return out if out in LOW_PRECISION else None
 
 
 def reads_own_dtype(node: fx.Node) -> bool:

@@ -47,7 +47,7 @@ from .cat_pieces import (cat_pieces, cat_value, coordinate_layout, coordinate_na
 from .erf_poly import with_erf_helper
 from .indexing import IterationSpace, Layout, index_symbols, needs_int64, print_index, size_symbols
 from .kernel import Kernel
-from .operand_rounding import reads_own_dtype, rounded_operands
+from .operand_rounding import reads_own_dtype, rounded_operands, rounded_scalars
 from .pointwise_launch import TilePlan, cdiv_source, launch_config, plan_tiles
 from .pointwise_ops import LOWERINGS, UNCAST_OPERANDS, LowerCtx, operand_dtype
 
@@ -315,11 +315,12 @@ class PointwiseEmitter:
         out = n.meta["val"].dtype
         want = operand_dtype(n)
         args = self._schema_args(n)
-        common, own = rounded_operands(n), reads_own_dtype(n)
+        common, own, scalars = rounded_operands(n), reads_own_dtype(n), rounded_scalars(n, self.target)
         if n.target is aten.where.self:
             operands = [self._operand(args[0], torch.bool)] + [self._operand(a, want, common, own) for a in args[1:]]
         else:
-            operands = [self._operand(a, want, common, own) for a in args]
+            operands = [self._operand(a, want, common if isinstance(a, fx.Node) or scalars is None else scalars, own)
+                        for a in args]
         if n.target in UNCAST_OPERANDS:  # eager's float64 -> bf16 goes through float32, float -> uint8 through int64
             operands[0] = cast_operand(operands[0], self.vdtype.get(args[0]), out, self.target)
         ctx = LowerCtx(self.target, out, want if want is not None else compute_dtype(out), self.rounds_to)

@@ -144,3 +144,12 @@ def test_pow_of_edge_values_by_a_fractional_scalar(dtype, device):
     for e in (-1.5, 1.5, 0.25):
         fn = lambda t: (t.to(dtype) * 1) ** e  # noqa: E731
         torch.testing.assert_close(compile_fxopt(fn)(x), fn(x), rtol=2 ** -22, atol=0, equal_nan=True)
+
+
+def test_add_and_sub_take_a_scalar_as_the_devices_kernel_does(device):
+    """Eager's CPU add/sub round a Python-number operand and alpha to fp16 (`x + 4095` of -4096 is 0: fp16(4095)
+    is 4096); its CUDA kernels take them in fp32 (-1). Each device's kernels follow its eager."""
+    x = torch.tensor([1000.0, -4096.0, 100.0, -256.0, 3.0, 4094.0], dtype=torch.float16, device=device)
+    for fn in (lambda t: t * 1 + 4095, lambda t: t * 1 - 4095, lambda t: 4095 - t * 1, lambda t: (t * 1).add(4097),
+               lambda t: torch.add(t * 1, t, alpha=1.0003), lambda t: torch.sub(t * 1, t, alpha=2.0001)):
+        assert_same(fn, x)
