@@ -8,7 +8,12 @@ Two families, each compared element by element with eager's result:
   forward and backward;
 - `integer`: integer ops at their limits (shifts, wrapping products, division modes, casts), float casts of
   out-of-range values, NaN and infinities through casts, rounding, max/min and reductions, for every
-  integer and float dtype.
+  integer and float dtype;
+- `rows`: row and column reductions (sums, means, variances, max/min, softmax, log-softmax, logsumexp,
+  LayerNorm, RMSNorm, norms) over rows holding +-inf, NaN, all -inf, equal values, huge and tiny values, in
+  fp32, fp16 and bf16, forward and backward. Orders of summation differ, so finite values are compared
+  with the float64 result (`close`: fxopt may be closer than eager, not much further); where NaN and inf
+  appear must match eager exactly.
 Eager's CPU and CUDA kernels differ on some of these (a CPU add rounds its scalar to fp16, the CUDA one does
 not; CUDA's threshold rounds the threshold, the CPU's does not), so run it on the device that matters.
 `--rep N` tiles each vector N times: kernels then hold several elements per thread, which is where a
@@ -103,6 +108,45 @@ FLOAT_EDGES = {
 }
 
 
+ROW_OPS = {
+    "sum": lambda x: x.sum(-1), "mean": lambda x: x.mean(-1), "var": lambda x: x.var(-1), "std": lambda x: x.std(-1),
+    "var_mean": lambda x: torch.stack(torch.var_mean(x, -1)), "amax": lambda x: x.amax(-1), "amin": lambda x: x.amin(-1),
+    "softmax": lambda x: torch.softmax(x, -1), "log_softmax": lambda x: torch.log_softmax(x, -1),
+    "logsumexp": lambda x: torch.logsumexp(x, -1), "layer_norm": lambda x: F.layer_norm(x, x.shape[-1:]),
+    "rms_norm": lambda x: x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype),
+    "norm": lambda x: torch.linalg.vector_norm(x.float(), dim=-1), "centred": lambda x: x - x.mean(-1, keepdim=True),
+    "col_sum": lambda x: x.sum(0), "col_amax": lambda x: x.amax(0), "col_softmax": lambda x: torch.softmax(x, 0),
+}
+
+
+def _weighted(op, weights):
+    """op over the input scaled per column, its output weighted along its last dim by a non-affine weight:
+    the backward of a softmax's or a normalised row's sum (or of an affine weighting of a normalised ramp)
+    is zero but for rounding, so it would compare noise."""
+    def fn(t):
+        out = op(t if weights is None else t * weights.to(t.dtype))
+        out = out * (torch.arange(out.shape[-1], device=out.device) * 0.7).cos().to(out.dtype)
+        return out * (torch.arange(out.shape[0], device=out.device)[:, None] * 1.3).cos().to(out.dtype) \
+            if out.dim() > 1 else out
+    return fn
+
+
+def _special_rows(dtype, cols: int, device: str) -> torch.Tensor:
+    """Eight rows: random, all equal, one +inf, one -inf, all -inf, one NaN, huge, tiny."""
+    g = torch.Generator().manual_seed(0)
+    # huge and tiny, but finite and normal in the dtype, and their squares in fp32
+    big, small = (3e3, 1e-3) if dtype == F16 else (1e15, 1e-15)
+    rows = torch.randn(8, cols, generator=g, dtype=torch.float64) * 3
+    rows[1] = 2.5
+    rows[2, cols // 3] = float("inf")
+    rows[3, cols // 2] = float("-inf")
+    rows[4] = float("-inf")
+    rows[5, cols // 4] = float("nan")
+    rows[6] *= big / 3
+    rows[7] *= small
+    return rows.to(dtype).to(device)
+
+
 def cases(family: str, device: str, rep: int):
     """(name, fn, inputs, backward?) for every case of the family."""
     if family == "scalar":
@@ -112,6 +156,16 @@ def cases(family: str, device: str, rep: int):
             for name, fn in ops.items():
                 for grad in (False, True):
                     yield f"{str(dt)[6:]} {name}{' backward' if grad else ''}", fn, (x,), grad
+        return
+    if family == "rows":
+        for dt in (torch.float32, F16, BF16):
+            for cols in (37, 3000):
+                x = _special_rows(dt, cols, device).repeat(rep, 1)
+                weights = torch.linspace(-1, 2, cols, device=device)
+                for name, op in ROW_OPS.items():
+                    fn = _weighted(op, None if name.startswith("col") else weights)
+                    for grad in (False, True):
+                        yield f"{str(dt)[6:]} [{8 * rep}, {cols}] {name}{' backward' if grad else ''}", fn, (x,), grad
         return
     for it in (torch.int32, torch.int64, torch.int16, torch.uint8, torch.int8):
         info = torch.iinfo(it)
@@ -150,9 +204,33 @@ def ulps(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((g - w).abs() / step)[~same].max().item()
 
 
+def close(got: torch.Tensor, want: torch.Tensor, ref: torch.Tensor, per_row: bool = True) -> float:
+    """For reductions: inf where dtypes, shapes or the places of NaN and +-inf differ from eager's; else
+    fxopt's largest distance from the float64 reference beyond twice eager's, over (|ref| + the largest
+    finite |ref| of its row, or of all), in units of a tolerance per dtype. fxopt may be closer to the
+    reference than eager (it rounds fewer intermediates), never much further."""
+    if got.dtype != want.dtype or got.shape != want.shape:
+        return float("inf")
+    g, w, r = got.double(), want.double(), ref.double()
+    if not torch.equal(g.isnan(), w.isnan()) or not torch.equal(g.isinf() & (g > 0), w.isinf() & (w > 0)) \
+            or not torch.equal(g.isinf() & (g < 0), w.isinf() & (w < 0)):
+        return float("inf")
+    finite = g.isfinite() & r.isfinite()
+    if not bool(finite.any()):
+        return 0.0
+    zero = torch.zeros_like(r)
+    scale = r.abs().where(finite, zero)
+    scale = scale.amax(-1, keepdim=True) if scale.dim() > 1 and per_row else scale.amax()
+    info = torch.finfo(want.dtype)
+    tol = {torch.float32: 1e-5, F16: 2e-3, BF16: 1.6e-2}.get(want.dtype, 1e-5)
+    excess = (g - r).abs() - 2 * (w - r).abs().where(w.isfinite(), zero)
+    err = excess / ((r.abs() + scale) * tol + 8 * info.eps * info.tiny)  # (a few subnormal steps)
+    return err[finite].max().item()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--family", choices=["scalar", "integer", "all"], default="all")
+    p.add_argument("--family", choices=["scalar", "integer", "rows", "all"], default="all")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--rep", type=int, default=1, help="tile every input vector this many times")
     p.add_argument("--shard", default="0/1", help="i/n: run every n-th case from the i-th")
@@ -160,7 +238,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     importlib.import_module("fxopt")  # registers the backend
     shard, shards = (int(v) for v in args.shard.split("/"))
-    families = ["scalar", "integer"] if args.family == "all" else [args.family]
+    families = ["scalar", "integer", "rows"] if args.family == "all" else [args.family]
     total = bad = 0
     for family in families:
         for i, (name, fn, inputs, grad) in enumerate(cases(family, args.device, args.rep)):
@@ -174,14 +252,18 @@ def main(argv=None) -> int:
                 continue  # eager raises too (an integer op without a derivative): nothing to compare
             try:
                 got = _outputs(torch.compile(fn, backend="fxopt", dynamic=False), inputs, grad)
-                worst = max(ulps(g, w) for g, w in zip(got, want))
+                if family == "rows":
+                    ref = _outputs(fn, [x.double() for x in inputs], grad)
+                    worst = max(close(g, w, r, per_row=" col_" not in name) for g, w, r in zip(got, want, ref))
+                else:
+                    worst = max(ulps(g, w) for g, w in zip(got, want))
             except Exception as e:  # noqa: BLE001  (a crash is a finding)
                 bad += 1
                 print(f"ERROR {family} {name}: {type(e).__name__}: {str(e)[:300]}")
                 continue
             if worst > args.ulps:
                 bad += 1
-                print(f"MISMATCH {family} {name}: {worst:.3g} ulp\n  got  {got[-1].flatten()[:16].tolist()}"
+                print(f"MISMATCH {family} {name}: {worst:.3g} {'tolerances' if family == 'rows' else 'ulp'}\n  got  {got[-1].flatten()[:16].tolist()}"
                       f"\n  want {want[-1].flatten()[:16].tolist()}")
     print(f"{total} cases, {bad} mismatches or errors (shard {args.shard}, rep {args.rep}, {args.device})")
     return 1 if bad else 0

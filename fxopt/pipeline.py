@@ -13,6 +13,7 @@ from .passes.fuse import FusePointwise
 from .passes.fuse_reductions import FuseReductions
 from .passes.grad_over_logits import GradientOverLogits
 from .passes.linear_cross_entropy import FuseLinearCrossEntropy
+from .passes.logsumexp_upcast import UpcastLogsumexp
 from .passes.matmul_casts import FoldMatmulCasts
 from .passes.precision import LOW_DTYPES, MixedPrecision
 from .passes.recompute import RecomputeForReductions
@@ -32,6 +33,9 @@ def pre_autograd_passes(options: Options) -> list:
     # F.cross_entropy / nll_loss(log_softmax) -> one fused op; after precision, so the fp32 up-cast of the
     # logits it inserts is folded into the kernel instead of materialising an fp32 copy
     passes.append(FuseCrossEntropy())
+    # a 16-bit logsumexp on its fp32 up-cast: its backward subtracts an unrounded saved result
+    if "upcast_logsumexp" not in options.skip_passes:
+        passes.append(UpcastLogsumexp())
     return passes
 
 
