@@ -19,7 +19,7 @@ not; CUDA's threshold rounds the threshold, the CPU's does not), so run it on th
 `--rep N` tiles each vector N times: kernels then hold several elements per thread, which is where a
 packed-bf16 miscompile of sign showed (2026-12-07: none of the 16-element cases caught it).
 
-    python -m benchmarks.edge_sweep --family scalar --rep 256 [--shard 0/6]
+    python -m benchmarks.edge_sweep --family scalar --rep 256 [--shard 0/6]   # scalar | integer | rows | all
     TRITON_INTERPRET=1 python -m benchmarks.edge_sweep --device cpu     # the interpreter truncates
                                                                           # fp32 -> bf16: expect bf16 noise
 
