@@ -81,11 +81,13 @@ ACTIVATIONS = {
 }
 
 INTEGER_OPS = {
-    "shl": lambda a, b: a << (b.abs() % 40), "shr": lambda a, b: a >> (b.abs() % 40), "bits": lambda a, b: (a & b) | (a ^ 5),
+    "shl": lambda a, b: a << (b.abs() % 40), "shr": lambda a, b: a >> (b.abs() % 40),
+    "bits": lambda a, b: (a & b) | (a ^ 5),
     "not": lambda a, b: ~a, "floor_div": lambda a, b: torch.div(a, torch.where(b == 0, 3, b), rounding_mode="floor"),
     "trunc_div": lambda a, b: torch.div(a, torch.where(b == 0, 3, b), rounding_mode="trunc"),
     "remainder": lambda a, b: torch.remainder(a, torch.where(b == 0, 3, b)),
-    "fmod": lambda a, b: torch.fmod(a, torch.where(b == 0, 3, b)), "true_div": lambda a, b: a / torch.where(b == 0, 3, b),
+    "fmod": lambda a, b: torch.fmod(a, torch.where(b == 0, 3, b)),
+    "true_div": lambda a, b: a / torch.where(b == 0, 3, b),
     "abs": lambda a, b: a.abs() - (-b), "mul_wrap": lambda a, b: a * b + 1, "pow": lambda a, b: a ** 2,
     "to_f16": lambda a, b: (a * 1).half(), "to_bf16": lambda a, b: (a * 1).bfloat16(),
     "to_u8": lambda a, b: (a * 1).to(torch.uint8), "to_i8": lambda a, b: (a * 1).to(torch.int8),
@@ -102,15 +104,18 @@ FLOAT_EDGES = {
     "signbit": lambda x: (x * 1).signbit(), "nan_to_num": lambda x: (x * 1).nan_to_num(),
     "maximum": lambda x: torch.maximum(x * 1, x.flip(0)), "fmax": lambda x: torch.fmax(x * 1, x.flip(0)),
     "clamp": lambda x: (x * 1).clamp(-2, 2), "amax": lambda x: (x * 1).amax(), "argmax": lambda x: (x * 1).argmax(),
-    "softmax": lambda x: torch.softmax((x * 1).nan_to_num(0, 0, 0), 0), "logsumexp": lambda x: torch.logsumexp(x * 1, 0),
+    "softmax": lambda x: torch.softmax((x * 1).nan_to_num(0, 0, 0), 0),
+    "logsumexp": lambda x: torch.logsumexp(x * 1, 0),
     "remainder": lambda x: torch.remainder(x * 1, -2.5), "fmod": lambda x: torch.fmod(x * 1, -2.5),
-    "div0": lambda x: (x * 1) / 0.0, "pow_neg": lambda x: (x * 1) ** -1.5, "pow_t": lambda x: torch.pow(x * 1, x.flip(0)),
+    "div0": lambda x: (x * 1) / 0.0, "pow_neg": lambda x: (x * 1) ** -1.5,
+    "pow_t": lambda x: torch.pow(x * 1, x.flip(0)),
 }
 
 
 ROW_OPS = {
     "sum": lambda x: x.sum(-1), "mean": lambda x: x.mean(-1), "var": lambda x: x.var(-1), "std": lambda x: x.std(-1),
-    "var_mean": lambda x: torch.stack(torch.var_mean(x, -1)), "amax": lambda x: x.amax(-1), "amin": lambda x: x.amin(-1),
+    "var_mean": lambda x: torch.stack(torch.var_mean(x, -1)), "amax": lambda x: x.amax(-1),
+    "amin": lambda x: x.amin(-1),
     "softmax": lambda x: torch.softmax(x, -1), "log_softmax": lambda x: torch.log_softmax(x, -1),
     "logsumexp": lambda x: torch.logsumexp(x, -1), "layer_norm": lambda x: F.layer_norm(x, x.shape[-1:]),
     "rms_norm": lambda x: x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype),
@@ -263,7 +268,8 @@ def main(argv=None) -> int:
                 continue
             if worst > args.ulps:
                 bad += 1
-                print(f"MISMATCH {family} {name}: {worst:.3g} {'tolerances' if family == 'rows' else 'ulp'}\n  got  {got[-1].flatten()[:16].tolist()}"
+                unit = "tolerances" if family == "rows" else "ulp"
+                print(f"MISMATCH {family} {name}: {worst:.3g} {unit}\n  got  {got[-1].flatten()[:16].tolist()}"
                       f"\n  want {want[-1].flatten()[:16].tolist()}")
     print(f"{total} cases, {bad} mismatches or errors (shard {args.shard}, rep {args.rep}, {args.device})")
     return 1 if bad else 0
