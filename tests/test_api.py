@@ -53,8 +53,8 @@ def test_explain_reports_passes_kernels_and_fallbacks():
 
     rep = fxopt.explain(f, x, b)
     names = [p.name for p in rep.passes]
-    assert names[:10] == ["fuse_attention", "fuse_linear_cross_entropy", "fuse_cross_entropy", "cleanup",
-                          "cpu_scalars_to_device", "sums_through_views", "fold_matmul_casts",
+    assert names[:11] == ["fuse_attention", "fuse_linear_cross_entropy", "fuse_cross_entropy", "upcast_logsumexp",
+                          "cleanup", "cpu_scalars_to_device", "sums_through_views", "fold_matmul_casts",
                           "recompute_for_reductions", "fuse_reductions", "fuse"]
     assert all(p.seconds >= 0 and p.nodes_before >= p.nodes_after - 1 for p in rep.passes)
     kinds = sorted(k.kind for k in rep.kernels)
