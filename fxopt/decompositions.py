@@ -42,11 +42,14 @@ def _var(x, dim=None, *, correction=None, keepdim=False):
     return _var_mean(x, dim, correction=correction, keepdim=keepdim)[0]
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
 def _compares_in_fp32(self) -> bool:
     """Whether eager's threshold kernels compare self in fp32: the CPU kernels do for a 16-bit input
     (threshold 4095 stays 4095); the CUDA kernels convert the threshold to self's dtype first (fp16
     4095 -> 4096), which is what `self <= threshold` in self's dtype gives."""
-    return self.dtype in (torch.float16, torch.bfloat16) and self.device.type == "cpu"
+    return self.dtype in _HALF and self.device.type == "cpu"
 
 
 def _threshold_backward(grad_output, self, threshold):
@@ -61,7 +64,7 @@ def _hardtanh_backward(grad_output, self, min_val, max_val):
     """Both devices' eager kernels compare a 16-bit input with the bounds in fp32; torch before 2.12
     decomposed it in self's dtype, which rounds the bounds (fp16 2.0001 -> 2, so x = 2 lost its
     gradient on the H100's torch 2.11)."""
-    if self.dtype in (torch.float16, torch.bfloat16):
+    if self.dtype in _HALF:
         self = self.float()
     return torch.where((self <= min_val) | (self >= max_val), 0, grad_output)
 
@@ -72,9 +75,9 @@ def _threshold(table: dict):
     reference = table[aten.threshold.default]
 
     def threshold_forward(self, threshold, value):
-        if _compares_in_fp32(self) or self.dtype not in (torch.float16, torch.bfloat16):
-            return reference(self, threshold, value)
-        return torch.where(self <= threshold, value, self)
+        if self.dtype in _HALF and not _compares_in_fp32(self):
+            return torch.where(self <= threshold, value, self)
+        return reference(self, threshold, value)
     return threshold_forward
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.fx as fx
 
 TL_DTYPE = {
     torch.float32: "tl.float32", torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16",
@@ -69,18 +68,3 @@ def cast_operand(x: str, source: torch.dtype | None, out: torch.dtype, target: s
                 "dtype=tl.float32, is_pure=True, pack=1)")
     return f"{x}.to({via})"
 
-
-def as_result_dtype(n: fx.Node, scalar):
-    """A Python-number operand of pow as eager's kernels take it: rounded to a bf16/fp16 result's dtype
-    (both devices convert the exponent, or the base, to the tensor's dtype: x ** 4.095 in fp16 is
-    x ** 4.09375 in eager)."""
-    dtype = n.meta["val"].dtype
-    if isinstance(scalar, float) and dtype in LOW_PRECISION:
-        return torch.tensor(scalar, dtype=dtype).item()
-    return scalar
-
-
-def rounded_base(c, n: fx.Node, expr: str) -> str:
-    """pow.Scalar's base as a literal rounded by as_result_dtype (`expr` where it is not a float)."""
-    base = n.args[0]
-    return literal(as_result_dtype(n, base), c.compute) if isinstance(base, float) else expr

@@ -17,8 +17,8 @@ ops read their operands rounded, in two ways:
 Arithmetic computes a scalar in fp32 (opmath), as eager's CUDA kernels do, so it needs neither. Eager's
 CPU add/sub kernels round a Python-number operand and alpha to a 16-bit tensor's dtype (`x + 4095` of fp16
 x = -4096 is 0 on the CPU, -1 on CUDA): the interpreter's kernels do the same (rounded_scalars). pow
-rounds its scalar operand, exponent or base, to a bf16/fp16 result's dtype on both devices
-(dtypes.as_result_dtype).
+rounds its scalar operand, exponent or base, to a bf16/fp16 result's dtype on both devices (the base here,
+the exponent in pointwise_ops._exponent).
 """
 from __future__ import annotations
 
@@ -55,12 +55,14 @@ CPU_ROUNDED_SCALARS = {aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.s
 
 
 def rounded_scalars(node: fx.Node, target: str) -> torch.dtype | None:
-    """The 16-bit dtype eager's CPU add/sub round a Python-number operand (and alpha) to, for interpreter
-    kernels (the CPU's); None elsewhere (CUDA's kernels take the scalar in fp32)."""
-    if target != "interpret" or node.target not in CPU_ROUNDED_SCALARS:
-        return None
+    """The 16-bit dtype a Python-number operand is rounded to first, as eager's kernel takes it: pow's
+    base on both devices; add/sub's operand and alpha on the CPU (interpreter kernels; CUDA's take them in
+    fp32). None elsewhere."""
     out = node.meta["val"].dtype
-    return out if out in LOW_PRECISION else None
+    if out in LOW_PRECISION and (node.target is aten.pow.Scalar
+                                 or (target == "interpret" and node.target in CPU_ROUNDED_SCALARS)):
+        return out
+    return None
 
 
 def reads_own_dtype(node: fx.Node) -> bool:

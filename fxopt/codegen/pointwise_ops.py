@@ -18,7 +18,7 @@ import torch.fx as fx
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
 from .division import fmod, lower_div, remainder
-from .dtypes import TL_DTYPE, as_result_dtype, compute_dtype, rounded_base
+from .dtypes import LOW_PRECISION, TL_DTYPE, compute_dtype
 from .erf_poly import erf_call, gelu_call
 
 aten = torch.ops.aten
@@ -155,6 +155,13 @@ def _round_half_even(x: str) -> str:
     return f"tl.where({r} == 0.0, {x} * 0.0, {r})"  # zero keeps x's sign: round(-0.3) is -0.0, as in eager
 
 
+def _exponent(n: fx.Node):
+    """pow's scalar exponent as eager's kernels take it on both devices: rounded to a bf16/fp16 result's
+    dtype (x ** 4.095 in fp16 is x ** 4.09375); a scalar base is rounded by operand_rounding.rounded_scalars."""
+    e, out = n.args[1], n.meta["val"].dtype
+    return torch.tensor(e, dtype=out).item() if isinstance(e, float) and out in LOW_PRECISION else e
+
+
 def _pow_scalar(c, x, e):
     """x ** e for a Python scalar e: small integer exponents multiply, others use exp2/log2 or libdevice."""
     e = float(e)
@@ -228,12 +235,6 @@ def _bitwise_not(c, x: str) -> str:
     return f"(~{x})"
 
 
-def _abs(c, x: str) -> str:
-    """|x|; an integer's as a wrapping negation (eager's abs(INT_MIN) is INT_MIN, LLVM's abs of the
-    minimum poison; int8/int16 abs on the GPU stays ATen: op_classes.pointwise_unsupported_reason)."""
-    return f"tl.abs({x})" if c.compute.is_floating_point else f"tl.where({x} < 0, -{x}, {x})"
-
-
 def _sign(c, x):
     """Floats select float constants: on an H100, `where(y > 0, 1, where(y < 0, -1, 0)).to(float32)` of a
     y rounded through bf16 was compiled to packed bf16x2 code that returned 1 for negative values
@@ -251,7 +252,7 @@ def _add(c, o):
 
 # Each entry: (LowerCtx, node, operand expressions) -> expression. Operands follow node.args order.
 LOWERINGS = {
-    aten.abs.default: lambda c, n, o: _abs(c, o[0]),
+    aten.abs.default: lambda c, n, o: f"tl.abs({o[0]})",  # (int8/int16 on the GPU: ATen, op_classes)
     # Triton spells float negation 0 - x, which turns -0.0 into +0.0 (so 1/-x would flip sign at 0)
     aten.neg.default: lambda c, n, o: f"({o[0]} * -1.0)" if c.compute.is_floating_point else f"(-{o[0]})",
     aten.exp.default: lambda c, n, o: _exp(c, o[0]),
@@ -339,9 +340,9 @@ LOWERINGS = {
     aten.logical_and.default: lambda c, n, o: f"(({o[0]} != 0) & ({o[1]} != 0))",
     aten.logical_or.default: lambda c, n, o: f"(({o[0]} != 0) | ({o[1]} != 0))",
     aten.logical_xor.default: lambda c, n, o: f"(({o[0]} != 0) ^ ({o[1]} != 0))",
-    aten.pow.Tensor_Scalar: lambda c, n, o: _pow_scalar(c, o[0], as_result_dtype(n, n.args[1])),
+    aten.pow.Tensor_Scalar: lambda c, n, o: _pow_scalar(c, o[0], _exponent(n)),
     aten.pow.Tensor_Tensor: lambda c, n, o: f"libdevice.pow({o[0]}, {o[1]})",
-    aten.pow.Scalar: lambda c, n, o: f"libdevice.pow({rounded_base(c, n, o[0])}, {o[1]})",
+    aten.pow.Scalar: lambda c, n, o: f"libdevice.pow({o[0]}, {o[1]})",  # (base: operand_rounding)
     aten.where.self: lambda c, n, o: f"tl.where({o[0]}, {o[1]}, {o[2]})",
     aten._to_copy.default: lambda c, n, o: _cast(c, o[0]),
     prims.convert_element_type.default: lambda c, n, o: _cast(c, o[0]),

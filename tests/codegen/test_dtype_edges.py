@@ -153,3 +153,14 @@ def test_add_and_sub_take_a_scalar_as_the_devices_kernel_does(device):
     for fn in (lambda t: t * 1 + 4095, lambda t: t * 1 - 4095, lambda t: 4095 - t * 1, lambda t: (t * 1).add(4097),
                lambda t: torch.add(t * 1, t, alpha=1.0003), lambda t: torch.sub(t * 1, t, alpha=2.0001)):
         assert_same(fn, x)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_integer_to_half_cast_converts_values(dtype, device):
+    """int64 -> bf16/fp16 must convert (the interpreter reinterprets bits, so on CPU the cast stays ATen)."""
+    def f(t, x):
+        return (t.to(dtype) * x).float()
+
+    t = torch.tensor([32, 1, 7, -3], device=device)
+    x = torch.ones(4, dtype=dtype, device=device)
+    torch.testing.assert_close(compile_fxopt(f)(t, x), f(t, x))

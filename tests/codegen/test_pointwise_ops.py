@@ -396,13 +396,3 @@ def test_every_interpretable_op_is_covered():
     covered = set(DECOMPOSED) | set(INT_OPS) | set(BIT_OPS) | {op for f in FLOAT_FAMILIES.values() for op in f[2]}
     assert covered == set(POINTWISE_OPS - CUDA_ONLY_OPS), sorted(map(str, POINTWISE_OPS - CUDA_ONLY_OPS - covered))
 
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_integer_to_half_cast_converts_values(dtype, device):
-    """int64 -> bf16/fp16 must convert (the interpreter reinterprets bits, so on CPU the cast stays ATen)."""
-    def f(t, x):
-        return (t.to(dtype) * x).float()
-
-    t = torch.tensor([32, 1, 7, -3], device=device)
-    x = torch.ones(4, dtype=dtype, device=device)
-    torch.testing.assert_close(compile_fxopt(f)(t, x), f(t, x))
