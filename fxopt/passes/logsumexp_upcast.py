@@ -7,8 +7,8 @@ recomputes a cheap producer of `x` (`logits * scale`) in the backward instead of
 came out unrounded while `result` was rounded, so `x - result` was off by up to half a unit of `result`'s
 last place and the gradient by that factor's exponential: up to e^4 for fp16 values near 1e4 (measured),
 up to 6% by the same arithmetic for bf16 values near 20 (a z-loss over temperature-scaled logits; found
-by `benchmarks/edge_sweep.py --family rows`). On the up-cast the result is saved in float32 and `x` is a cast, which every kernel reads
-rounded (codegen/operand_rounding.py), so forward and backward agree. The forward value is eager's
+by `benchmarks/edge_sweep.py --family rows`). On the up-cast the result is saved in float32 and `x` is a
+cast, which every kernel reads rounded (codegen/operand_rounding.py), so forward and backward agree. The forward value is eager's
 (its kernel computes in float32 and rounds once); the gradient is at least as accurate.
 
 Runs on the torch-level graph dynamo captured, before aot_autograd, so autograd derives the fp32
