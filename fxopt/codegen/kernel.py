@@ -73,11 +73,22 @@ class Kernel:
         ints = "".join(f", {pexpr(v) if is_symbolic(v) else v}" for v in self.int_args)
         consts = "".join(f", {k}={v}" for k, v in self.constexprs.items())
         cap = "" if self.maxnreg is None else f", maxnreg={self.maxnreg}"
-        return f"{ints}{consts}, num_warps={self.num_warps}{cap}"
+        return f"{ints}{consts}, num_warps={self.num_warps}{cap}, enable_fp_fusion=False"
 
     def options(self) -> dict:
-        """Triton's launch options besides the constexprs: num_warps, and maxnreg where capped."""
-        return {"num_warps": self.num_warps, **({} if self.maxnreg is None else {"maxnreg": self.maxnreg})}
+        """Triton's launch options besides the constexprs: num_warps, maxnreg where capped, and no
+        contraction of a multiply and an add into one fma (see NO_FP_FUSION)."""
+        return {"num_warps": self.num_warps, **({} if self.maxnreg is None else {"maxnreg": self.maxnreg}),
+                **NO_FP_FUSION}
+
+
+# Eager runs every op as its own kernel, so a product is rounded before anything subtracts from it. Fused
+# into one kernel, the GPU compiler would contract `x * w - m` into fma(x, w, -m), which skips that rounding:
+# where m is the rounded product itself (the row max of softmax(x * w)), fma returns the rounding error
+# instead of 0, and exp of it is inf or 0 once |x * w| is large (~1e15 in fp32: log_softmax came out
+# +-inf on the H100, eager finite; benchmarks/edge_sweep.py --family rows). Generated kernels are memory
+# bound, so the separate multiply and add cost nothing measurable; attention's kernels keep the fma.
+NO_FP_FUSION = {"enable_fp_fusion": False}
 
 
 def kernel_definitions(kernels) -> str:

@@ -1,0 +1,61 @@
+"""A product subtracted from its own rounded value (a row max, itself): eager rounds the product before
+the subtraction, so the difference is exactly 0. A fused kernel compiled with fma contraction computed
+fma(x, w, -round(x * w)), the product's rounding error, and exp of that was inf or 0 once |x * w| was large:
+log_softmax and logsumexp of fp32 rows near 1e15 came out +-inf on the H100 (benchmarks/edge_sweep.py
+--family rows, 2026-12-07), softmax's gradient NaN. The CPU interpreter never contracts; the CUDA cases are
+the ones that failed before generated kernels were compiled with enable_fp_fusion=False."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import compile_fxopt
+
+ROW_OPS = {
+    "log_softmax": lambda t: torch.log_softmax(t, -1),
+    "logsumexp": lambda t: torch.logsumexp(t, -1),
+    "softmax": lambda t: torch.softmax(t, -1),
+    "minus_max": lambda t: t - t.amax(-1, keepdim=True),
+}
+
+
+def _large_rows(cols: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(64, cols, generator=g, dtype=torch.float64) * 1e15).float().to(device)
+    w = torch.linspace(-1, 2, cols, dtype=torch.float32, device=device)
+    return x, w
+
+
+@pytest.mark.parametrize("cols", [37, 3000, 40000])  # persistent rows, wide rows, a looped online softmax
+@pytest.mark.parametrize("name", sorted(ROW_OPS))
+def test_a_product_minus_its_row_max_is_rounded_first(name, cols, device):
+    op = ROW_OPS[name]
+    fn = lambda x, w: op(x * w)  # noqa: E731
+    x, w = _large_rows(cols, device)
+    expected = fn(x, w)
+    got = compile_fxopt(fn)(x, w)
+    assert bool(got.isfinite().all()) == bool(expected.isfinite().all())
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=0, equal_nan=True)
+
+
+def test_softmax_gradient_of_large_products_is_not_nan(device):
+    x, w = _large_rows(37, device)
+    w.requires_grad_(True)
+    weights = torch.randn(64, 37, generator=torch.Generator().manual_seed(1)).to(device)
+
+    def fn(x, w):
+        return (torch.softmax(x * w, -1) * weights).sum()
+
+    fn(x, w).backward()
+    expected, w.grad = w.grad, None
+    compile_fxopt(fn)(x, w).backward()
+    assert not bool(w.grad.isnan().any())
+    torch.testing.assert_close(w.grad, expected, equal_nan=True)
+
+
+def test_a_product_minus_itself_is_exactly_zero(device):
+    """`a * b - a * b`: one product after CSE, contracted to fma(a, b, -(a * b)) without the fix."""
+    g = torch.Generator().manual_seed(2)
+    a, b = (torch.randn(4096, generator=g).to(device) * 1e3 for _ in range(2))
+    got = compile_fxopt(lambda a, b: a * b - a * b)(a, b)
+    assert torch.equal(got, torch.zeros_like(got))
