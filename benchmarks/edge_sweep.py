@@ -233,6 +233,20 @@ def close(got: torch.Tensor, want: torch.Tensor, ref: torch.Tensor, per_row: boo
     return err[finite].max().item()
 
 
+def first_difference(got: torch.Tensor, want: torch.Tensor) -> str:
+    """Where got and want first differ in the place of NaN or +-inf (else in value): index and both values."""
+    if got.dtype != want.dtype or got.shape != want.shape:
+        return f"dtype/shape {got.dtype} {tuple(got.shape)} vs {want.dtype} {tuple(want.shape)}"
+    g, w = got.double(), want.double()
+    special = (g.isnan() != w.isnan()) | ((g.isinf() | w.isinf()) & (g != w))
+    differs = special if bool(special.any()) else ~((g == w) | (g.isnan() & w.isnan()))
+    if not bool(differs.any()):
+        return "equal"
+    idx = tuple(int(i) for i in differs.nonzero()[0])
+    return f"{int(differs.sum())} differ{' in NaN/inf' if bool(special.any()) else ''}; first at {idx}: " \
+           f"got {g[idx].item()!r}, want {w[idx].item()!r}"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--family", choices=["scalar", "integer", "rows", "all"], default="all")
@@ -271,6 +285,8 @@ def main(argv=None) -> int:
                 unit = "tolerances" if family == "rows" else "ulp"
                 print(f"MISMATCH {family} {name}: {worst:.3g} {unit}\n  got  {got[-1].flatten()[:16].tolist()}"
                       f"\n  want {want[-1].flatten()[:16].tolist()}")
+                for k, (g, w) in enumerate(zip(got, want)):
+                    print(f"  output {k}: {first_difference(g, w)}")
     print(f"{total} cases, {bad} mismatches or errors (shard {args.shard}, rep {args.rep}, {args.device})")
     return 1 if bad else 0
 
