@@ -26,7 +26,10 @@ packed-bf16 miscompile of sign showed (2026-12-07: none of the 16-element cases 
 A mismatch is a difference above `--ulps` units in the last place of the result's dtype (exact for
 integers and booleans). Known, accepted differences: fxopt keeps 16-bit intermediates in fp32 (exp2 of
 x * 1e-3 is 1.9 ulp from eager's, which rounds x * 1e-3 first; atan2's fp16 backward overflows in eager,
-not in fxopt), and float sums of values 2^31 apart depend on the order of summation.
+not in fxopt), and float sums of values 2^31 apart depend on the order of summation. Rows: a 16-bit
+reduction result used inside its kernel stays fp32, so a fp16 sum or var eager overflows to inf can come
+out finite once weighted; var_mean's mean of a row holding +-inf is inf (eager's Welford update gives NaN).
+`--dynamic` compiles with symbolic sizes (block sizes picked per call).
 """
 from __future__ import annotations
 
@@ -254,6 +257,7 @@ def main(argv=None) -> int:
     p.add_argument("--rep", type=int, default=1, help="tile every input vector this many times")
     p.add_argument("--shard", default="0/1", help="i/n: run every n-th case from the i-th")
     p.add_argument("--ulps", type=float, default=1.0, help="tolerance for float results (default 1 ulp)")
+    p.add_argument("--dynamic", action="store_true", help="compile with symbolic sizes (per-call block sizes)")
     args = p.parse_args(argv)
     importlib.import_module("fxopt")  # registers the backend
     shard, shards = (int(v) for v in args.shard.split("/"))
@@ -270,7 +274,7 @@ def main(argv=None) -> int:
             except RuntimeError:
                 continue  # eager raises too (an integer op without a derivative): nothing to compare
             try:
-                got = _outputs(torch.compile(fn, backend="fxopt", dynamic=False), inputs, grad)
+                got = _outputs(torch.compile(fn, backend="fxopt", dynamic=args.dynamic), inputs, grad)
                 if family == "rows":
                     ref = _outputs(fn, [x.double() for x in inputs], grad)
                     worst = max(close(g, w, r, per_row=" col_" not in name) for g, w, r in zip(got, want, ref))
@@ -287,7 +291,8 @@ def main(argv=None) -> int:
                       f"\n  want {want[-1].flatten()[:16].tolist()}")
                 for k, (g, w) in enumerate(zip(got, want)):
                     print(f"  output {k}: {first_difference(g, w)}")
-    print(f"{total} cases, {bad} mismatches or errors (shard {args.shard}, rep {args.rep}, {args.device})")
+    print(f"{total} cases, {bad} mismatches or errors (shard {args.shard}, rep {args.rep}, {args.device}"
+          f"{', dynamic' if args.dynamic else ''})")
     return 1 if bad else 0
 
 
