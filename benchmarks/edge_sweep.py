@@ -28,8 +28,10 @@ integers and booleans). Known, accepted differences: fxopt keeps 16-bit intermed
 x * 1e-3 is 1.9 ulp from eager's, which rounds x * 1e-3 first; atan2's fp16 backward overflows in eager,
 not in fxopt), and float sums of values 2^31 apart depend on the order of summation. Rows: a 16-bit
 reduction result used inside its kernel stays fp32, so a fp16 sum or var eager overflows to inf can come
-out finite once weighted; var_mean's mean of a row holding +-inf is inf (eager's Welford update gives NaN).
-`--dynamic` compiles with symbolic sizes (block sizes picked per call).
+out finite once weighted; var_mean's mean of a row holding +-inf is inf (eager's Welford update gives NaN); a
+row that cross_entropy ignores (ignore_index) gets a zero gradient even when it holds NaN (eager: NaN * 0).
+`--family params`: LayerNorm, RMSNorm and scalings with weight and bias gradients (column sums) over the
+same rows. `--dynamic` compiles with symbolic sizes (block sizes picked per call).
 """
 from __future__ import annotations
 
@@ -124,6 +126,22 @@ ROW_OPS = {
     "rms_norm": lambda x: x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype),
     "norm": lambda x: torch.linalg.vector_norm(x.float(), dim=-1), "centred": lambda x: x - x.mean(-1, keepdim=True),
     "col_sum": lambda x: x.sum(0), "col_amax": lambda x: x.amax(0), "col_softmax": lambda x: torch.softmax(x, 0),
+    "cross_entropy": lambda x: F.cross_entropy(x, _targets(x), reduction="none"),  # fxopt's own loss kernels
+    "cross_entropy_mean": lambda x: F.cross_entropy(x, _targets(x), ignore_index=1).reshape(1),
+}
+
+
+def _targets(x: torch.Tensor) -> torch.Tensor:
+    return (torch.arange(x.shape[0], device=x.device) * 7) % x.shape[1]
+
+PARAM_OPS = {  # op(x [rows, C], w [C], b [C]): norms and scalings whose w and b gradients are column sums
+    "layer_norm": lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b),
+    "rms_norm": lambda x, w, b: F.rms_norm(x, x.shape[-1:], w, 1e-6) + b,
+    "rms_norm_by_hand": lambda x, w, b: (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6))
+    .to(x.dtype) * w + b,
+    "bias_gelu": lambda x, w, b: F.gelu(x + b) * w,
+    "softmax_affine": lambda x, w, b: torch.softmax(x * w + b, -1),
+    "row_dot": lambda x, w, b: (x * w).sum(-1, keepdim=True) * b,
 }
 
 
@@ -131,8 +149,8 @@ def _weighted(op, weights):
     """op over the input scaled per column, its output weighted along its last dim by a non-affine weight:
     the backward of a softmax's or a normalised row's sum (or of an affine weighting of a normalised ramp)
     is zero but for rounding, so it would compare noise."""
-    def fn(t):
-        out = op(t if weights is None else t * weights.to(t.dtype))
+    def fn(t, *params):
+        out = op(t if weights is None else t * weights.to(t.dtype), *params)
         out = out * (torch.arange(out.shape[-1], device=out.device) * 0.7).cos().to(out.dtype)
         return out * (torch.arange(out.shape[0], device=out.device)[:, None] * 1.3).cos().to(out.dtype) \
             if out.dim() > 1 else out
@@ -175,6 +193,15 @@ def cases(family: str, device: str, rep: int):
                     for grad in (False, True):
                         yield f"{str(dt)[6:]} [{8 * rep}, {cols}] {name}{' backward' if grad else ''}", fn, (x,), grad
         return
+    if family == "params":
+        for dt in (torch.float32, F16, BF16):
+            for cols in (37, 3000):
+                x = _special_rows(dt, cols, device).repeat(rep, 1)
+                w = torch.linspace(-1, 2, cols, device=device).to(dt)
+                b = (torch.arange(cols, device=device) * 0.37).sin().to(dt)
+                for name, op in PARAM_OPS.items():
+                    yield f"{str(dt)[6:]} [{8 * rep}, {cols}] {name} backward", _weighted(op, None), (x, w, b), True
+        return
     for it in (torch.int32, torch.int64, torch.int16, torch.uint8, torch.int8):
         info = torch.iinfo(it)
         a = torch.tensor([min(max(v, info.min), info.max) for v in EDGE_INTS], dtype=it, device=device).repeat(rep)
@@ -191,7 +218,7 @@ def _outputs(fn, inputs, grad: bool) -> list:
     out = fn(*xs)
     if grad and out.requires_grad:
         out.float().sum().backward()
-        return [out.detach(), xs[0].grad]
+        return [out.detach(), *(x.grad for x in xs)]
     return [out.detach()]
 
 
@@ -252,20 +279,21 @@ def first_difference(got: torch.Tensor, want: torch.Tensor) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--family", choices=["scalar", "integer", "rows", "all"], default="all")
+    p.add_argument("--family", choices=["scalar", "integer", "rows", "params", "all"], default="all")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--rep", type=int, default=1, help="tile every input vector this many times")
     p.add_argument("--shard", default="0/1", help="i/n: run every n-th case from the i-th")
     p.add_argument("--ulps", type=float, default=1.0, help="tolerance for float results (default 1 ulp)")
+    p.add_argument("--only", default="", help="run only the cases whose name contains this text")
     p.add_argument("--dynamic", action="store_true", help="compile with symbolic sizes (per-call block sizes)")
     args = p.parse_args(argv)
     importlib.import_module("fxopt")  # registers the backend
     shard, shards = (int(v) for v in args.shard.split("/"))
-    families = ["scalar", "integer", "rows"] if args.family == "all" else [args.family]
+    families = ["scalar", "integer", "rows", "params"] if args.family == "all" else [args.family]
     total = bad = 0
     for family in families:
         for i, (name, fn, inputs, grad) in enumerate(cases(family, args.device, args.rep)):
-            if i % shards != shard:
+            if i % shards != shard or args.only not in name:
                 continue
             total += 1
             torch._dynamo.reset()
@@ -275,7 +303,7 @@ def main(argv=None) -> int:
                 continue  # eager raises too (an integer op without a derivative): nothing to compare
             try:
                 got = _outputs(torch.compile(fn, backend="fxopt", dynamic=args.dynamic), inputs, grad)
-                if family == "rows":
+                if family in ("rows", "params"):
                     ref = _outputs(fn, [x.double() for x in inputs], grad)
                     worst = max(close(g, w, r, per_row=" col_" not in name) for g, w, r in zip(got, want, ref))
                 else:
@@ -286,7 +314,7 @@ def main(argv=None) -> int:
                 continue
             if worst > args.ulps:
                 bad += 1
-                unit = "tolerances" if family == "rows" else "ulp"
+                unit = "tolerances" if family in ("rows", "params") else "ulp"
                 print(f"MISMATCH {family} {name}: {worst:.3g} {unit}\n  got  {got[-1].flatten()[:16].tolist()}"
                       f"\n  want {want[-1].flatten()[:16].tolist()}")
                 for k, (g, w) in enumerate(zip(got, want)):
