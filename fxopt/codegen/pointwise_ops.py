@@ -247,7 +247,17 @@ def _sign(c, x):
 def _add(c, o):
     if c.compute == torch.bool:  # torch: True + True is True (logical or); Triton's int1 + int1 wraps to 0
         return f"({o[0]} | {o[1]})" if len(o) < 3 else f"({o[0]} | ({o[2]} & {o[1]}))"
-    return f"({o[0]} + {o[1]})" if len(o) < 3 else f"({o[0]} + {o[2]} * {o[1]})"
+    return f"({o[0]} + {o[1]})" if len(o) < 3 else _plus_scaled(c, o[0], o[2], o[1])
+
+
+def _plus_scaled(c, a: str, alpha: str, b: str) -> str:
+    """a + alpha * b as eager's add/sub kernels compute it: one fma in the compute dtype (their compilers
+    contract it: CUDA's kernels, and the CPU's vectorised ones, which handle all but tensors under 32
+    elements), so alpha * b never overflows on its own (bf16 x - 2.0001 * x near bf16's max: eager -3.0e38,
+    a separate product gave -inf; generated kernels are compiled without contraction, kernel.NO_FP_FUSION)."""
+    if c.compute.is_floating_point:
+        return f"tl.fma({b}, {alpha}, {a})"
+    return f"({a} + {alpha} * {b})"
 
 
 # Each entry: (LowerCtx, node, operand expressions) -> expression. Operands follow node.args order.
@@ -304,9 +314,9 @@ LOWERINGS = {
     aten.hardtanh.default: lambda c, n, o: _clamp(o[0], o[1] if len(o) > 1 else -1.0, o[2] if len(o) > 2 else 1.0),
     aten.add.Tensor: lambda c, n, o: _add(c, o),
     aten.add.Scalar: lambda c, n, o: _add(c, o),
-    aten.sub.Tensor: lambda c, n, o: f"({o[0]} - {o[1]})" if len(o) < 3 else f"({o[0]} - {o[2]} * {o[1]})",
-    aten.sub.Scalar: lambda c, n, o: f"({o[0]} - {o[1]})" if len(o) < 3 else f"({o[0]} - {o[2]} * {o[1]})",
-    aten.rsub.Scalar: lambda c, n, o: f"({o[1]} - {o[0]})" if len(o) < 3 else f"({o[1]} - {o[2]} * {o[0]})",
+    aten.sub.Tensor: lambda c, n, o: f"({o[0]} - {o[1]})" if len(o) < 3 else _plus_scaled(c, o[0], f"-({o[2]})", o[1]),
+    aten.sub.Scalar: lambda c, n, o: f"({o[0]} - {o[1]})" if len(o) < 3 else _plus_scaled(c, o[0], f"-({o[2]})", o[1]),
+    aten.rsub.Scalar: lambda c, n, o: f"({o[1]} - {o[0]})" if len(o) < 3 else _plus_scaled(c, o[1], f"-({o[2]})", o[0]),
     aten.mul.Tensor: lambda c, n, o: f"({o[0]} * {o[1]})",
     aten.mul.Scalar: lambda c, n, o: f"({o[0]} * {o[1]})",
     aten.div.Tensor: lower_div,

@@ -59,3 +59,26 @@ def test_a_product_minus_itself_is_exactly_zero(device):
     a, b = (torch.randn(4096, generator=g).to(device) * 1e3 for _ in range(2))
     got = compile_fxopt(lambda a, b: a * b - a * b)(a, b)
     assert torch.equal(got, torch.zeros_like(got))
+
+
+ALPHA_OPS = {
+    "sub": lambda x, y: torch.sub(x * 1, x, alpha=2.0001),
+    "add": lambda x, y: torch.add(x * 1, y, alpha=-3.5),
+    "rsub": lambda x, y: torch.rsub(x * 1, y, alpha=2.0001),
+    "add_scalar": lambda x, y: torch.add(x * 1, 3e4, alpha=2.5),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", sorted(ALPHA_OPS))
+def test_add_and_sub_with_alpha_round_as_eager_kernels_do(name, dtype, device):
+    """Eager's CUDA add computes a + alpha * b as one fma (compiled with contraction), so x - 2.0001 * x near
+    the dtype's max is finite; a separate product overflowed to -inf (bf16 on the H100). The CPU's fp32/fp64
+    kernels use fma too (their 16-bit ones only for tensors of 32 elements or more)."""
+    if dtype == torch.bfloat16 and device == "cpu":
+        pytest.skip("the interpreter truncates fp32 -> bf16 (exact bf16 results are checked on the GPU)")
+    big = torch.finfo(dtype).max
+    x = torch.tensor([big * 0.9, 1.5, -2.25, 3.0] * 64, dtype=dtype, device=device)
+    y = torch.tensor([0.1, 1e-3, 7.0, -3.0] * 64, dtype=dtype, device=device)
+    fn = ALPHA_OPS[name]
+    torch.testing.assert_close(compile_fxopt(fn)(x, y), fn(x, y), rtol=0, atol=0, equal_nan=True)
