@@ -73,7 +73,8 @@ class Kernel:
         ints = "".join(f", {pexpr(v) if is_symbolic(v) else v}" for v in self.int_args)
         consts = "".join(f", {k}={v}" for k, v in self.constexprs.items())
         cap = "" if self.maxnreg is None else f", maxnreg={self.maxnreg}"
-        return f"{ints}{consts}, num_warps={self.num_warps}{cap}, enable_fp_fusion=False"
+        options = "".join(f", {k}={v}" for k, v in NO_FP_FUSION.items())
+        return f"{ints}{consts}, num_warps={self.num_warps}{cap}{options}"
 
     def options(self) -> dict:
         """Triton's launch options besides the constexprs: num_warps, maxnreg where capped, and no

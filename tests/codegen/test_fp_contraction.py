@@ -82,3 +82,14 @@ def test_add_and_sub_with_alpha_round_as_eager_kernels_do(name, dtype, device):
     y = torch.tensor([0.1, 1e-3, 7.0, -3.0] * 64, dtype=dtype, device=device)
     fn = ALPHA_OPS[name]
     torch.testing.assert_close(compile_fxopt(fn)(x, y), fn(x, y), rtol=0, atol=0, equal_nan=True)
+
+
+def test_every_generated_launch_turns_contraction_off():
+    """The CUDA tests above fail with contraction on, but CI has no GPU: this keeps the option in every
+    launch of a wrapper (pointwise, persistent and looped reductions) where the CPU can see it."""
+    import fxopt
+    x = torch.randn(4, 40000)
+    rep = fxopt.explain(lambda x: torch.softmax(x * 2, -1) + torch.softmax(x[:, :64], -1).sum(), x)
+    launches = [line for line in rep.wrapper_source.splitlines() if "num_warps=" in line]
+    assert len(launches) >= 2
+    assert all("enable_fp_fusion=False" in line for line in launches), launches
