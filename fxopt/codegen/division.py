@@ -1,8 +1,8 @@
 """A float32 division by a per-row value, written the same way in every kernel.
 
 A row kernel divides a row by a row scalar (softmax's exp / sum, a mean's x / n) as `x * (1.0 / s)`:
-one correctly rounded division per row instead of one per element (a dozen instructions each), the
-product within an ulp of the quotient. The same expression evaluated by another kernel (a copy of the
+one correctly rounded division per row (`true_divide`: Triton's own fp32 `/` is not correctly rounded on
+the GPU) instead of one per element (a dozen instructions each), the product within an ulp of the quotient. The same expression evaluated by another kernel (a copy of the
 chain for a column reduction, a backward that recomputes the softmax) must round the same way, or values
 equal in eager differ across kernels: amax's backward finds its element by equality, and
 `softmax(x).amax(0)` had NaN gradients (0/0) where one kernel multiplied by the reciprocal and another
@@ -32,8 +32,16 @@ def by_row_value(n: fx.Node) -> bool:
 def lower_div(c, n: fx.Node, o: list[str]) -> str:
     """aten.div.Tensor in a kernel (pointwise_ops.LOWERINGS): see the module docstring."""
     if c.compute == torch.float32 and by_row_value(n):
-        return f"({o[0]} * (1.0 / {o[1]}))"
-    return f"({o[0]} / {o[1]})"
+        return f"({o[0]} * {true_divide(c, '1.0', o[1])})"
+    return true_divide(c, o[0], o[1])
+
+
+def true_divide(c, a: str, b: str) -> str:
+    """a / b correctly rounded, as eager's IEEE division: Triton's float32 `/` compiles to the approximate
+    div.full.f32 on NVIDIA GPUs (up to 2 ulp off, so an exact quotient can come out an ulp low and a floor
+    of it one less), hence tl.math.div_rn (the interpreter's is numpy's division, as its `/`). float64's
+    `/` is already IEEE."""
+    return f"tl.math.div_rn({a}, {b})" if c.compute == torch.float32 else f"({a} / {b})"
 
 
 def remainder(c, a, b):

@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
-from .division import fmod, lower_div, remainder
+from .division import fmod, lower_div, remainder, true_divide
 from .dtypes import LOW_PRECISION, TL_DTYPE, compute_dtype
 from .erf_poly import erf_call, gelu_call
 
@@ -88,7 +88,7 @@ def _sigmoid(c, x):
     if c.approx_ok:
         e = _asm("ex2.approx.ftz.f32", f"{x} * -1.4426950408889634")
         return _asm("rcp.approx.ftz.f32", f"1.0 + {e}")
-    return f"(1.0 / (1.0 + {_exp(c, f'-{x}')}))"
+    return true_divide(c, "1.0", f"(1.0 + {_exp(c, f'-{x}')})")
 
 
 def _tanh(c, x):
@@ -184,9 +184,9 @@ def _pow_scalar(c, x, e):
     if e == -0.5:
         return _rsqrt(c, x)
     if e == -1.0:
-        return f"(1.0 / {x})"
+        return true_divide(c, "1.0", x)
     if e == -2.0:
-        return f"(1.0 / ({x} * {x}))"
+        return true_divide(c, "1.0", f"({x} * {x})")
     if c.target == "cuda":
         return f"libdevice.pow({x}, {e!r})"
     # the interpreter: |x| ** e through float64 exp2/log2 (in fp32, 1e10 ** -1.5 was 17 ulp off)
@@ -291,7 +291,7 @@ LOWERINGS = {
     aten.sigmoid.default: lambda c, n, o: _sigmoid(c, o[0]),
     aten.erf.default: lambda c, n, o: _erf(c, o[0]),
     aten.erfc.default: lambda c, n, o: f"libdevice.erfc({o[0]})",
-    aten.reciprocal.default: lambda c, n, o: f"(1.0 / {o[0]})",
+    aten.reciprocal.default: lambda c, n, o: true_divide(c, "1.0", o[0]),
     aten.floor.default: lambda c, n, o: f"tl.floor({o[0]})" if c.compute.is_floating_point else o[0],
     aten.ceil.default: lambda c, n, o: f"tl.ceil({o[0]})" if c.compute.is_floating_point else o[0],
     aten.trunc.default: lambda c, n, o: (f"tl.where({o[0]} < 0, tl.ceil({o[0]}), tl.floor({o[0]}))"
@@ -320,7 +320,7 @@ LOWERINGS = {
     aten.mul.Tensor: lambda c, n, o: f"({o[0]} * {o[1]})",
     aten.mul.Scalar: lambda c, n, o: f"({o[0]} * {o[1]})",
     aten.div.Tensor: lower_div,
-    aten.div.Scalar: lambda c, n, o: f"({o[0]} / {o[1]})",
+    aten.div.Scalar: lambda c, n, o: true_divide(c, o[0], o[1]),
     aten.eq.Tensor: lambda c, n, o: f"({o[0]} == {o[1]})",
     aten.eq.Scalar: lambda c, n, o: f"({o[0]} == {o[1]})",
     aten.ne.Tensor: lambda c, n, o: f"({o[0]} != {o[1]})",
