@@ -29,7 +29,8 @@ x * 1e-3 is 1.9 ulp from eager's, which rounds x * 1e-3 first; atan2's fp16 back
 not in fxopt), and float sums of values 2^31 apart depend on the order of summation. Rows: a 16-bit
 reduction result used inside its kernel stays fp32, so a fp16 sum or var eager overflows to inf can come
 out finite once weighted; var_mean's mean of a row holding +-inf is inf (eager's Welford update gives NaN); a
-row that cross_entropy ignores (ignore_index) gets a zero gradient even when it holds NaN (eager: NaN * 0).
+row that cross_entropy ignores (ignore_index) gets a zero gradient even when it holds NaN (eager: NaN * 0);
+eager's CUDA F.rms_norm makes a row holding +-inf all NaN, and eager's CPU gelu(+inf) is NaN (CUDA's: inf).
 `--family params`: LayerNorm, RMSNorm and scalings with weight and bias gradients (column sums) over the
 same rows. `--dynamic` compiles with symbolic sizes (block sizes picked per call).
 """
