@@ -23,6 +23,16 @@ done
 wait
 grep -h -E "MISMATCH|ERROR|cases" "$OUT"/edge_sweep?.txt | cut -c1-160   # accepted differences: edge_sweep's docstring
 
+echo "== 2c. what the interpreter cannot show: fma contraction, approximate division, reductions over edge rows"
+timeout 120 python -m pytest -q tests/codegen/test_fp_contraction.py tests/codegen/test_division_rounding.py -k cuda $P > "$OUT/rounding.txt" 2>&1
+tail -1 "$OUT/rounding.txt"
+for i in 0 1 2 3; do
+    timeout 300 python -m benchmarks.edge_sweep --family rows --shard $i/4 > "$OUT/rows_sweep$i.txt" 2>&1 &
+    timeout 300 python -m benchmarks.edge_sweep --family params --shard $i/4 > "$OUT/params_sweep$i.txt" 2>&1 &
+done
+wait
+grep -h -E "MISMATCH|ERROR|cases" "$OUT"/rows_sweep?.txt "$OUT"/params_sweep?.txt | cut -c1-160
+
 echo "== 3. dynamic vs static reductions (the persistent alternative for symbolic rows)"
 for d in "" "--dynamic"; do
     timeout 90 python -m benchmarks.run --no-first-call --backends fxopt --workloads softmax,rmsnorm,ln_gelu,chain $d \
