@@ -2,7 +2,8 @@
 
 A row kernel divides a row by a row scalar (softmax's exp / sum, a mean's x / n) as `x * (1.0 / s)`:
 one correctly rounded division per row (`true_divide`: Triton's own fp32 `/` is not correctly rounded on
-the GPU) instead of one per element (a dozen instructions each), the product within an ulp of the quotient. The same expression evaluated by another kernel (a copy of the
+the GPU) instead of one per element (a dozen instructions each), the product within an ulp of the
+quotient. The same expression evaluated by another kernel (a copy of the
 chain for a column reduction, a backward that recomputes the softmax) must round the same way, or values
 equal in eager differ across kernels: amax's backward finds its element by equality, and
 `softmax(x).amax(0)` had NaN gradients (0/0) where one kernel multiplied by the reciprocal and another

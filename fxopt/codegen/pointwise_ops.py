@@ -250,6 +250,11 @@ def _add(c, o):
     return f"({o[0]} + {o[1]})" if len(o) < 3 else _plus_scaled(c, o[0], o[2], o[1])
 
 
+def _sub(c, a: str, b: str, alpha: list[str]) -> str:
+    """a - alpha * b (alpha: [] or [its expression])."""
+    return f"({a} - {b})" if not alpha else _plus_scaled(c, a, f"-({alpha[0]})", b)
+
+
 def _plus_scaled(c, a: str, alpha: str, b: str) -> str:
     """a + alpha * b as eager's add/sub kernels compute it: one fma in the compute dtype (their compilers
     contract it: CUDA's kernels, and the CPU's vectorised ones, which handle all but tensors under 32
@@ -314,9 +319,9 @@ LOWERINGS = {
     aten.hardtanh.default: lambda c, n, o: _clamp(o[0], o[1] if len(o) > 1 else -1.0, o[2] if len(o) > 2 else 1.0),
     aten.add.Tensor: lambda c, n, o: _add(c, o),
     aten.add.Scalar: lambda c, n, o: _add(c, o),
-    aten.sub.Tensor: lambda c, n, o: f"({o[0]} - {o[1]})" if len(o) < 3 else _plus_scaled(c, o[0], f"-({o[2]})", o[1]),
-    aten.sub.Scalar: lambda c, n, o: f"({o[0]} - {o[1]})" if len(o) < 3 else _plus_scaled(c, o[0], f"-({o[2]})", o[1]),
-    aten.rsub.Scalar: lambda c, n, o: f"({o[1]} - {o[0]})" if len(o) < 3 else _plus_scaled(c, o[1], f"-({o[2]})", o[0]),
+    aten.sub.Tensor: lambda c, n, o: _sub(c, o[0], o[1], o[2:]),
+    aten.sub.Scalar: lambda c, n, o: _sub(c, o[0], o[1], o[2:]),
+    aten.rsub.Scalar: lambda c, n, o: _sub(c, o[1], o[0], o[2:]),
     aten.mul.Tensor: lambda c, n, o: f"({o[0]} * {o[1]})",
     aten.mul.Scalar: lambda c, n, o: f"({o[0]} * {o[1]})",
     aten.div.Tensor: lower_div,
