@@ -1,0 +1,138 @@
+"""Random programs of element-wise ops, reductions, broadcasts and casts, compiled by fxopt and compared with
+eager, forward and backward: a search for wrong results in fusion and scheduling that hand-written tests
+miss (a fuzzer like this one found the softmax amax NaN gradients and the mixed-dtype rounding of
+2026-12-06). Each program is printed as Python when it fails, so it can be pasted into a test.
+
+    TRITON_INTERPRET=1 python -m benchmarks.graph_fuzz --device cpu --programs 200 [--seed 0] [--dtype float32]
+    python -m benchmarks.graph_fuzz --programs 500            # on a GPU
+
+A mismatch is an output or gradient whose NaN/inf places differ from eager's, or whose distance from the
+float64 result exceeds twice eager's plus the dtype's tolerance of the result's scale (fp32 1e-4,
+fp16/bf16 2e-2: fxopt keeps 16-bit intermediates in fp32, so it may be closer than eager, not much further).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import random
+import sys
+
+import torch
+
+UNARY = ["torch.exp({a}.clamp(-20, 20))", "torch.tanh({a})", "torch.sigmoid({a})", "torch.relu({a})",
+         "F.gelu({a})", "{a}.abs()", "-{a}", "torch.sqrt({a}.abs() + 0.1)", "torch.log({a}.abs() + 1)",
+         "torch.sin({a})", "{a} * {c}", "{a} + {c}", "{a} / {c}", "torch.reciprocal({a}.abs() + 0.5)",
+         "{a} * {a}", "F.silu({a})", "torch.clamp({a}, -1.5, 1.5)", "torch.rsqrt({a}.abs() + 0.5)"]
+BINARY = ["{a} + {b}", "{a} - {b}", "{a} * {b}", "torch.maximum({a}, {b})", "torch.minimum({a}, {b})",
+          "torch.where({a} > {b}, {a}, {b})", "torch.sub({a}, {b}, alpha={c})", "{a} / ({b}.abs() + 1)"]
+ROW = ["{a}.sum(-1, keepdim=True)", "{a}.mean(-1, keepdim=True)", "{a}.amax(-1, keepdim=True)",
+       "{a}.var(-1, keepdim=True)", "torch.logsumexp({a}, -1, keepdim=True)"]
+SHAPED = ["torch.softmax({a}, -1)", "torch.log_softmax({a}, -1)", "F.layer_norm({a}, {a}.shape[-1:])",
+          "{a} - {a}.mean(-1, keepdim=True)", "{a} * torch.rsqrt({a}.pow(2).mean(-1, keepdim=True) + 1e-6)"]
+COLUMN = ["{a}.sum(0, keepdim=True)", "{a}.amax(0, keepdim=True)", "{a}.mean(0, keepdim=True)"]
+VIEWS = ["torch.cat([{a}[..., 1:], {a}[..., :1]], -1)", "{a}.flip(0)", "({a}.t() * {c}).t()",
+         "{a}.unsqueeze(0).expand(2, -1, -1).sum(0)", "{a}.roll(1, 0)",
+         "torch.where({a} > 0, {a}, torch.zeros_like({a}))"]
+CASTS = ["{a}.to(torch.float16).float()", "{a}.to(torch.bfloat16).float()"]  # bf16 on the GPU only: the
+# interpreter truncates fp32 -> bf16 where eager rounds
+
+
+def program(rng: random.Random, n_ops: int, fp32: bool, gpu: bool) -> str:
+    """Source of `def f(x, y, w):` (x [R, C], y [R, C], w [C]) built from random ops; values kept are
+    full [R, C] tensors, row [R, 1] or column [1, C] ones, all broadcastable against each other."""
+    vals = ["x", "y", "w"]
+    lines = []
+    for i in range(n_ops):
+        a, b = rng.choice(vals), rng.choice(vals)
+        c = rng.choice(["0.5", "2.0", "-1.25", "3.0", "0.1"])
+        casts = [CASTS if gpu else CASTS[:1]] if fp32 else []
+        pool = [UNARY] * 4 + [BINARY] * 4 + [ROW, SHAPED, COLUMN, VIEWS] + casts
+        expr = rng.choice(rng.choice(pool)).format(a=a, b=b, c=c)
+        lines.append(f"    v{i} = {expr}")
+        vals.append(f"v{i}")
+    outs = rng.sample(vals[3:], k=min(len(vals) - 3, rng.randint(1, 3)))
+    body = "\n".join(lines)
+    return f"def f(x, y, w):\n{body}\n    return {', '.join(outs)},\n"
+
+
+def build(source: str):
+    scope = {"torch": torch, "F": torch.nn.functional}
+    exec(compile(source, "<fuzz>", "exec"), scope)  # noqa: S102 - our own generated source
+    return scope["f"]
+
+
+def run(fn, inputs, grad: bool):
+    xs = [t.clone().requires_grad_(grad) for t in inputs]
+    outs = fn(*xs)
+    results = [o.detach() for o in outs]
+    if grad:
+        loss = sum((o.float() * (torch.arange(o.numel(), device=o.device).view(o.shape) * 0.37).cos()).sum()
+                   for o in outs)
+        grads = torch.autograd.grad(loss, xs, allow_unused=True)
+        results += [g if g is not None else torch.zeros_like(x) for g, x in zip(grads, xs)]
+    return results
+
+
+def differs(got: torch.Tensor, want: torch.Tensor, ref: torch.Tensor, tol: float) -> str | None:
+    """Why fxopt's `got` is wrong against eager's `want` and the float64 `ref`, or None: NaN/inf places must
+    be eager's; values may be as far from ref as twice eager's error plus tol of ref's scale (a gradient
+    that is zero but for rounding compares noise with noise)."""
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return f"shape/dtype {tuple(got.shape)} {got.dtype} vs {tuple(want.shape)} {want.dtype}"
+    g, w, r = got.double(), want.double(), ref.double()
+    if not torch.equal(g.isnan(), w.isnan()):
+        return "NaN places differ"
+    if not torch.equal(g.isinf(), w.isinf()) or not torch.equal(g[g.isinf()], w[w.isinf()]):
+        return "inf places differ"
+    fin = g.isfinite() & w.isfinite() & r.isfinite()
+    if not bool(fin.any()):
+        return None
+    scale = r[fin].abs().max().item() + 1e-30
+    excess = ((g - r).abs() - 2 * (w - r).abs())[fin].max().item() / scale
+    return f"error beyond eager's {excess:.3g} of scale {scale:.3g}" if excess > tol else None
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--programs", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ops", type=int, default=6, help="ops per program")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                   help="bfloat16 only on a GPU (the interpreter truncates fp32 -> bf16)")
+    args = p.parse_args(argv)
+    importlib.import_module("fxopt")
+    dtype = getattr(torch, args.dtype)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    bad = 0
+    for k in range(args.programs):
+        rng = random.Random(args.seed * 100003 + k)
+        source = program(rng, args.ops, dtype == torch.float32, args.device != "cpu")
+        fn = build(source)
+        rows, cols = rng.choice([(4, 7), (9, 33), (16, 128), (3, 1000)])
+        g = torch.Generator().manual_seed(k)
+        inputs = [torch.randn(rows, cols, generator=g).to(dtype).to(args.device),
+                  torch.randn(rows, cols, generator=g).to(dtype).to(args.device),
+                  torch.randn(cols, generator=g).to(dtype).to(args.device)]
+        grad = rng.random() < 0.6
+        torch._dynamo.reset()
+        try:
+            want = run(fn, inputs, grad)
+        except RuntimeError:
+            continue  # eager rejects it (a dtype mix): nothing to compare
+        try:
+            got = run(torch.compile(fn, backend="fxopt", dynamic=False), inputs, grad)
+            ref = run(fn, [t.double() for t in inputs], grad)
+            problems = [(i, d) for i, (a, b, r) in enumerate(zip(got, want, ref)) if (d := differs(a, b, r, tol))]
+        except Exception as e:  # noqa: BLE001 - a crash is a finding
+            problems = [("crash", f"{type(e).__name__}: {str(e)[:300]}")]
+        if problems:
+            bad += 1
+            print(f"--- program {k} (seed {args.seed}, [{rows}, {cols}] {args.dtype}, backward {grad}): {problems}")
+            print(source, flush=True)
+    print(f"{args.programs} programs, {bad} mismatches or crashes ({args.device}, {args.dtype}, seed {args.seed})")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
