@@ -32,6 +32,11 @@ for i in 0 1 2 3; do
 done
 wait
 grep -h -E "MISMATCH|ERROR|cases" "$OUT"/rows_sweep?.txt "$OUT"/params_sweep?.txt | cut -c1-160
+for d in float32 bfloat16 float16; do
+    timeout 300 python -m benchmarks.graph_fuzz --programs 150 --dtype $d > "$OUT/fuzz_$d.txt" 2>&1 &
+done
+wait
+tail -qn1 "$OUT"/fuzz_*.txt   # failing programs are printed in full in those files
 
 echo "== 3. dynamic vs static reductions (the persistent alternative for symbolic rows)"
 for d in "" "--dynamic"; do
