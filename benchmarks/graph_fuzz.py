@@ -103,6 +103,7 @@ def main(argv=None) -> int:
     p.add_argument("--ops", type=int, default=6, help="ops per program")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
                    help="bfloat16 only on a GPU (the interpreter truncates fp32 -> bf16)")
+    p.add_argument("--dynamic", action="store_true", help="symbolic sizes; each program also runs a second shape")
     args = p.parse_args(argv)
     importlib.import_module("fxopt")
     dtype = getattr(torch, args.dtype)
@@ -124,16 +125,22 @@ def main(argv=None) -> int:
         except RuntimeError:
             continue  # eager rejects it (a dtype mix): nothing to compare
         try:
-            got = run(torch.compile(fn, backend="fxopt", dynamic=False), inputs, grad)
-            ref = run(fn, [t.double() for t in inputs], grad)
-            problems = [(i, d) for i, (a, b, r) in enumerate(zip(got, want, ref)) if (d := differs(a, b, r, tol))]
+            compiled = torch.compile(fn, backend="fxopt", dynamic=args.dynamic)
+            problems = []
+            for shape_inputs in [inputs] + ([[t[:-1, :-2] if t.dim() == 2 else t[:-2] for t in inputs]]
+                                            if args.dynamic and rows > 2 and cols > 3 else []):
+                got = run(compiled, shape_inputs, grad)
+                want = run(fn, shape_inputs, grad)
+                ref = run(fn, [t.double() for t in shape_inputs], grad)
+                problems += [(i, d) for i, (a, b, r) in enumerate(zip(got, want, ref)) if (d := differs(a, b, r, tol))]
         except Exception as e:  # noqa: BLE001 - a crash is a finding
             problems = [("crash", f"{type(e).__name__}: {str(e)[:300]}")]
         if problems:
             bad += 1
             print(f"--- program {k} (seed {args.seed}, [{rows}, {cols}] {args.dtype}, backward {grad}): {problems}")
             print(source, flush=True)
-    print(f"{args.programs} programs, {bad} mismatches or crashes ({args.device}, {args.dtype}, seed {args.seed})")
+    print(f"{args.programs} programs, {bad} mismatches or crashes ({args.device}, {args.dtype}, seed {args.seed}"
+          f"{', dynamic' if args.dynamic else ''})")
     return 1 if bad else 0
 
 
