@@ -9,6 +9,9 @@ miss (a fuzzer like this one found the softmax amax NaN gradients and the mixed-
 A mismatch is an output or gradient whose NaN/inf places differ from eager's, or whose distance from the
 float64 result exceeds twice eager's plus the dtype's tolerance of the result's scale (fp32 1e-4,
 fp16/bf16 2e-2: fxopt keeps 16-bit intermediates in fp32, so it may be closer than eager, not much further).
+Known, accepted (README, "16-bit intermediates"): in fp16/bf16 a `where(a > b, ...)` at a near-tie can pick
+the other side, since fxopt's `a` is the exact value rounded once and eager's rounded after every op
+(`log(1 / (|y| + 0.5) + 1)`: eager 0.75732, fxopt 0.75684 = b), and the gradient goes to the other input.
 """
 from __future__ import annotations
 
