@@ -174,6 +174,14 @@ def _special_rows(dtype, cols: int, device: str) -> torch.Tensor:
     return rows.to(dtype).to(device)
 
 
+def _row_sets(device: str, rep: int):
+    """(label, edge rows tiled `rep` times, a column ramp) for each dtype and row width the row families use."""
+    for dt in (torch.float32, F16, BF16):
+        for cols in (37, 3000):
+            x = _special_rows(dt, cols, device).repeat(rep, 1)
+            yield f"{str(dt)[6:]} [{8 * rep}, {cols}]", x, torch.linspace(-1, 2, cols, device=device)
+
+
 def cases(family: str, device: str, rep: int):
     """(name, fn, inputs, backward?) for every case of the family."""
     if family == "scalar":
@@ -185,23 +193,18 @@ def cases(family: str, device: str, rep: int):
                     yield f"{str(dt)[6:]} {name}{' backward' if grad else ''}", fn, (x,), grad
         return
     if family == "rows":
-        for dt in (torch.float32, F16, BF16):
-            for cols in (37, 3000):
-                x = _special_rows(dt, cols, device).repeat(rep, 1)
-                weights = torch.linspace(-1, 2, cols, device=device)
-                for name, op in ROW_OPS.items():
-                    fn = _weighted(op, None if name.startswith("col") else weights)
-                    for grad in (False, True):
-                        yield f"{str(dt)[6:]} [{8 * rep}, {cols}] {name}{' backward' if grad else ''}", fn, (x,), grad
+        for label, x, weights in _row_sets(device, rep):
+            for name, op in ROW_OPS.items():
+                fn = _weighted(op, None if name.startswith("col") else weights)
+                for grad in (False, True):
+                    yield f"{label} {name}{' backward' if grad else ''}", fn, (x,), grad
         return
     if family == "params":
-        for dt in (torch.float32, F16, BF16):
-            for cols in (37, 3000):
-                x = _special_rows(dt, cols, device).repeat(rep, 1)
-                w = torch.linspace(-1, 2, cols, device=device).to(dt)
-                b = (torch.arange(cols, device=device) * 0.37).sin().to(dt)
-                for name, op in PARAM_OPS.items():
-                    yield f"{str(dt)[6:]} [{8 * rep}, {cols}] {name} backward", _weighted(op, None), (x, w, b), True
+        for label, x, weights in _row_sets(device, rep):
+            w = weights.to(x.dtype)
+            b = (torch.arange(x.shape[1], device=device) * 0.37).sin().to(x.dtype)
+            for name, op in PARAM_OPS.items():
+                yield f"{label} {name} backward", _weighted(op, None), (x, w, b), True
         return
     for it in (torch.int32, torch.int64, torch.int16, torch.uint8, torch.int8):
         info = torch.iinfo(it)
@@ -240,6 +243,11 @@ def ulps(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((g - w).abs() / step)[~same].max().item()
 
 
+def special_places_differ(g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Where g and w (same shape) disagree on being NaN, or where either is +-inf and they are not equal."""
+    return (g.isnan() != w.isnan()) | ((g.isinf() | w.isinf()) & (g != w))
+
+
 def close(got: torch.Tensor, want: torch.Tensor, ref: torch.Tensor, per_row: bool = True) -> float:
     """For reductions: inf where dtypes, shapes or the places of NaN and +-inf differ from eager's; else
     fxopt's largest distance from the float64 reference beyond twice eager's, over (|ref| + the largest
@@ -248,8 +256,7 @@ def close(got: torch.Tensor, want: torch.Tensor, ref: torch.Tensor, per_row: boo
     if got.dtype != want.dtype or got.shape != want.shape:
         return float("inf")
     g, w, r = got.double(), want.double(), ref.double()
-    if not torch.equal(g.isnan(), w.isnan()) or not torch.equal(g.isinf() & (g > 0), w.isinf() & (w > 0)) \
-            or not torch.equal(g.isinf() & (g < 0), w.isinf() & (w < 0)):
+    if bool(special_places_differ(g, w).any()):
         return float("inf")
     finite = g.isfinite() & r.isfinite()
     if not bool(finite.any()):
@@ -269,7 +276,7 @@ def first_difference(got: torch.Tensor, want: torch.Tensor) -> str:
     if got.dtype != want.dtype or got.shape != want.shape:
         return f"dtype/shape {got.dtype} {tuple(got.shape)} vs {want.dtype} {tuple(want.shape)}"
     g, w = got.double(), want.double()
-    special = (g.isnan() != w.isnan()) | ((g.isinf() | w.isinf()) & (g != w))
+    special = special_places_differ(g, w)
     differs = special if bool(special.any()) else ~((g == w) | (g.isnan() & w.isnan()))
     if not bool(differs.any()):
         return "equal"
