@@ -7,11 +7,15 @@ miss (a fuzzer like this one found the softmax amax NaN gradients and the mixed-
     python -m benchmarks.graph_fuzz --programs 500            # on a GPU
 
 A mismatch is an output or gradient whose NaN/inf places differ from eager's, or whose distance from the
-float64 result exceeds twice eager's plus the dtype's tolerance of the result's scale (fp32 1e-4,
-fp16/bf16 2e-2: fxopt keeps 16-bit intermediates in fp32, so it may be closer than eager, not much further).
+float64 result exceeds twice eager's plus the dtype's tolerance of the result's scale (fp32 1e-4, fp64 1e-9:
+a constant rounded to fp32 shows; fp16/bf16 2e-2: fxopt keeps 16-bit intermediates in fp32, so it may be
+closer than eager, not much further). `--more` adds scans, sorts, matmuls, in-place and integer-valued ops
+(sort and argmax in fp32/fp64 only: 16-bit values tie), `--layouts` transposed, strided and offset inputs.
 Known, accepted (README, "16-bit intermediates"): in fp16/bf16 a `where(a > b, ...)` at a near-tie can pick
 the other side, since fxopt's `a` is the exact value rounded once and eager's rounded after every op
-(`log(1 / (|y| + 0.5) + 1)`: eager 0.75732, fxopt 0.75684 = b), and the gradient goes to the other input.
+(`log(1 / (|y| + 0.5) + 1)`: eager 0.75732, fxopt 0.75684 = b), and the gradient goes to the other input;
+likewise a reduced value cast to bf16 (`w.mean(0) / (|y| + 1)` then `.to(bfloat16)`): the sum's order
+moves it an fp32 ulp, and a rounding near a bf16 tie goes the other way.
 """
 from __future__ import annotations
 
@@ -38,11 +42,18 @@ COLUMN = ["{a}.sum(0, keepdim=True)", "{a}.amax(0, keepdim=True)", "{a}.mean(0, 
 VIEWS = ["torch.cat([{a}[..., 1:], {a}[..., :1]], -1)", "{a}.flip(0)", "({a}.t() * {c}).t()",
          "{a}.unsqueeze(0).expand(2, -1, -1).sum(0)", "{a}.roll(1, 0)",
          "torch.where({a} > 0, {a}, torch.zeros_like({a}))"]
+MORE = ["torch.atan2({a}, {b})", "{a}.pow(3)", "torch.erf({a})", "F.softplus({a})", "F.elu({a})",
+        "F.leaky_relu({a}, 0.1)", "torch.lerp({a}, {b}, 0.3)", "torch.addcmul({a}, {b}, {b}, value=0.5)",
+        "{a}.masked_fill({a} < {b}, 0.0)", "({a} > {b}).to({a}.dtype)", "{a}.std(-1, keepdim=True)",
+        "{a}.norm(dim=-1, keepdim=True)", "{a}.amin(-1, keepdim=True)", "{a}.argmax(-1, keepdim=True).to({a}.dtype)",
+        "torch.cumsum({a}, -1)", "{a}.sort(-1).values", "{a}.clone().add_({b}).mul_({c})",
+        "({a} @ {b}.t()).div(8).softmax(-1) @ {b}", "torch.nan_to_num(torch.log({a}))",
+        "{a}.sign() * {a}.abs().pow(0.5)", "torch.floor({a} * 4) / 4", "{a} // 0.75", "torch.fmod({a}, 0.6)"]
 CASTS = ["{a}.to(torch.float16).float()", "{a}.to(torch.bfloat16).float()"]  # bf16 on the GPU only: the
 # interpreter truncates fp32 -> bf16 where eager rounds
 
 
-def program(rng: random.Random, n_ops: int, fp32: bool, gpu: bool) -> str:
+def program(rng: random.Random, n_ops: int, dtype: torch.dtype, gpu: bool, more: int = 0) -> str:
     """Source of `def f(x, y, w):` (x [R, C], y [R, C], w [C]) built from random ops; values kept are
     full [R, C] tensors, row [R, 1] or column [1, C] ones, all broadcastable against each other."""
     vals = ["x", "y", "w"]
@@ -50,8 +61,11 @@ def program(rng: random.Random, n_ops: int, fp32: bool, gpu: bool) -> str:
     for i in range(n_ops):
         a, b = rng.choice(vals), rng.choice(vals)
         c = rng.choice(["0.5", "2.0", "-1.25", "3.0", "0.1"])
-        casts = [CASTS if gpu else CASTS[:1]] if fp32 else []
-        pool = [UNARY] * 4 + [BINARY] * 4 + [ROW, SHAPED, COLUMN, VIEWS] + casts
+        casts = [CASTS if gpu else CASTS[:1]] if dtype == torch.float32 else []
+        # (16-bit values tie often: an ulp's difference before a sort moves a gradient to another element)
+        wide = dtype in (torch.float32, torch.float64)
+        ordered = MORE if wide else [op for op in MORE if "sort" not in op and "argmax" not in op]
+        pool = [UNARY] * 4 + [BINARY] * 4 + [ROW, SHAPED, COLUMN, VIEWS] + casts + [ordered] * more
         expr = rng.choice(rng.choice(pool)).format(a=a, b=b, c=c)
         lines.append(f"    v{i} = {expr}")
         vals.append(f"v{i}")
@@ -66,8 +80,22 @@ def build(source: str):
     return scope["f"]
 
 
+def laid_out(t: torch.Tensor, how: str) -> torch.Tensor:
+    """The same values as `t` in another layout: column-major, every other element of a wider buffer, or
+    at an offset into a larger one (compiled kernels index by strides and storage offsets, not by shapes)."""
+    if how == "transposed" and t.dim() == 2:
+        return t.t().contiguous().t()
+    if how == "strided":
+        wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device)
+        wide[..., ::2] = t
+        return wide[..., ::2]
+    if how == "offset":
+        return torch.cat([t.reshape(-1)[:3], t.reshape(-1)])[3:].view(t.shape)
+    return t
+
+
 def run(fn, inputs, grad: bool):
-    xs = [t.clone().requires_grad_(grad) for t in inputs]
+    xs = [t.detach().requires_grad_(grad) for t in inputs]  # detach, not clone: keeps the inputs' layouts
     outs = fn(*xs)
     results = [o.detach() for o in outs]
     if grad:
@@ -104,23 +132,27 @@ def main(argv=None) -> int:
     p.add_argument("--programs", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ops", type=int, default=6, help="ops per program")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "float16", "bfloat16"],
                    help="bfloat16 only on a GPU (the interpreter truncates fp32 -> bf16)")
     p.add_argument("--dynamic", action="store_true", help="symbolic sizes; each program also runs a second shape")
+    p.add_argument("--more", type=int, default=0, help="weight of the MORE ops (scans, sorts, matmuls, in-place...)")
+    p.add_argument("--layouts", action="store_true", help="inputs transposed, strided or at a storage offset")
     args = p.parse_args(argv)
     importlib.import_module("fxopt")
     dtype = getattr(torch, args.dtype)
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    tol = {torch.float32: 1e-4, torch.float64: 1e-9}.get(dtype, 2e-2)
     bad = 0
     for k in range(args.programs):
         rng = random.Random(args.seed * 100003 + k)
-        source = program(rng, args.ops, dtype == torch.float32, args.device != "cpu")
+        source = program(rng, args.ops, dtype, args.device != "cpu", args.more)
         fn = build(source)
         rows, cols = rng.choice([(4, 7), (9, 33), (16, 128), (3, 1000)])
         g = torch.Generator().manual_seed(k)
         inputs = [torch.randn(rows, cols, generator=g).to(dtype).to(args.device),
                   torch.randn(rows, cols, generator=g).to(dtype).to(args.device),
                   torch.randn(cols, generator=g).to(dtype).to(args.device)]
+        if args.layouts:
+            inputs = [laid_out(t, rng.choice(["contiguous", "transposed", "strided", "offset"])) for t in inputs]
         grad = rng.random() < 0.6
         torch._dynamo.reset()
         try:

@@ -11,6 +11,10 @@ divided (the fuzzer of 2026-12-06). So every kernel, pointwise or reduction, wri
 by a value broadcast along the last dim (size 1 there, the result's larger) as the product with its
 reciprocal.
 
+A division by a Python number on the GPU is the product with its reciprocal, as eager's CUDA kernel
+computes it (a CPU scalar divisor: `a * (1 / b)`, the reciprocal rounded to the compute dtype on the
+host); on the CPU eager divides, and so do generated kernels there.
+
 The C remainder (fmod) and ATen's remainder (the divisor's sign) are here too.
 """
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 import torch.fx as fx
 
 from ..analysis.symbolic import sizes
+from .dtypes import literal
 
 
 def by_row_value(n: fx.Node) -> bool:
@@ -31,10 +36,20 @@ def by_row_value(n: fx.Node) -> bool:
 
 
 def lower_div(c, n: fx.Node, o: list[str]) -> str:
-    """aten.div.Tensor in a kernel (pointwise_ops.LOWERINGS): see the module docstring."""
+    """aten.div.Tensor and div.Scalar in a kernel (pointwise_ops.LOWERINGS): see the module docstring."""
+    b = n.args[1]
+    if c.target == "cuda" and c.compute.is_floating_point and isinstance(b, (int, float)):
+        return f"({o[0]} * {literal(reciprocal_as_eager(b, c.compute), c.compute)})"
     if c.compute == torch.float32 and by_row_value(n):
         return f"({o[0]} * {true_divide(c, '1.0', o[1])})"
     return true_divide(c, o[0], o[1])
+
+
+def reciprocal_as_eager(b: float, compute: torch.dtype) -> float:
+    """1 / b as eager's CUDA division computes it for a scalar divisor: b and the quotient in the compute
+    dtype (a * (1/3) is not a / 3 in a third of float32 cases; eager's is the product)."""
+    one = torch.tensor(1.0, dtype=compute)
+    return (one / torch.tensor(b, dtype=compute)).item()
 
 
 def true_divide(c, a: str, b: str) -> str:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 
@@ -30,6 +31,20 @@ def literal(value, dtype: torch.dtype) -> str:
             return 'float("inf")' if v > 0 else 'float("-inf")'
         return repr(v)
     return str(int(value))
+
+
+_FLOAT_LITERAL = re.compile(r'-?(\d+(\.\d*)?(e[-+]?\d+)?|float\("-?(inf|nan)"\))')
+
+
+def is_float_literal(expr: str) -> bool:
+    """Whether `expr` is a float `literal` wrote (not a tensor's name or an expression)."""
+    return _FLOAT_LITERAL.fullmatch(expr) is not None
+
+
+def float64_operand(expr: str) -> str:
+    """`expr` as a float64 operand of a Triton builtin: a float literal made float64 explicitly (Triton
+    before 3.9 turned a Python float passed to tl.fma into float32, 2.0001 -> 2.000099897)."""
+    return f"tl.full([], {expr}, tl.float64)" if is_float_literal(expr) else expr
 
 
 def cast_via(source: torch.dtype | None, out: torch.dtype) -> str | None:

@@ -18,7 +18,7 @@ import torch.fx as fx
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
 from .division import fmod, lower_div, remainder, true_divide
-from .dtypes import LOW_PRECISION, TL_DTYPE, compute_dtype
+from .dtypes import LOW_PRECISION, TL_DTYPE, compute_dtype, float64_operand, is_float_literal, literal
 from .erf_poly import erf_call, gelu_call
 
 aten = torch.ops.aten
@@ -252,7 +252,11 @@ def _add(c, o):
 
 def _sub(c, a: str, b: str, alpha: list[str]) -> str:
     """a - alpha * b (alpha: [] or [its expression])."""
-    return f"({a} - {b})" if not alpha else _plus_scaled(c, a, f"-({alpha[0]})", b)
+    if not alpha:
+        return f"({a} - {b})"
+    if is_float_literal(alpha[0]):
+        return _plus_scaled(c, a, literal(-float(alpha[0].removeprefix('float("').removesuffix('")')), c.compute), b)
+    return _plus_scaled(c, a, f"-({alpha[0]})", b)
 
 
 def _plus_scaled(c, a: str, alpha: str, b: str) -> str:
@@ -260,6 +264,8 @@ def _plus_scaled(c, a: str, alpha: str, b: str) -> str:
     contract it: CUDA's kernels, and the CPU's vectorised ones, which handle all but tensors under 32
     elements), so alpha * b never overflows on its own (bf16 x - 2.0001 * x near bf16's max: eager -3.0e38,
     a separate product gave -inf; generated kernels are compiled without contraction, kernel.NO_FP_FUSION)."""
+    if c.compute == torch.float64:
+        a, alpha, b = (float64_operand(v) for v in (a, alpha, b))
     if c.compute.is_floating_point:
         return f"tl.fma({b}, {alpha}, {a})"
     return f"({a} + {alpha} * {b})"
@@ -325,7 +331,7 @@ LOWERINGS = {
     aten.mul.Tensor: lambda c, n, o: f"({o[0]} * {o[1]})",
     aten.mul.Scalar: lambda c, n, o: f"({o[0]} * {o[1]})",
     aten.div.Tensor: lower_div,
-    aten.div.Scalar: lambda c, n, o: true_divide(c, o[0], o[1]),
+    aten.div.Scalar: lower_div,
     aten.eq.Tensor: lambda c, n, o: f"({o[0]} == {o[1]})",
     aten.eq.Scalar: lambda c, n, o: f"({o[0]} == {o[1]})",
     aten.ne.Tensor: lambda c, n, o: f"({o[0]} != {o[1]})",

@@ -20,9 +20,11 @@ def _operands(device):
     return a.to(device), b.to(device)
 
 
-QUOTIENTS = {
+QUOTIENTS = {  # (on CUDA, eager's a / 3 is a * (1 / 3): its kernel multiplies by a scalar divisor's reciprocal)
     "a / b": lambda a, b: (a * 1) / b,
     "a / 3": lambda a, b: (a * 1) / 3.0,
+    "a / 3 (fp16)": lambda a, b: (a * 1).half() / 3,
+    "a / 0.1 (fp64)": lambda a, b: (a * 1).double() / 0.1,
     "reciprocal": lambda a, b: torch.reciprocal(a * 1),
     "a ** -1": lambda a, b: (a * 1) ** -1,
     "a ** -2": lambda a, b: (a * 1) ** -2,
@@ -54,3 +56,16 @@ def test_generated_float32_divisions_are_div_rn():
     rep = fxopt.explain(lambda a, b: (a * 1) / b + torch.reciprocal(b * 2), a, b)
     source = "\n".join(k.source for k in rep.kernels)
     assert source.count("tl.math.div_rn(") == 2, source
+
+
+@pytest.mark.parametrize("dtype, expected", [(torch.float32, "(x * 0.3333333432674408)"),
+                                             (torch.float64, "(x * 0.3333333333333333)")])
+def test_gpu_divides_by_a_python_number_as_eager_does(dtype, expected):
+    """CI has no GPU: the CUDA lowering's text. Eager's CUDA kernel multiplies by 1/b rounded to the compute
+    dtype on the host; eager on the CPU divides, as the interpreter's kernels do."""
+    from fxopt.codegen.division import lower_div
+    from fxopt.codegen.pointwise_ops import LowerCtx
+    gm = torch.fx.symbolic_trace(lambda x: torch.ops.aten.div.Tensor(x, 3.0))
+    node = next(n for n in gm.graph.nodes if n.op == "call_function")
+    assert lower_div(LowerCtx("cuda", dtype, dtype), node, ["x", "3.0"]) == expected
+    assert "x * " not in lower_div(LowerCtx("interpret", dtype, dtype), node, ["x", "3.0"])

@@ -93,3 +93,16 @@ def test_every_generated_launch_turns_contraction_off():
     launches = [line for line in rep.wrapper_source.splitlines() if "num_warps=" in line]
     assert len(launches) >= 2
     assert all("enable_fp_fusion=False" in line for line in launches), launches
+
+
+def test_float64_fma_operands_are_float64_literals():
+    """Triton before 3.9 (the GPU's 3.6) turned a Python float given to tl.fma into float32 (2.0001 ->
+    2.000099897, every float64 sub with that alpha off in the 8th digit on the H100); CI's 3.9 does not,
+    so the CPU checks the kernel text: each literal operand of a float64 fma is an explicit float64."""
+    import fxopt
+    x = torch.randn(64, dtype=torch.float64)
+    rep = fxopt.explain(lambda x: torch.rsub(x * 1, 2.5, alpha=2.0001) + torch.sub(x, x * 2, alpha=0.1), x)
+    fmas = [line for k in rep.kernels for line in k.source.splitlines() if "tl.fma(" in line]
+    assert len(fmas) == 2, fmas
+    assert "tl.full([], -2.0001, tl.float64)" in fmas[0] and "tl.full([], 2.5, tl.float64)" in fmas[0], fmas
+    assert "tl.full([], -0.1, tl.float64)" in fmas[1], fmas
