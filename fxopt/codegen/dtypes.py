@@ -33,7 +33,7 @@ def literal(value, dtype: torch.dtype) -> str:
     return str(int(value))
 
 
-_FLOAT_LITERAL = re.compile(r'-?(\d+(\.\d*)?(e[-+]?\d+)?|float\("-?(inf|nan)"\))')
+_FLOAT_LITERAL = re.compile(r'-?(\d+\.\d*(e[-+]?\d+)?|\d+e[-+]?\d+|float\("-?(inf|nan)"\))')
 
 
 def is_float_literal(expr: str) -> bool:
@@ -42,8 +42,9 @@ def is_float_literal(expr: str) -> bool:
 
 
 def float64_operand(expr: str) -> str:
-    """`expr` as a float64 operand of a Triton builtin: a float literal made float64 explicitly (Triton
-    before 3.9 turned a Python float passed to tl.fma into float32, 2.0001 -> 2.000099897)."""
+    """`expr` as an operand of a float64 computation: a float literal made float64 explicitly. Triton
+    before 3.9 turned a Python float given to tl.fma into float32 (2.0001 -> 2.000099897) and one given
+    to a libdevice function beside a float64 tensor failed to compile (fmod(x, 0.6) on the H100)."""
     return f"tl.full([], {expr}, tl.float64)" if is_float_literal(expr) else expr
 
 

@@ -4,10 +4,9 @@ Operands arrive already cast to the op's compute dtype (see triton_pointwise.ope
 Math is chosen per target and per result dtype:
 - target "interpret" (CPU, TRITON_INTERPRET=1) may only use tl/tl.math, so libdevice functions are
   spelled with exp/log there (accurate to fp32 tolerances, checked in tests against float64);
-- on "cuda", fp32 results use exact libdevice math, and a result that eager rounds to bf16 may use
-  the hardware approximations `tanh.approx.f32` (max relative error 2^-10.99, PTX ISA) for tanh and
-  ex2.approx with approximate division for sigmoid: that is below bf16's rounding error (2^-9 relative, half an ulp of 8 significant bits),
-  so the stored bf16 value is as accurate as eager's. fp16 (2^-11) keeps exact math.
+- on "cuda", fp32 results use exact libdevice math; a result eager rounds to bf16 may use `tanh.approx.f32`
+  (relative error 2^-10.99, PTX ISA) for tanh and ex2.approx with approximate division for sigmoid, below
+  bf16's rounding error (2^-9 relative), so the stored bf16 is as accurate as eager's. fp16 keeps exact math.
 """
 from __future__ import annotations
 
@@ -187,8 +186,8 @@ def _pow_scalar(c, x, e):
         return true_divide(c, "1.0", x)
     if e == -2.0:
         return true_divide(c, "1.0", f"({x} * {x})")
-    if c.target == "cuda":
-        return f"libdevice.pow({x}, {e!r})"
+    if c.target == "cuda":  # (a float64 base takes a float64 exponent: dtypes.float64_operand)
+        return f"libdevice.pow({x}, {float64_operand(repr(e)) if c.compute == torch.float64 else repr(e)})"
     # the interpreter: |x| ** e through float64 exp2/log2 (in fp32, 1e10 ** -1.5 was 17 ulp off)
     mag = f"tl.exp2({e!r} * tl.log2(tl.abs({x}).to(tl.float64))).to({x}.dtype)"
     if e.is_integer():  # odd integer exponents keep the sign; negative bases are fine
@@ -264,8 +263,6 @@ def _plus_scaled(c, a: str, alpha: str, b: str) -> str:
     contract it: CUDA's kernels, and the CPU's vectorised ones, which handle all but tensors under 32
     elements), so alpha * b never overflows on its own (bf16 x - 2.0001 * x near bf16's max: eager -3.0e38,
     a separate product gave -inf; generated kernels are compiled without contraction, kernel.NO_FP_FUSION)."""
-    if c.compute == torch.float64:
-        a, alpha, b = (float64_operand(v) for v in (a, alpha, b))
     if c.compute.is_floating_point:
         return f"tl.fma({b}, {alpha}, {a})"
     return f"({a} + {alpha} * {b})"

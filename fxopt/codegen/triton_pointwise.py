@@ -41,7 +41,7 @@ import torch.fx as fx
 from ..analysis.op_classes import is_view
 from ..analysis.symbolic import expr, hint, pexpr, shape_env_of, sizes, storage_offset, strides
 from ..printing import describe_value, target_name
-from .dtypes import LOW_PRECISION, TL_DTYPE, cast_operand, compute_dtype, literal
+from .dtypes import LOW_PRECISION, TL_DTYPE, cast_operand, compute_dtype, float64_operand, literal
 from .cat_pieces import (cat_pieces, cat_value, coordinate_layout, coordinate_name, is_gather, piece_layout,
                          piece_mask)
 from .erf_poly import with_erf_helper
@@ -324,6 +324,8 @@ class PointwiseEmitter:
         if n.target in UNCAST_OPERANDS:  # eager's float64 -> bf16 goes through float32, float -> uint8 through int64
             operands[0] = cast_operand(operands[0], self.vdtype.get(args[0]), out, self.target)
         ctx = LowerCtx(self.target, out, want if want is not None else compute_dtype(out), self.rounds_to)
+        if ctx.compute == torch.float64:
+            operands = [float64_operand(o) if isinstance(o, str) else o for o in operands]
         expr = LOWERINGS[n.target](ctx, n, operands)
         result = compute_dtype(out)
         if n.target in UNCAST_OPERANDS and out in LOW_PRECISION and n.target is not aten.clone.default:

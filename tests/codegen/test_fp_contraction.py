@@ -95,14 +95,24 @@ def test_every_generated_launch_turns_contraction_off():
     assert all("enable_fp_fusion=False" in line for line in launches), launches
 
 
-def test_float64_fma_operands_are_float64_literals():
+def test_float64_literal_operands_are_explicitly_float64():
     """Triton before 3.9 (the GPU's 3.6) turned a Python float given to tl.fma into float32 (2.0001 ->
-    2.000099897, every float64 sub with that alpha off in the 8th digit on the H100); CI's 3.9 does not,
-    so the CPU checks the kernel text: each literal operand of a float64 fma is an explicit float64."""
+    2.000099897: every float64 sub with that alpha off in the 8th digit on the H100) and failed to compile
+    libdevice.fmod(x, 0.6) for float64 x; CI's 3.9 does neither, so the CPU checks the kernel text: each
+    literal operand of a float64 computation is an explicit float64."""
     import fxopt
     x = torch.randn(64, dtype=torch.float64)
-    rep = fxopt.explain(lambda x: torch.rsub(x * 1, 2.5, alpha=2.0001) + torch.sub(x, x * 2, alpha=0.1), x)
-    fmas = [line for k in rep.kernels for line in k.source.splitlines() if "tl.fma(" in line]
-    assert len(fmas) == 2, fmas
-    assert "tl.full([], -2.0001, tl.float64)" in fmas[0] and "tl.full([], 2.5, tl.float64)" in fmas[0], fmas
-    assert "tl.full([], -0.1, tl.float64)" in fmas[1], fmas
+    rep = fxopt.explain(lambda x: torch.rsub(x * 1, 2.5, alpha=2.0001), x)
+    lines = [line for k in rep.kernels for line in k.source.splitlines() if "tl.fma(" in line]
+    assert len(lines) == 1, lines
+    assert "tl.full([], 2.0001, tl.float64)" in lines[0] and "tl.full([], 2.5, tl.float64)" in lines[0], lines
+
+
+def test_float64_with_python_float_operands(device):
+    """The GPU side of the test above (fmod's kernel is the GPU's only: the CPU runs float64 fmod eagerly)."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(4096, generator=g, dtype=torch.float64) * 10).to(device)
+    fn = lambda x: (torch.fmod(x * 1, 0.6), torch.remainder(x * 1, 0.7), torch.rsub(x * 1, 0.1, alpha=2.0001),  # noqa: E731
+                    torch.atan2(x * 1, torch.full_like(x, 0.3)), torch.clamp(x * 1, -0.1, 0.3), (x * 1) ** 0.3)
+    for got, want in zip(compile_fxopt(fn)(x), fn(x)):
+        torch.testing.assert_close(got, want, rtol=1e-15, atol=0, equal_nan=True)
