@@ -9,8 +9,9 @@ miss (a fuzzer like this one found the softmax amax NaN gradients and the mixed-
 A mismatch is an output or gradient whose NaN/inf places differ from eager's, or whose distance from the
 float64 result exceeds twice eager's plus the dtype's tolerance of the result's scale (fp32 1e-4, fp64 1e-9:
 a constant rounded to fp32 shows; fp16/bf16 2e-2: fxopt keeps 16-bit intermediates in fp32, so it may be
-closer than eager, not much further). `--more` adds scans, sorts, matmuls, in-place and integer-valued ops
-(sort and argmax in fp32/fp64 only: 16-bit values tie), `--layouts` transposed, strided and offset inputs.
+closer than eager, not much further; a result's own dtype picks its tolerance). `--more` adds scans, sorts,
+matmuls, in-place and integer-valued ops (sort and argmax in fp32/fp64 only: 16-bit values tie),
+`--layouts` transposed, strided and offset inputs, `--mixed` inputs of three dtypes (type promotion).
 Known, accepted (README, "16-bit intermediates"): in fp16/bf16 a `where(a > b, ...)` at a near-tie can pick
 the other side, since fxopt's `a` is the exact value rounded once and eager's rounded after every op
 (`log(1 / (|y| + 0.5) + 1)`: eager 0.75732, fxopt 0.75684 = b), and the gradient goes to the other input;
@@ -51,6 +52,11 @@ MORE = ["torch.atan2({a}, {b})", "{a}.pow(3)", "torch.erf({a})", "F.softplus({a}
         "{a}.sign() * {a}.abs().pow(0.5)", "torch.floor({a} * 4) / 4", "{a} // 0.75", "torch.fmod({a}, 0.6)"]
 CASTS = ["{a}.to(torch.float16).float()", "{a}.to(torch.bfloat16).float()"]  # bf16 on the GPU only: the
 # interpreter truncates fp32 -> bf16 where eager rounds
+
+
+# --mixed: the dtypes of y and w beside x's (bf16 beside fp32 on the GPU only: the interpreter truncates)
+MIXED = {torch.float32: [torch.float16, torch.float64], torch.float64: [torch.float32, torch.float16],
+         torch.float16: [torch.float32, torch.float16], torch.bfloat16: [torch.float32, torch.float16]}
 
 
 def program(rng: random.Random, n_ops: int, dtype: torch.dtype, gpu: bool, more: int = 0) -> str:
@@ -137,10 +143,11 @@ def main(argv=None) -> int:
     p.add_argument("--dynamic", action="store_true", help="symbolic sizes; each program also runs a second shape")
     p.add_argument("--more", type=int, default=0, help="weight of the MORE ops (scans, sorts, matmuls, in-place...)")
     p.add_argument("--layouts", action="store_true", help="inputs transposed, strided or at a storage offset")
+    p.add_argument("--mixed", action="store_true", help="y and w of other dtypes than x (type promotion)")
     args = p.parse_args(argv)
     importlib.import_module("fxopt")
     dtype = getattr(torch, args.dtype)
-    tol = {torch.float32: 1e-4, torch.float64: 1e-9}.get(dtype, 2e-2)
+    tol = {torch.float32: 1e-4, torch.float64: 1e-9}
     bad = 0
     for k in range(args.programs):
         rng = random.Random(args.seed * 100003 + k)
@@ -148,9 +155,9 @@ def main(argv=None) -> int:
         fn = build(source)
         rows, cols = rng.choice([(4, 7), (9, 33), (16, 128), (3, 1000)])
         g = torch.Generator().manual_seed(k)
-        inputs = [torch.randn(rows, cols, generator=g).to(dtype).to(args.device),
-                  torch.randn(rows, cols, generator=g).to(dtype).to(args.device),
-                  torch.randn(cols, generator=g).to(dtype).to(args.device)]
+        dtypes = [dtype, *(MIXED[dtype] if args.mixed else [dtype, dtype])]
+        inputs = [torch.randn(*shape, generator=g).to(d).to(args.device)
+                  for shape, d in zip([(rows, cols), (rows, cols), (cols,)], dtypes)]
         if args.layouts:
             inputs = [laid_out(t, rng.choice(["contiguous", "transposed", "strided", "offset"])) for t in inputs]
         grad = rng.random() < 0.6
@@ -167,7 +174,8 @@ def main(argv=None) -> int:
                 got = run(compiled, shape_inputs, grad)
                 want = run(fn, shape_inputs, grad)
                 ref = run(fn, [t.double() for t in shape_inputs], grad)
-                problems += [(i, d) for i, (a, b, r) in enumerate(zip(got, want, ref)) if (d := differs(a, b, r, tol))]
+                problems += [(i, d) for i, (a, b, r) in enumerate(zip(got, want, ref))
+                             if (d := differs(a, b, r, tol.get(a.dtype, 2e-2)))]
         except Exception as e:  # noqa: BLE001 - a crash is a finding
             problems = [("crash", f"{type(e).__name__}: {str(e)[:300]}")]
         if problems:

@@ -17,7 +17,7 @@ import torch.fx as fx
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
 from .division import fmod, lower_div, remainder, true_divide
-from .dtypes import LOW_PRECISION, TL_DTYPE, compute_dtype, float64_operand, is_float_literal, literal
+from .dtypes import LOW_PRECISION, TL_DTYPE, compute_dtype, float64_operand
 from .erf_poly import erf_call, gelu_call
 
 aten = torch.ops.aten
@@ -251,11 +251,7 @@ def _add(c, o):
 
 def _sub(c, a: str, b: str, alpha: list[str]) -> str:
     """a - alpha * b (alpha: [] or [its expression])."""
-    if not alpha:
-        return f"({a} - {b})"
-    if is_float_literal(alpha[0]):
-        return _plus_scaled(c, a, literal(-float(alpha[0].removeprefix('float("').removesuffix('")')), c.compute), b)
-    return _plus_scaled(c, a, f"-({alpha[0]})", b)
+    return f"({a} - {b})" if not alpha else _plus_scaled(c, a, f"-({alpha[0]})", b)
 
 
 def _plus_scaled(c, a: str, alpha: str, b: str) -> str:
