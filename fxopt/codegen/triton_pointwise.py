@@ -332,8 +332,17 @@ class PointwiseEmitter:
             expr = f"{expr}.to(tl.float32)"  # an explicit cast to bf16/fp16 rounds, as in eager
         elif result != (want if want is not None else self.vdtype[args[0]]):
             expr = f"({expr}).to({TL_DTYPE[result]})"
+        if out in LOW_PRECISION and result == torch.float32 and self._stored_and_used(n):
+            expr = f"({expr}).to({TL_DTYPE[out]}).to(tl.float32)"
         self.vdtype[n] = result
         return expr
+
+    def _stored_and_used(self, n: fx.Node) -> bool:
+        """Whether the kernel stores n (16-bit) and also computes with it: those computations read it rounded,
+        as every kernel that loads it does. Otherwise a backward that loads a saved rsqrt recomputes
+        `x * rsqrt` as another value than the forward's (fp16 RMSNorm then amax: no element equalled the max,
+        and the gradient was NaN; graph_fuzz --mixed, 2026-12-07)."""
+        return n in self.output_nodes and len(n.users) > 1
 
 
 def generate_pointwise_kernel(gm: fx.GraphModule, name: str, target: str) -> Kernel:
