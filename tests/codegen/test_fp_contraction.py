@@ -112,7 +112,10 @@ def test_float64_with_python_float_operands(device):
     """The GPU side of the test above (fmod's kernel is the GPU's only: the CPU runs float64 fmod eagerly)."""
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(4096, generator=g, dtype=torch.float64) * 10).to(device)
-    fn = lambda x: (torch.fmod(x * 1, 0.6), torch.remainder(x * 1, 0.7), torch.rsub(x * 1, 0.1, alpha=2.0001),  # noqa: E731
-                    torch.atan2(x * 1, torch.full_like(x, 0.3)), torch.clamp(x * 1, -0.1, 0.3), (x * 1) ** 0.3)
+    def fn(x):
+        y = x * 1
+        return (torch.fmod(y, 0.6), torch.remainder(y, 0.7), torch.rsub(y, 0.1, alpha=2.0001),
+                torch.atan2(y, torch.full_like(x, 0.3)), torch.clamp(y, -0.1, 0.3), y ** 0.3)
+
     for got, want in zip(compile_fxopt(fn)(x), fn(x)):
         torch.testing.assert_close(got, want, rtol=1e-15, atol=0, equal_nan=True)
