@@ -338,11 +338,14 @@ class PointwiseEmitter:
         return expr
 
     def _stored_and_used(self, n: fx.Node) -> bool:
-        """Whether the kernel stores n (16-bit) and also computes with it: those computations read it rounded,
-        as every kernel that loads it does. Otherwise a backward that loads a saved rsqrt recomputes
-        `x * rsqrt` as another value than the forward's (fp16 RMSNorm then amax: no element equalled the max,
-        and the gradient was NaN; graph_fuzz --mixed, 2026-12-07)."""
-        return n in self.output_nodes and len(n.users) > 1
+        """Whether every op reading n (16-bit) must read it rounded, since one of them sees it so: the kernel
+        stores n and computes with it (every kernel that loads it reads it rounded: a backward that loads a
+        saved rsqrt recomputed `x * rsqrt` as another value than the forward's, and fp16 RMSNorm then amax
+        found no element equal to the max, NaN gradients; graph_fuzz --mixed, 2026-12-07), or an op that
+        reads its operands rounded (operand_rounding) reads n beside one that would not
+        (`where(v > x, v, t) - v` was not 0 where v was selected)."""
+        users = [u for u in n.users if u.op != "output"]
+        return bool(users) and (n in self.output_nodes or any(reads_own_dtype(u) for u in users))
 
 
 def generate_pointwise_kernel(gm: fx.GraphModule, name: str, target: str) -> Kernel:
