@@ -167,8 +167,9 @@ def main(argv=None) -> int:
         torch._dynamo.reset()
         try:
             want = run(fn, inputs, grad)
+            run(fn, [t.double() for t in inputs], grad)  # (with --mixed a cast can leave float32 @ float64)
         except RuntimeError:
-            continue  # eager rejects it (a dtype mix): nothing to compare
+            continue  # eager rejects it, or its float64 copy (a dtype mix): nothing to compare
         try:
             compiled = torch.compile(fn, backend="fxopt", dynamic=args.dynamic)
             problems = []
