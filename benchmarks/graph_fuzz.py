@@ -64,16 +64,16 @@ MIXED = {torch.float32: [torch.float16, torch.float64], torch.float64: [torch.fl
 def program(rng: random.Random, n_ops: int, dtype: torch.dtype, gpu: bool, more: int = 0) -> str:
     """Source of `def f(x, y, w):` (x [R, C], y [R, C], w [C]) built from random ops; values kept are
     full [R, C] tensors, row [R, 1] or column [1, C] ones, all broadcastable against each other."""
+    casts = [CASTS if gpu else CASTS[:1]] if dtype == torch.float32 else []
+    # (16-bit values tie often: an ulp's difference before a sort moves a gradient to another element)
+    wide = dtype in (torch.float32, torch.float64)
+    ordered = MORE if wide else [op for op in MORE if "sort" not in op and "argmax" not in op]
+    pool = [UNARY] * 4 + [BINARY] * 4 + [ROW, SHAPED, COLUMN, VIEWS] + casts + [ordered] * more
     vals = ["x", "y", "w"]
     lines = []
     for i in range(n_ops):
         a, b = rng.choice(vals), rng.choice(vals)
         c = rng.choice(["0.5", "2.0", "-1.25", "3.0", "0.1"])
-        casts = [CASTS if gpu else CASTS[:1]] if dtype == torch.float32 else []
-        # (16-bit values tie often: an ulp's difference before a sort moves a gradient to another element)
-        wide = dtype in (torch.float32, torch.float64)
-        ordered = MORE if wide else [op for op in MORE if "sort" not in op and "argmax" not in op]
-        pool = [UNARY] * 4 + [BINARY] * 4 + [ROW, SHAPED, COLUMN, VIEWS] + casts + [ordered] * more
         expr = rng.choice(rng.choice(pool)).format(a=a, b=b, c=c)
         lines.append(f"    v{i} = {expr}")
         vals.append(f"v{i}")
@@ -158,28 +158,27 @@ def main(argv=None) -> int:
         rows, cols = rng.choice([(4, 7), (9, 33), (16, 128), (3, 1000)])
         g = torch.Generator().manual_seed(k)
         dtypes = [dtype, *(MIXED[dtype] if args.mixed else [dtype, dtype])]
-        loosest = max(tol.get(d, 2e-2) for d in dtypes)  # (a float64 result of float16 values is float16-precise)
+        # every result has one of the inputs' dtypes, and a float64 result of float16 values is float16-precise
+        loosest = max(tol.get(d, 2e-2) for d in dtypes)
         inputs = [torch.randn(*shape, generator=g).to(d).to(args.device)
                   for shape, d in zip([(rows, cols), (rows, cols), (cols,)], dtypes)]
         if args.layouts:
             inputs = [laid_out(t, rng.choice(["contiguous", "transposed", "strided", "offset"])) for t in inputs]
         grad = rng.random() < 0.6
         torch._dynamo.reset()
+        shapes = [inputs] + ([[t[:-1, :-2] if t.dim() == 2 else t[:-2] for t in inputs]]
+                             if args.dynamic and rows > 2 and cols > 3 else [])
         try:
-            want = run(fn, inputs, grad)
-            run(fn, [t.double() for t in inputs], grad)  # (with --mixed a cast can leave float32 @ float64)
+            expected = [(run(fn, s, grad), run(fn, [t.double() for t in s], grad)) for s in shapes]
         except RuntimeError:
-            continue  # eager rejects it, or its float64 copy (a dtype mix): nothing to compare
+            continue  # eager rejects it, or its float64 copy (a cast leaving float32 @ float64): nothing to compare
         try:
             compiled = torch.compile(fn, backend="fxopt", dynamic=args.dynamic)
             problems = []
-            for shape_inputs in [inputs] + ([[t[:-1, :-2] if t.dim() == 2 else t[:-2] for t in inputs]]
-                                            if args.dynamic and rows > 2 and cols > 3 else []):
+            for shape_inputs, (want, ref) in zip(shapes, expected):
                 got = run(compiled, shape_inputs, grad)
-                want = run(fn, shape_inputs, grad)
-                ref = run(fn, [t.double() for t in shape_inputs], grad)
                 problems += [(i, d) for i, (a, b, r) in enumerate(zip(got, want, ref))
-                             if (d := differs(a, b, r, max(tol.get(a.dtype, 2e-2), loosest)))]
+                             if (d := differs(a, b, r, loosest))]
         except Exception as e:  # noqa: BLE001 - a crash is a finding
             problems = [("crash", f"{type(e).__name__}: {str(e)[:300]}")]
         if problems:

@@ -332,12 +332,12 @@ class PointwiseEmitter:
             expr = f"{expr}.to(tl.float32)"  # an explicit cast to bf16/fp16 rounds, as in eager
         elif result != (want if want is not None else self.vdtype[args[0]]):
             expr = f"({expr}).to({TL_DTYPE[result]})"
-        if out in LOW_PRECISION and result == torch.float32 and self._stored_and_used(n):
+        if out in LOW_PRECISION and result == torch.float32 and self._read_rounded_by_all(n):
             expr = f"({expr}).to({TL_DTYPE[out]}).to(tl.float32)"
         self.vdtype[n] = result
         return expr
 
-    def _stored_and_used(self, n: fx.Node) -> bool:
+    def _read_rounded_by_all(self, n: fx.Node) -> bool:
         """Whether every op reading n (16-bit) must read it rounded, since one of them sees it so: the kernel
         stores n and computes with it (every kernel that loads it reads it rounded: a backward that loads a
         saved rsqrt recomputed `x * rsqrt` as another value than the forward's, and fp16 RMSNorm then amax
