@@ -197,7 +197,9 @@ def test_a_stored_value_is_used_rounded_in_its_own_kernel(dtype, device):
     (fn(a).float() * weights).sum().backward()
     (compile_fxopt(fn)(b).float() * weights).sum().backward()
     assert b.grad.isfinite().all()
-    torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=2e-3)
+    # eager rounds each backward op's result to 16 bits, the fused kernel keeps them in fp32: up to 2 ulps
+    # apart (bf16 on an H100: 0.0078 at 0.9); a wrongly selected max is off by O(1)
+    torch.testing.assert_close(b.grad, a.grad, rtol=2 * torch.finfo(dtype).eps, atol=2e-3)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
