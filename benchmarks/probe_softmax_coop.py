@@ -62,6 +62,40 @@ def _sm_coop(X, Y, PM, PS, CNT, M, N, epoch, K: tl.constexpr, CHUNK: tl.constexp
             x = tl.load(X + tl.cast(nxt, tl.int64) * N + cols, mask=cmask & (zero + nxt < M), other=float("-inf"))
 
 
+@triton.jit
+def _sm_held(X, Y, M, N, HELD: tl.constexpr, RBLOCK: tl.constexpr):
+    """A6: one program per SM striding over rows; the row's first HELD elements stay in registers between
+    the passes, so pass 2 re-reads only the rest (walking it backwards: the blocks read last come first)."""
+    hcols = tl.arange(0, HELD)
+    for r in range(tl.program_id(0), M, tl.num_programs(0)):
+        base = tl.cast(r, tl.int64) * N
+        hv = tl.load(X + base + hcols, mask=hcols < N, other=float("-inf")).to(tl.float32) * LOG2E
+        m = tl.max(hv, 0)
+        s = tl.zeros([RBLOCK], tl.float32)
+        for off in range(HELD, N, RBLOCK):
+            cols = off + tl.arange(0, RBLOCK)
+            v = tl.load(X + base + cols, mask=cols < N, other=float("-inf"),
+                        eviction_policy="evict_last").to(tl.float32) * LOG2E
+            m_new = tl.maximum(m, tl.max(v, 0))
+            # -inf - -inf: where-guards (a -inf counted as 1 here is scaled to 0 once a finite max comes)
+            s = s * tl.where(m == m_new, 1.0, tl.exp2(m - m_new)) + tl.where(v == m_new, 1.0, tl.exp2(v - m_new))
+            m = m_new
+        inv = 1.0 / (tl.sum(s, 0) + tl.sum(tl.exp2(hv - m), 0))
+        tl.store(Y + base + hcols, (tl.exp2(hv - m) * inv).to(Y.dtype.element_ty), mask=hcols < N)
+        rest = N - HELD
+        for step in range(0, rest, RBLOCK):
+            cols = HELD + (rest - 1) // RBLOCK * RBLOCK - step + tl.arange(0, RBLOCK)
+            mask = cols < N
+            v = tl.load(X + base + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            tl.store(Y + base + cols, (tl.exp2(v * LOG2E - m) * inv).to(Y.dtype.element_ty), mask=mask,
+                     cache_modifier=".cs")
+
+
+def sm_held(x, y, held, rblock, nw, programs):
+    return lambda: _sm_held[(min(programs, x.shape[0]),)](x, y, x.shape[0], x.shape[1], HELD=held, RBLOCK=rblock,
+                                                          num_warps=nw)
+
+
 def sm_coop(x, y, k, nw, groups, prefetch):
     """A zero-arg run of the cooperative kernel: `groups` row groups of k programs (grid <= SMs)."""
     (m, n), dev = x.shape, x.device
@@ -94,8 +128,12 @@ def probe(p: Probe, dev, sms, quick):
     if quick:
         for pf in (False, True):
             row("A5 coop", f"K1 G3 pf{int(pf)}", lambda: sm_coop(x, y, 1, 4, 3, pf))
+        row("A6 held", "H1024 R256 w4", lambda: sm_held(x, y, 1024, 256, 4, 3))
         return
-    for k, nw in ((4, 16), (8, 8), (8, 16), (16, 8)):
+    for h, rb, nw in ((16384, 8192, 16), (32768, 4096, 16), (32768, 8192, 16), (65536, 4096, 16),
+                      (32768, 8192, 32), (65536, 8192, 32)):
+        row("A6 held", f"H{h} R{rb} w{nw}", lambda: sm_held(x, y, h, rb, nw, sms))
+    for k, nw in ((4, 16), (8, 8)):
         for pf in (False, True):
             g = sms // k
             row("A5 coop", f"K{k} G{g} w{nw} pf{int(pf)}", lambda: sm_coop(x, y, k, nw, g, pf))
