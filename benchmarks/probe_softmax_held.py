@@ -1,16 +1,13 @@
-"""Probe: softmax over rows too long for one SM, read once: K co-resident programs share a row.
+"""Probe: softmax over rows too long for registers, the row's head kept in registers between the passes.
 
-    PYTHONPATH=. python -m benchmarks.probe_softmax_coop [--warmup 10 --rep 50]
-    TRITON_INTERPRET=1 PYTHONPATH=. python -m benchmarks.probe_softmax_coop --interpret-check
+    PYTHONPATH=. python -m benchmarks.probe_softmax_held [--warmup 10 --rep 50]
+    TRITON_INTERPRET=1 PYTHONPATH=. python -m benchmarks.probe_softmax_held --interpret-check
 
-Why: a looped kernel reads a row of 131072 twice (pass 1 for max and sum, pass 2 to normalize); the second
-read hits L2 only in part (fxopt's strided schedule reaches ~78% of copy on an H100). Here each of K programs
-holds 1/K of a row in registers, publishes its (max, sum of exp) to a global scratch, waits for the row's
-other K-1 programs with an atomic counter, then normalizes from registers: one read, one write.
-The wait is safe only when every program of the grid is resident at once, so the grid is at most one
-program per SM (each program needs most of an SM's registers anyway). The interpreter runs programs one
-after another, so --interpret-check runs K=1 only (no waiting) for the numerics.
-The counters are never reset: launch e waits for K * e arrivals (no memset per call).
+Why: fxopt's looped kernel reads a row of 131072 twice (pass 1 for max and sum, pass 2 to normalize), the
+second read partly from L2 (~77% of copy on an H100). Here one program per SM strides over the rows and
+keeps the row's first HELD elements in registers, so pass 2 re-reads only the rest and fewer bytes per row
+wait in L2. (Reading the row once with co-resident programs per row: benchmarks/probe_coop_softmax.py.)
+Result on an H100, benchmarks/results/2026-12-07-h100-f.md: 63% at best, slower than fxopt's 76.5%.
 """
 from __future__ import annotations
 
@@ -23,43 +20,6 @@ import triton.language as tl
 import triton.testing
 
 from benchmarks.probe_reductions import INTERPRET, LOG2E, Probe
-
-
-@triton.jit(do_not_specialize=["epoch"])
-def _sm_coop(X, Y, PM, PS, CNT, M, N, epoch, K: tl.constexpr, CHUNK: tl.constexpr, PREFETCH: tl.constexpr):
-    """Program pid owns columns [part * CHUNK, (part + 1) * CHUNK) of rows grp, grp + G, ... (G = grid / K)."""
-    pid = tl.program_id(0)
-    groups = tl.num_programs(0) // K
-    part, grp = pid % K, pid // K
-    cols = part * CHUNK + tl.arange(0, CHUNK)
-    cmask = cols < N
-    zero = tl.zeros([CHUNK], tl.int32)  # row bounds as vectors (the interpreter rejects a scalar mask here)
-    ks = tl.arange(0, K)
-    target = K * epoch
-    x = tl.load(X + grp.to(tl.int64) * N + cols, mask=cmask & (zero + grp < M), other=float("-inf"))
-    for r in range(grp, M, groups):
-        v = x.to(tl.float32) * LOG2E
-        m = tl.max(v, 0)
-        s = tl.sum(tl.where(v == m, 1.0, tl.exp2(v - m)), 0)  # exact for a chunk of -inf (m = -inf)
-        tl.store(PM + r * K + part, m)
-        tl.store(PS + r * K + part, s)
-        tl.debug_barrier()  # the stores above happen before the release below (the CUDA fence-reduction idiom)
-        seen = tl.atomic_add(CNT + r, 1, sem="acq_rel") + 1
-        if PREFETCH:  # the next row's chunk loads while this one waits
-            nxt = r + groups
-            x_next = tl.load(X + tl.cast(nxt, tl.int64) * N + cols, mask=cmask & (zero + nxt < M), other=float("-inf"))
-        while seen < target:
-            seen = tl.atomic_add(CNT + r, 0, sem="acquire")
-        pm = tl.atomic_add(PM + r * K + ks, 0.0, sem="acquire")
-        ps = tl.atomic_add(PS + r * K + ks, 0.0, sem="acquire")
-        mx = tl.max(pm, 0)
-        inv = 1.0 / tl.sum(tl.where(pm == mx, ps, ps * tl.exp2(pm - mx)), 0)
-        tl.store(Y + tl.cast(r, tl.int64) * N + cols, (tl.exp2(v - mx) * inv).to(Y.dtype.element_ty), mask=cmask)
-        if PREFETCH:
-            x = x_next
-        else:
-            nxt = r + groups
-            x = tl.load(X + tl.cast(nxt, tl.int64) * N + cols, mask=cmask & (zero + nxt < M), other=float("-inf"))
 
 
 @triton.jit
@@ -96,22 +56,6 @@ def sm_held(x, y, held, rblock, nw, programs):
                                                           num_warps=nw)
 
 
-def sm_coop(x, y, k, nw, groups, prefetch):
-    """A zero-arg run of the cooperative kernel: `groups` row groups of k programs (grid <= SMs)."""
-    (m, n), dev = x.shape, x.device
-    chunk = triton.next_power_of_2(triton.cdiv(n, k))
-    pm = torch.empty(m, k, device=dev)
-    ps = torch.empty(m, k, device=dev)
-    cnt = torch.zeros(m, device=dev, dtype=torch.int32)
-    epoch = [0]
-
-    def run():
-        epoch[0] += 1
-        return _sm_coop[(groups * k,)](x, y, pm, ps, cnt, m, n, epoch[0], K=k, CHUNK=chunk, PREFETCH=prefetch,
-                                       num_warps=nw)
-    return run
-
-
 def probe(p: Probe, dev, sms, quick):
     m, n = (10, 4000) if quick else (512, 131072)
     torch.manual_seed(0)
@@ -126,24 +70,18 @@ def probe(p: Probe, dev, sms, quick):
         p.row("softmax_long", name, cfg, make, out, ref, nbytes)
     row("eager", "torch.softmax", lambda: (lambda: torch.softmax(x, -1)), out=None)
     if quick:
-        for pf in (False, True):
-            row("A5 coop", f"K1 G3 pf{int(pf)}", lambda: sm_coop(x, y, 1, 4, 3, pf))
         row("A6 held", "H1024 R256 w4", lambda: sm_held(x, y, 1024, 256, 4, 3))
         return
     for h, rb, nw in ((16384, 8192, 16), (32768, 4096, 16), (32768, 8192, 16), (65536, 4096, 16),
                       (32768, 8192, 32), (65536, 8192, 32)):
         row("A6 held", f"H{h} R{rb} w{nw}", lambda: sm_held(x, y, h, rb, nw, sms))
-    for k, nw in ((4, 16), (8, 8)):
-        for pf in (False, True):
-            g = sms // k
-            row("A5 coop", f"K{k} G{g} w{nw} pf{int(pf)}", lambda: sm_coop(x, y, k, nw, g, pf))
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.probe_softmax_coop", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.probe_softmax_held", description=__doc__.splitlines()[0])
     ap.add_argument("--warmup", type=int, default=10, help="do_bench warmup, ms")
     ap.add_argument("--rep", type=int, default=50, help="do_bench repetitions, ms")
-    ap.add_argument("--interpret-check", action="store_true", help="numerics only, K=1, tiny CPU shapes")
+    ap.add_argument("--interpret-check", action="store_true", help="numerics only, tiny CPU shapes")
     args = ap.parse_args(argv)
     if args.interpret_check:
         if not INTERPRET:
@@ -151,7 +89,7 @@ def main(argv=None) -> int:
             return 2
         dev, sms, copy_gbs = "cpu", 4, float("nan")
     elif not torch.cuda.is_available():
-        print("probe_softmax_coop: no CUDA device")
+        print("probe_softmax_held: no CUDA device")
         return 0
     else:
         dev, sms = "cuda", torch.cuda.get_device_properties(0).multi_processor_count
