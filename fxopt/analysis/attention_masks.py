@@ -11,7 +11,7 @@ site stays unfused.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
@@ -252,7 +252,7 @@ def mask_facts(steps: list[MaskStep], values, score_shape, requires_grad) -> Mas
     if not bool(keep.all()):
         facts.causal = True
         facts.described = f"causal (from {_describe_buffers(dict.fromkeys(buffers))})"
-    if (facts.causal and facts.runtime_fill is not None and runtime_at is not None
+    if (facts.causal and (facts.runtime_fill is not None or facts.runtime_mask is not None) and runtime_at is not None
             and any(_finite_fill(s, values) for _, s in causal_steps)):
         return fold_finite_causal(facts, causal_steps, runtime_at)
     if facts.runtime_mask is not None or facts.runtime_fill is not None:
@@ -274,21 +274,26 @@ def _finite_fill(step: MaskStep, values) -> bool:
 
 
 def fold_finite_causal(facts: MaskFacts, causal_steps: list, runtime_at: int) -> MaskFacts:
-    """A causal mask with a finite fill (`masked_fill(~tril, finfo.min)`) beside an input-dependent -inf
-    fill (a bool padding mask): a query row whose visible keys the padding removes (a left-padded row)
-    has only -inf there, and eager's softmax averages the future keys, which hold the finite fill; causal
-    block skipping never visits them and the row came out NaN, which the next layer's P @ V spread to
-    every row (0 * NaN). Such a site runs with the causal step folded into the mask the kernel reads
-    (built per call: no block skipping), so those rows are eager's (their gradients, where a loss reads
-    them, are not: README, Attention). Beside an *additive* input mask (HF GPT-2's `(1 - m) * finfo.min`)
-    the site stays causal: there such a row averages its visible keys, finite, where eager averages the
-    future ones too (README); folding would misplace rows whose real scores are all far below zero (a
-    -1e4 padding), which the kernels' masked score then outweighs."""
+    """A causal mask with a finite fill (`masked_fill(~tril, finfo.min)`) beside an input-dependent mask (a
+    bool padding mask, or an additive one that may hold -inf): a query row whose visible keys the padding
+    removes (a left-padded row) has only -inf there, and eager's softmax averages the future keys, which
+    hold the finite fill; causal block skipping never visits them and the row came out NaN, which the next
+    layer's P @ V spread to every row (0 * NaN). Such a site runs with the causal step folded into the mask
+    the kernel reads (built per call: no block skipping), so those rows are eager's (their gradients, where
+    a loss reads them, are not: README, Attention).
+    A fill *replaces* the score (eager's masked keys all hold the fill, so a row masked everywhere else is
+    their uniform average), while the kernel *adds* its mask: the folded mask holds finfo(float32).min for
+    the fill (the matcher takes fills at or below -65504 only, which weigh nothing beside a real score),
+    whose sum with any score is itself, which the kernels drop as eager's equal fills (mask_tiles.add_mask).
+    With fp16's -65504 kept, the kernel added the scores and weighted such a row by exp(s): wrong, found
+    by benchmarks/attention_fuzz.py."""
     if len(causal_steps) != 1 or facts.key_slopes is not None or not isinstance(causal_steps[0][1].tensor, fx.Node):
         raise NotAttention("a causal mask with a finite fill (finfo.min) beside an input-dependent mask, in a form "
                            "the kernel cannot read as one mask: rows whose visible keys are all masked would "
                            "differ from eager")
     at, step = causal_steps[0]
+    if step.kind == "fill":
+        step = replace(step, value=float(torch.finfo(torch.float32).min))
     facts.causal, facts.buffers = False, ()  # (the kernel reads the buffer's mask per call: nothing to guard)
     facts.folded_causal = (step, at < runtime_at)
     facts.described = ("causal with a finite fill beside an input-dependent mask, read by the kernel as one "
