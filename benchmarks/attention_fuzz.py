@@ -20,8 +20,9 @@ result (inputs .double()) exceeds twice eager's plus the dtype's tolerance of th
 (graph_fuzz.differs: fp32 1e-4, fp16/bf16 2e-2; a gradient's scale is at least a tenth of the program's
 largest gradient: dq is zero but for rounding when each row keeps one key). Gradients are not compared where
 eager's hold NaN (rows masked with -inf everywhere; --nan-grads does). A CRASH is fxopt raising where eager
-runs. The README's known difference (Attention, (1): a causal finite fill beside a padding input, the dq and dk
-of rows whose visible keys are all masked) is counted apart, if finite (--strict counts it). Sites:
+runs. The README's known differences (Attention: a causal finite fill beside a padding input, in rows whose
+visible keys are all masked: (1) dq and dk; (2), (3) any output beside an additive finfo.min padding) count
+apart, if finite (--strict counts them). Sites:
 the compile's Report (what fxopt.explain(f, *inputs).attention lists). Exit 1 on a mismatch or crash.
 """
 from __future__ import annotations
@@ -76,10 +77,12 @@ class _Program:
             self.causal = "tril" if near == "finite fill scaled after" else near
         self.fill = {"nan fill": "nan", "finite fill scaled after": r.choice(["-1e4", "finfo", "-65504"])}.get(
             near, r.choice(["-inf", "-inf", "finfo", "-65504"]))
-        # README, Attention, known difference (1) in rows whose visible keys a padding input masks, beside a
-        # causal mask with a finite fill (read folded into the padding mask): those rows' dq and dk
+        # README, Attention, known differences in rows whose visible keys a padding input masks, beside a causal
+        # finite fill: (1) their dq and dk, (2) and (3) all of them beside an additive finfo.min padding
         finite = self.causal in ("tril", "triu", "where_buffer", "window", "full_add") and self.fill != "-inf"
-        self.known = ("dq", "dk") if finite and not near and self.mask in ("bool", "additive") else ()
+        additive_finite = self.mask == "additive" and self.mask_fill == "finfo"
+        self.known = () if not finite or near else ("out0", "dq", "dk", "dv") if additive_finite else \
+            ("dq", "dk") if self.mask in ("bool", "additive") else ()
 
     # ------------------------------------------------------------------ f(q, k, v[, mask])
 
