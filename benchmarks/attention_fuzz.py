@@ -58,8 +58,7 @@ class _Program:
         near = r.choice(NEAR_MISSES) if r.random() < near_misses else None
         self.near = near = None if near == "scores rounded to fp16" and dtype != torch.float32 else near
         self.b, self.hq = r.choice([1, 2]), r.choice([1, 2, 4])
-        self.hkv = r.choice([h for h in (1, 2, 4) if h <= self.hq and self.hq % h == 0]) if r.random() < 0.4 \
-            else self.hq
+        self.hkv = r.choice([h for h in (1, 2, 4) if self.hq % h == 0]) if r.random() < 0.4 else self.hq
         self.hq, self.hkv = (4, r.choice([1, 2])) if near == "kv tiled" else (self.hq, self.hkv)
         self.tk = r.randint(5, 24)
         self.tq = r.randint(1, 4) if near == "top-left causal" or r.random() < 0.3 else self.tk
