@@ -122,6 +122,18 @@ def is_identity_dropout(node: fx.Node) -> bool:
     return isinstance(p, (int, float)) and (p == 0 or training is False)
 
 
+def casts_to_the_matmul_dtype(cast: fx.Node) -> bool:
+    """The probabilities rounded to the dtype of the P @ V result (fp32 softmax cast back to bf16 before the
+    matmul), which the kernel does too, when the next user is that matmul, past do-nothing dropout (HF
+    GPT-2: `.type(value.dtype)`, then `attn_dropout` in eval mode)."""
+    node = cast
+    while len(node.users) == 1 and op_of(next(iter(node.users))) == "dropout" and \
+            is_identity_dropout(next(iter(node.users))):
+        node = next(iter(node.users))
+    users = list(node.users)
+    return len(users) == 1 and op_of(users[0]) == "matmul" and dtype(users[0]) == dtype(cast)
+
+
 def swaps_last_two(node: fx.Node) -> bool:
     """transpose(-2, -1) / transpose(2, 3) on 4-D / permute(..., last, second-last)."""
     rank = len(shape(node) or ())

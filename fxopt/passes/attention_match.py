@@ -24,8 +24,8 @@ from ..analysis.attention_masks import MaskFacts, MaskStep, NotAttention, mask_f
 from ..analysis.constant_values import ConstantValues
 from ..analysis.symbolic import expr, is_inverse_sqrt, is_symbolic, scalar_expr
 from ..analysis.torch_ops import (
-    arg, dtype, is_identity_dropout, meta, new_axis_at_2, op_of, provably_equal, shape, swaps_last_two, upcast_source,
-    widening_cast,
+    arg, casts_to_the_matmul_dtype, dtype, is_identity_dropout, meta, new_axis_at_2, op_of, provably_equal, shape,
+    swaps_last_two, upcast_source, widening_cast,
 )
 
 HEAD_DIMS = (16, 256)  # head dims the kernels handle (inclusive)
@@ -183,13 +183,6 @@ def _scores_chain(softmax: fx.Node, values, m: Match) -> tuple[fx.Node, list[Mas
     return node, list(reversed(steps))
 
 
-def _casts_to_the_output_dtype(cast: fx.Node) -> bool:
-    """The probabilities rounded to the dtype of the P @ V result (fp32 softmax cast back to bf16 before the
-    matmul), which the kernel does too, when the next user is that matmul."""
-    users = list(cast.users)
-    return len(users) == 1 and op_of(users[0]) == "matmul" and dtype(users[0]) == dtype(cast)
-
-
 def _fill_value(value, values) -> float:
     v = _scalar_of(value, values)
     if not isinstance(v, float):
@@ -221,7 +214,7 @@ def _probs_chain(softmax: fx.Node, m: Match) -> fx.Node:
         if op == "matmul" and user.args[0] is node:
             return user
         if op == "cast":
-            if not (widening_cast(user) or _casts_to_the_output_dtype(user)):
+            if not (widening_cast(user) or casts_to_the_matmul_dtype(user)):
                 raise NotAttention(f"'{user.name}' casts the probabilities to {dtype(user)}: the kernel rounds them "
                                    "only to v's dtype")
             m.recognised.append("cast of probabilities")

@@ -111,6 +111,23 @@ def test_fp16_softmax_in_fp32_with_casts(device):
     check(additive_full_triu, q, k, v, dtype=torch.float16)
 
 
+def test_probabilities_cast_back_then_dropout_in_eval_fuse(device):
+    """HF GPT-2 under mixed precision: softmax in fp32, `.type(value.dtype)`, `attn_dropout` in eval mode,
+    then P @ V (the cast's user was the dropout, not the matmul, so the site stayed unfused); a cast to a
+    dtype the matmul does not compute in still refuses."""
+    def f(q, k, v, out_dtype=None):
+        p = torch.softmax((q @ k.mT).float() * D ** -0.5, -1).type(v.dtype)
+        p = F.dropout(p, 0.1, training=False)
+        return p @ v if out_dtype is None else p.to(out_dtype) @ v.to(out_dtype)
+    q, k, v = qkv(device, torch.float16)
+    fused, _, _ = fused_sites(f, q, k, v)
+    assert len(fused) == 1
+    check(f, q, k, v, dtype=torch.float16)
+    g = lambda q, k, v: f(q, k, v, torch.float32)  # noqa: E731 - P rounded to fp16, then P @ V in fp32
+    fused, unfused, _ = fused_sites(g, q, k, v)
+    assert not fused and "casts the probabilities" in unfused[0].reason
+
+
 def test_query_shorter_than_keys_is_causal_bottom_right(device):
     q, _, _ = qkv(device, t=5)
     _, k, v = qkv(device, t=T, seed=1)
