@@ -55,6 +55,8 @@ def _runtime_mask(graph: fx.Graph, facts: MaskFacts) -> fx.Node | None:
     if facts.folded_causal is None:
         return mask
     causal, causal_first = facts.folded_causal
+    if dtype(mask) in (torch.float16, torch.bfloat16):  # the fold's finfo(float32).min fits fp32 only
+        mask = _call(graph, "float", mask)
     if causal.kind == "add":  # additions commute
         return graph.call_function(operator.add, (causal.tensor, mask))
     if causal_first:
