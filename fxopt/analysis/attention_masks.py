@@ -24,6 +24,11 @@ from .torch_ops import meta
 # A masked score must vanish after exp(): -inf does exactly; so does any value at or below fp16's
 # lowest finite value (-65504), as long as the row keeps one unmasked score (true for causal rows).
 MASKED_AT_MOST = -65504.0
+# A finite fill at or below MASKED_AT_MOST *replaces* scores, the kernels *add* their mask: the mask they read
+# holds fp32's finfo.min for it, whose sum with any score is itself, which the kernels drop as eager's
+# equal fills (mask_tiles.add_mask): a row masked everywhere so is the uniform average, as in eager, and
+# elsewhere such keys weigh nothing, as in eager (a fill kept as -65504 was added to the scores)
+FOLDED_FILL = float(torch.finfo(torch.float32).min)
 
 
 class NotAttention(Exception):
@@ -49,6 +54,7 @@ class MaskFacts:
     causal: bool = False
     runtime_mask: fx.Node | None = None  # additive mask the kernel loads
     runtime_fill: MaskStep | None = None  # an input-dependent -inf fill, rewritten as an additive mask
+    finite_runtime_fill: bool = False  # that fill is finite (finfo.min): exact forward only (see FOLDED_FILL)
     buffers: tuple = ()  # module buffers the causal fact or the slopes were read from (guarded at run time)
     key_slopes: torch.Tensor | None = None  # float64 [heads or 1]: a linear position bias (ALiBi) for the kernel
     safe_softmax: bool = False  # SDPA's: a row masked entirely is 0, not NaN (attention/op.py)
@@ -236,9 +242,11 @@ def mask_facts(steps: list[MaskStep], values, score_shape, requires_grad) -> Mas
             _read_additive(facts, step.tensor, requires_grad)
         elif step.value == -math.inf:
             facts.runtime_fill = step
+        elif step.value <= MASKED_AT_MOST:  # HF's masked_fill(~mask, finfo.min): see FOLDED_FILL
+            facts.runtime_fill, facts.finite_runtime_fill = replace(step, value=FOLDED_FILL), True
         else:
-            raise NotAttention(f"an input-dependent mask fills with {step.value:g}, not -inf: rows it masks "
-                               "completely would differ from eager")
+            raise NotAttention(f"an input-dependent mask fills with {step.value:g}, not -inf or a value <= "
+                               f"{MASKED_AT_MOST:g}: the masked keys weigh in eager")
     seq_q, seq_k = score_shape[-2], score_shape[-1]
     if not bool(keep.all()) and (seq_q > seq_k or not bool((keep == causal_keep(seq_q, seq_k)).all())):
         facts.runtime_fill = _fill_read_by_the_kernel(constant_steps, keep, facts)
@@ -293,7 +301,7 @@ def fold_finite_causal(facts: MaskFacts, causal_steps: list, runtime_at: int) ->
                            "differ from eager")
     at, step = causal_steps[0]
     if step.kind == "fill":
-        step = replace(step, value=float(torch.finfo(torch.float32).min))
+        step = replace(step, value=FOLDED_FILL)
     facts.causal, facts.buffers = False, ()  # (the kernel reads the buffer's mask per call: nothing to guard)
     facts.folded_causal = (step, at < runtime_at)
     facts.described = ("causal with a finite fill beside an input-dependent mask, read by the kernel as one "

@@ -41,16 +41,17 @@ def _call(graph, op_or_method, *args):
 def _runtime_mask(graph: fx.Graph, facts: MaskFacts) -> fx.Node | None:
     """The mask node the kernel reads: a -inf fill alone is read as the bool mask of the scores it keeps
     (the condition itself, or its negation: one select per score in the kernels, mask_tiles.add_mask);
-    otherwise an additive mask (a -inf fill becomes where(cond, -inf, 0)), with a finite causal fill folded
+    otherwise an additive mask (a fill becomes where(cond, fill, 0)), with a finite causal fill folded
     in (attention_masks.fold_finite_causal): applied before the input mask m, eager's masked keys hold
     fill + m, so the kernel adds where(keep, 0, fill) + m; applied after it, they hold the
     fill alone: where(keep, m, fill)."""
     mask = facts.runtime_mask
     step = facts.runtime_fill
-    if mask is None and step is not None and facts.folded_causal is None and dtype(step.tensor) == torch.bool:
+    if mask is None and step is not None and facts.folded_causal is None and dtype(step.tensor) == torch.bool \
+            and step.value == -math.inf:
         return step.tensor if step.negate else graph.call_function(torch.logical_not, (step.tensor,))
-    if mask is None and step is not None:
-        hit, miss = (0.0, -math.inf) if step.negate else (-math.inf, 0.0)
+    if mask is None and step is not None:  # (a finite fill is fp32's finfo.min here: attention_masks.FOLDED_FILL)
+        hit, miss = (0.0, step.value) if step.negate else (step.value, 0.0)
         mask = graph.call_function(torch.where, (step.tensor, hit, miss))
     if facts.folded_causal is None:
         return mask
