@@ -54,7 +54,7 @@ class MaskFacts:
     causal: bool = False
     runtime_mask: fx.Node | None = None  # additive mask the kernel loads
     runtime_fill: MaskStep | None = None  # an input-dependent -inf fill, rewritten as an additive mask
-    finite_runtime_fill: bool = False  # that fill is finite (finfo.min): exact forward only (see FOLDED_FILL)
+    finite_runtime_fill: float | None = None  # that fill's value where finite (finfo.min; see FOLDED_FILL)
     buffers: tuple = ()  # module buffers the causal fact or the slopes were read from (guarded at run time)
     key_slopes: torch.Tensor | None = None  # float64 [heads or 1]: a linear position bias (ALiBi) for the kernel
     safe_softmax: bool = False  # SDPA's: a row masked entirely is 0, not NaN (attention/op.py)
@@ -243,7 +243,7 @@ def mask_facts(steps: list[MaskStep], values, score_shape, requires_grad) -> Mas
         elif step.value == -math.inf:
             facts.runtime_fill = step
         elif step.value <= MASKED_AT_MOST:  # HF's masked_fill(~mask, finfo.min): see FOLDED_FILL
-            facts.runtime_fill, facts.finite_runtime_fill = replace(step, value=FOLDED_FILL), True
+            facts.runtime_fill, facts.finite_runtime_fill = replace(step, value=FOLDED_FILL), step.value
         else:
             raise NotAttention(f"an input-dependent mask fills with {step.value:g}, not -inf or a value <= "
                                f"{MASKED_AT_MOST:g}: the masked keys weigh in eager")
@@ -300,6 +300,9 @@ def fold_finite_causal(facts: MaskFacts, causal_steps: list, runtime_at: int) ->
                            "the kernel cannot read as one mask: rows whose visible keys are all masked would "
                            "differ from eager")
     at, step = causal_steps[0]
+    if facts.finite_runtime_fill is not None and not (step.kind == "fill" and step.value == facts.finite_runtime_fill):
+        raise NotAttention("a causal mask and an input mask filled with different finite values: a row the input "
+                           "masks entirely weighs the two levels in eager, the kernel reads one")
     if step.kind == "fill":
         step = replace(step, value=FOLDED_FILL)
     facts.causal, facts.buffers = False, ()  # (the kernel reads the buffer's mask per call: nothing to guard)

@@ -25,8 +25,11 @@ from .flash_common import LN2, LOG2E
 __all__ = ["FILL_MASK", "mask_arguments", "mask_kind", "reads_mask_row", "add_mask", "load_mask_block"]
 
 # A finite mask value at or below this whose sum with the score rounds to the mask value itself (eager's
-# fp32 `s + finfo.min` is finfo.min) masks its key: the score becomes MASKED_SCORE (see add_mask)
-MASK_DROPS_AT: tl.constexpr = tl.constexpr(-65504.0)
+# fp32 `s + finfo.min` is finfo.min) masks its key: the score becomes MASKED_SCORE (see add_mask). Far below
+# fp16's finfo.min: at -65504 a score under 0.004 was lost while its row's other scores were kept, so in a
+# row masked everywhere it outweighed them all (found by benchmarks/attention_fuzz.py); at -1e9 only scores
+# above 32 survive the fp32 sum
+MASK_DROPS_AT: tl.constexpr = tl.constexpr(-1e9)
 MASKED_SCORE: tl.constexpr = tl.constexpr(-1024.0)
 
 # The kernels' HAS_MASK: 0 no mask, 1 an additive mask, FILL_MASK a mask made from a -inf fill, whose
@@ -61,7 +64,8 @@ def add_mask(s, bias):
     enough below real scores that those keys weigh nothing in any row with a real score above -1000
     (base-2 units). A large mask value that keeps the score (fp16's finfo.min, -65504, in an fp32 sum)
     stays a real score, so a row masked everywhere with it is softmax(s), as in eager (until 2026-12-05
-    every value at or below -65504 was dropped: the uniform average). -inf stays -inf."""
+    every value at or below -65504 was dropped: the uniform average; until 2026-12-07 scores under 0.004
+    were). -inf stays -inf."""
     if bias.dtype == tl.int1:
         out = tl.where(bias, s, float("-inf"))
     else:

@@ -298,7 +298,7 @@ def match_site(softmax: fx.Node, values: ConstantValues) -> Match:
     _check_operands(m)
     score_meta = meta(scores)
     m.facts = mask_facts(steps, values, tuple(score_meta.shape), _requires_grad)
-    if m.facts.finite_runtime_fill and _requires_grad(scores):
+    if m.facts.finite_runtime_fill is not None and _requires_grad(scores):
         raise NotAttention("an input-dependent mask filled with a finite value (finfo.min) in training: a query "
                            "row it masks entirely gets 0 in dq and dk from eager's fill, not from the kernels")
     return m
