@@ -53,7 +53,7 @@ class MaskStep:
 class MaskFacts:
     causal: bool = False
     runtime_mask: fx.Node | None = None  # additive mask the kernel loads
-    runtime_fill: MaskStep | None = None  # an input-dependent -inf fill, rewritten as an additive mask
+    runtime_fill: MaskStep | None = None  # an input-dependent fill (-inf, or FOLDED_FILL), read as the kernel's mask
     finite_runtime_fill: float | None = None  # that fill's value where finite (finfo.min; see FOLDED_FILL)
     buffers: tuple = ()  # module buffers the causal fact or the slopes were read from (guarded at run time)
     key_slopes: torch.Tensor | None = None  # float64 [heads or 1]: a linear position bias (ALiBi) for the kernel
