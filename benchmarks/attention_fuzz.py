@@ -262,11 +262,8 @@ def run(fn, inputs, grad: bool) -> list[torch.Tensor]:
 def judge(got, want, ref, tol: float, floor: float = SCALE_FLOOR) -> str | None:
     """graph_fuzz.differs with the result's scale at least `floor`: a gradient of the same loss as others
     (dq when every row keeps one key: the softmax's gradient cancels to zero) carries their rounding noise."""
-    if floor <= SCALE_FLOOR or got.dtype != want.dtype:
-        return differs(got, want, ref, tol)
-    c = SCALE_FLOOR / floor  # (differs measures against max(|ref|, SCALE_FLOOR): scaled, that is `floor`)
-    why = differs(got.double() * c, want.double() * c, ref.double() * c, tol)
-    return why and f"{why} (x{c:.3g}: the program's gradients' scale)"
+    why = differs(got, want, ref, tol, max(floor, SCALE_FLOOR))
+    return why and (f"{why} (the program's gradients' scale)" if floor > SCALE_FLOOR else why)
 
 
 def _largest(ts) -> float:

@@ -117,10 +117,11 @@ def run(fn, inputs, grad: bool):
 SCALE_FLOOR = 1e-3  # inputs are ~1: a result below this is zero but for rounding (a mean of a normalised row)
 
 
-def differs(got: torch.Tensor, want: torch.Tensor, ref: torch.Tensor, tol: float) -> str | None:
+def differs(got: torch.Tensor, want: torch.Tensor, ref: torch.Tensor, tol: float,
+            floor: float = SCALE_FLOOR) -> str | None:
     """Why fxopt's `got` is wrong against eager's `want` and the float64 `ref`, or None: NaN/inf places must
     be eager's; values may be as far from ref as twice eager's error plus tol of ref's scale, at least
-    SCALE_FLOOR (a result that is zero but for rounding compares noise with noise)."""
+    `floor` (a result that is zero but for rounding compares noise with noise)."""
     if got.shape != want.shape or got.dtype != want.dtype:
         return f"shape/dtype {tuple(got.shape)} {got.dtype} vs {tuple(want.shape)} {want.dtype}"
     g, w, r = got.double(), want.double(), ref.double()
@@ -129,7 +130,7 @@ def differs(got: torch.Tensor, want: torch.Tensor, ref: torch.Tensor, tol: float
     fin = g.isfinite() & w.isfinite() & r.isfinite()
     if not bool(fin.any()):
         return None
-    scale = max(r[fin].abs().max().item(), SCALE_FLOOR)
+    scale = max(r[fin].abs().max().item(), floor)
     excess = ((g - r).abs() - 2 * (w - r).abs())[fin].max().item() / scale
     return f"error beyond eager's {excess:.3g} of scale {scale:.3g}" if excess > tol else None
 

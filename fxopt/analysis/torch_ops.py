@@ -126,12 +126,10 @@ def casts_to_the_matmul_dtype(cast: fx.Node) -> bool:
     """The probabilities rounded to the dtype of the P @ V result (fp32 softmax cast back to bf16 before the
     matmul), which the kernel does too, when the next user is that matmul, past do-nothing dropout (HF
     GPT-2: `.type(value.dtype)`, then `attn_dropout` in eval mode)."""
-    node = cast
-    while len(node.users) == 1 and op_of(next(iter(node.users))) == "dropout" and \
-            is_identity_dropout(next(iter(node.users))):
-        node = next(iter(node.users))
-    users = list(node.users)
-    return len(users) == 1 and op_of(users[0]) == "matmul" and dtype(users[0]) == dtype(cast)
+    user = next(iter(cast.users)) if len(cast.users) == 1 else None
+    while user is not None and op_of(user) == "dropout" and is_identity_dropout(user):
+        user = next(iter(user.users)) if len(user.users) == 1 else None
+    return user is not None and op_of(user) == "matmul" and dtype(user) == dtype(cast)
 
 
 def swaps_last_two(node: fx.Node) -> bool:
