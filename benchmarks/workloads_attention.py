@@ -209,6 +209,33 @@ def make_attn_sdpa_padded_bwd(device, dtype, quick):
     return _sdpa_padded_fwd_bwd, (q, k, v, _padding_keep(B, T, device), randn(B, H, T, D, device=device, dtype=dtype))
 
 
+def _hf_gpt2_padded(q, k, v, attention_mask):
+    """HF GPT-2's eager attention: division by a 0-dim tensor, torch.where on a bool tril (HF's is a
+    buffer, built here) with the dtype's finite finfo.min, then + HF's padding mask, (1 - keep) * finfo.min."""
+    T = q.size(-2)
+    tril = torch.tril(torch.ones(T, T, dtype=torch.bool, device=q.device)).view(1, 1, T, T)
+    att = torch.matmul(q, k.transpose(-1, -2)) / torch.full([], v.size(-1) ** 0.5, dtype=q.dtype, device=q.device)
+    fill = torch.full([], torch.finfo(att.dtype).min, dtype=att.dtype, device=att.device)
+    att = torch.where(tril, att, fill) + attention_mask
+    return torch.matmul(F.softmax(att, dim=-1).type(v.dtype), v)
+
+
+def _sdpa_causal_and_padded(q, k, v, attention_mask):
+    T = q.size(-2)
+    tril = torch.tril(torch.ones(T, T, dtype=torch.bool, device=q.device)).view(1, 1, T, T)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=tril & (attention_mask == 0))
+
+
+@workload("attn_hf_padded", "HF GPT-2 eager attention with a padding mask: where(tril, s, finfo.min) + "
+          "(1 - keep) * finfo.min (the causal fill folded into the mask: no block skipping); B8 H16 T2048 D128; "
+          "causal FLOPs; SDPA anchor takes tril & keep as one bool mask", kind="attention", flops=_causal_flops,
+          anchor=_sdpa_causal_and_padded, rtol=5e-2, atol=5e-2)
+def make_attn_hf_padded(device, dtype, quick):
+    B, H, T, D = (2, 2, 64, 32) if quick else (8, 16, 2048, 128)
+    attention_mask = (1.0 - _padding_keep(B, T, device).to(dtype)) * torch.finfo(dtype).min
+    return _hf_gpt2_padded, (*_qkv(device, dtype, B, H, T, T, D), attention_mask)
+
+
 # ---------------------------------------------------------------- GPT-2 block
 
 class CausalSelfAttention(nn.Module):
