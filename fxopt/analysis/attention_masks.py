@@ -287,7 +287,8 @@ def fold_finite_causal(facts: MaskFacts, causal_steps: list, runtime_at: int) ->
     removes (a left-padded row) has only -inf there, and eager's softmax averages the future keys, which
     hold the finite fill; causal block skipping never visits them and the row came out NaN, which the next
     layer's P @ V spread to every row (0 * NaN). Such a site runs with the causal step folded into the mask
-    the kernel reads (built per call: no block skipping), so those rows are eager's (their gradients, where
+    the kernel reads (built per call; the forward skips the blocks above the diagonal of every query block
+    whose rows all see a real score, `causal_in_mask`), so those rows are eager's (their gradients, where
     a loss reads them, are not: README, Attention).
     A fill *replaces* the score (eager's masked keys all hold the fill, so a row masked everywhere else is
     their uniform average), while the kernel *adds* its mask: the folded mask holds finfo(float32).min for
@@ -305,11 +306,12 @@ def fold_finite_causal(facts: MaskFacts, causal_steps: list, runtime_at: int) ->
                            "masks entirely weighs the two levels in eager, the kernel reads one")
     if step.kind == "fill":
         step = replace(step, value=FOLDED_FILL)
-    facts.causal, facts.buffers = False, ()  # (the kernel reads the buffer's mask per call: nothing to guard)
+    facts.causal = False  # (its buffers stay guarded: the forward kernels skip blocks above the diagonal)
     facts.folded_causal = (step, at < runtime_at)
     facts.described = ("causal with a finite fill beside an input-dependent mask, read by the kernel as one "
-                       "additive mask (no causal block skipping: rows whose visible keys are all masked average "
-                       "the keys at the fill value, future ones included, as in eager)")
+                       "additive mask (rows whose visible keys are all masked average the keys at the fill "
+                       "value, future ones included, as in eager: the forward visits the blocks above the "
+                       "diagonal only for the query blocks holding such a row, the backward for every block)")
     return facts
 
 

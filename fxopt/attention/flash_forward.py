@@ -38,7 +38,7 @@ from .flash_common import (
     key_ranges, launcher, load_tile, log_sum_exp, resolve_config, running_max, softmax_denominator, store_rows,
     store_tile, tile_ptrs, visible,
 )
-from .mask_tiles import add_mask, mask_arguments
+from .mask_tiles import add_mask, causal_keys_end, mask_arguments, sees_no_real_score
 from .flash_forward_tma import flash_forward_tma, tiles_fit, tma_applies
 from .launch_plans import frozen, planned
 
@@ -47,7 +47,8 @@ __all__ = ["flash_forward", "forward_config"]
 
 def flash_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool, mask: Tensor | None = None,
                   config: dict | None = None, lse: bool = True,
-                  key_slopes: Tensor | None = None, safe_softmax: bool = False) -> tuple[Tensor, Tensor | None]:
+                  key_slopes: Tensor | None = None, safe_softmax: bool = False,
+                  causal_in_mask: bool = False) -> tuple[Tensor, Tensor | None]:
     """Attention forward; returns (out, lse), or (out, None) with lse=False (inference: nothing reads
     the statistics, so they are neither allocated nor stored).
 
@@ -67,12 +68,17 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool
     key_slopes[h] * (j - i - (Tk - Tq)) added before the mask (flash_common.add_key_slope).
     `safe_softmax`: a row that sees no key (masked everywhere with -inf) gives 0 and lse +inf, as SDPA's
     softmax does, instead of NaN and -inf.
+    `causal_in_mask` (with causal=False and a mask): the mask holds a causal step, values <= -65504 above the
+    diagonal (a finite causal fill folded in: attention_masks.fold_finite_causal); a query block visits
+    the key blocks above its diagonal only when one of its rows saw no real score below it
+    (mask_tiles.sees_no_real_score): everywhere else those keys weigh exactly 0.
     """
+    causal_in_mask = causal_in_mask and mask is not None and not causal
     use_tma, cfg = _forward_plan((q, k, v, mask, key_slopes), scale, causal, frozen(config))
     safe = safe_softmax and mask is not None  # without a mask every row sees a key (causal needs Tq <= Tk)
     if use_tma:
         return flash_forward_tma(q, k, v, scale=scale, causal=causal, cfg=cfg, store_lse=lse, key_slopes=key_slopes,
-                                 mask=mask, safe_softmax=safe)
+                                 mask=mask, safe_softmax=safe, causal_in_mask=causal_in_mask)
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
@@ -89,7 +95,7 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         CAUSAL=causal, HAS_MASK=mask is not None, HAS_SLOPES=key_slopes is not None, EVEN_M=seq_q % block_m == 0,
         EVEN_N=seq_k % block_n == 0, EVEN_D=head_dim == block_d, DOT_PRECISION=dot_precision(q.dtype), STORE_LSE=lse,
-        SAFE=safe, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        SAFE=safe, CAUSAL_IN_MASK=causal_in_mask, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out, stats
 
 
@@ -119,10 +125,10 @@ def _flash_forward_kernel(
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SLOPES: tl.constexpr, EVEN_M: tl.constexpr,
         EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, STORE_LSE: tl.constexpr,
-        SAFE: tl.constexpr):
+        SAFE: tl.constexpr, CAUSAL_IN_MASK: tl.constexpr):
     """BLOCK_M query rows of one (batch, head) against every key they may see: out rows and lse."""
     block_m = tl.program_id(0)
-    if CAUSAL:  # heaviest query blocks first
+    if CAUSAL or CAUSAL_IN_MASK:  # heaviest query blocks first
         block_m = tl.num_programs(0) - 1 - block_m
     bh = tl.program_id(1)
     batch = (bh // num_heads).to(tl.int64)
@@ -145,11 +151,16 @@ def _flash_forward_kernel(
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     mask_free_end, end = key_ranges(m0, seq_k, causal_shift, BLOCK_M, BLOCK_N, CAUSAL)
+    if CAUSAL_IN_MASK:  # whole blocks up to the diagonal's end, then the rest if a row has no real score
+        mask_free_end, even_end = causal_keys_end(m0, seq_k, causal_shift, BLOCK_M, BLOCK_N)
     acc, row_sum, row_max = _attend_key_blocks(
         acc, row_sum, row_max, q, k_head, v_head, mask_head, m0, 0, mask_free_end, seq_q, seq_k, causal_shift,
         qk_scale, slope, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
         HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_SLOPES, False, EVEN_M, True, EVEN_D, DOT_PRECISION)
-    if CAUSAL or not EVEN_N:
+    if CAUSAL_IN_MASK:  # (the ragged last block is past the diagonal unless it ends there)
+        if (mask_free_end < even_end) & ~sees_no_real_score(row_max):
+            end = mask_free_end
+    if CAUSAL or CAUSAL_IN_MASK or not EVEN_N:
         acc, row_sum, row_max = _attend_key_blocks(
             acc, row_sum, row_max, q, k_head, v_head, mask_head, m0, mask_free_end, end, seq_q, seq_k, causal_shift,
             qk_scale, slope, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,

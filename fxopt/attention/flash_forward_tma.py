@@ -38,7 +38,7 @@ from .flash_common import (
     add_key_slope, head_slope, key_ranges, launcher, log_sum_exp, running_max, softmax_denominator, store_rows,
     visible,
 )
-from .mask_tiles import add_mask, load_mask_block, mask_arguments, reads_mask_row
+from .mask_tiles import add_mask, causal_keys_end, load_mask_block, mask_arguments, reads_mask_row, sees_no_real_score
 
 try:  # triton >= 3.4
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -90,10 +90,10 @@ _DESCRIPTOR_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TensorDesc
 
 def flash_forward_tma(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool, cfg: dict,
                       store_lse: bool = True, key_slopes: Tensor | None = None, mask: Tensor | None = None,
-                      safe_softmax: bool = False) -> tuple[Tensor, Tensor | None]:
+                      safe_softmax: bool = False, causal_in_mask: bool = False) -> tuple[Tensor, Tensor | None]:
     """flash_forward's (out, lse) for inputs `tma_applies` accepted; cfg: BLOCK_M, BLOCK_N, num_warps,
     num_stages (already resolved); without store_lse, (out, None); key_slopes, mask (expanded to
-    [B, H, Tq, Tk]) and safe_softmax as flash_forward's."""
+    [B, H, Tq, Tk]), safe_softmax and causal_in_mask as flash_forward's."""
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
@@ -107,7 +107,7 @@ def flash_forward_tma(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: 
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, HAS_SLOPES=key_slopes is not None,
         HAS_MASK=mask is not None, MASK_ROW=reads_mask_row(mask),
         SAFE=safe_softmax, EVEN_M=seq_q % block_m == 0, EVEN_N=seq_k % block_n == 0,
-        STORE_LSE=store_lse, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        STORE_LSE=store_lse, CAUSAL_IN_MASK=causal_in_mask, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out, lse
 
 
@@ -117,9 +117,9 @@ def _flash_forward_tma_kernel(
         num_heads, group_size, seq_q, seq_k, qk_scale,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
         HAS_SLOPES: tl.constexpr, HAS_MASK: tl.constexpr, MASK_ROW: tl.constexpr, SAFE: tl.constexpr,
-        EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, STORE_LSE: tl.constexpr):
+        EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, STORE_LSE: tl.constexpr, CAUSAL_IN_MASK: tl.constexpr):
     """BLOCK_M query rows of one (batch, head) against every key they may see: out rows and lse."""
-    bh, batch, head, kv_head, m0 = query_block_program(num_heads, group_size, BLOCK_M, CAUSAL)
+    bh, batch, head, kv_head, m0 = query_block_program(num_heads, group_size, BLOCK_M, CAUSAL or CAUSAL_IN_MASK)
     causal_shift = seq_k - seq_q
     slope = head_slope(Slopes, head, HAS_SLOPES)
     mask_head = Mask + batch.to(tl.int64) * stride_mb + head.to(tl.int64) * stride_mh
@@ -129,11 +129,16 @@ def _flash_forward_tma_kernel(
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     mask_free_end, end = key_ranges(m0, seq_k, causal_shift, BLOCK_M, BLOCK_N, CAUSAL)
+    if CAUSAL_IN_MASK:  # as flash_forward's kernel
+        mask_free_end, even_end = causal_keys_end(m0, seq_k, causal_shift, BLOCK_M, BLOCK_N)
     acc, row_sum, row_max = _tma_key_blocks(
         acc, row_sum, row_max, q, k_desc, v_desc, mask_head, stride_mm, stride_mn, batch, kv_head, m0, 0,
         mask_free_end, seq_q, seq_k, causal_shift, qk_scale, slope, HEAD_DIM, BLOCK_M, BLOCK_N, False, False,
         HAS_SLOPES, HAS_MASK, MASK_ROW, EVEN_M, True)
-    if CAUSAL or not EVEN_N:
+    if CAUSAL_IN_MASK:
+        if (mask_free_end < even_end) & ~sees_no_real_score(row_max):
+            end = mask_free_end
+    if CAUSAL or CAUSAL_IN_MASK or not EVEN_N:
         acc, row_sum, row_max = _tma_key_blocks(
             acc, row_sum, row_max, q, k_desc, v_desc, mask_head, stride_mm, stride_mn, batch, kv_head, m0,
             mask_free_end, end, seq_q, seq_k, causal_shift, qk_scale, slope, HEAD_DIM, BLOCK_M, BLOCK_N, True,

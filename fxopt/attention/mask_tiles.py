@@ -22,7 +22,8 @@ from torch import Tensor
 from ..codegen.jit_keys import settle as settle_cache_keys
 from .flash_common import LN2, LOG2E
 
-__all__ = ["FILL_MASK", "mask_arguments", "mask_kind", "reads_mask_row", "add_mask", "load_mask_block"]
+__all__ = ["FILL_MASK", "mask_arguments", "mask_kind", "reads_mask_row", "add_mask", "load_mask_block", "causal_keys_end",
+           "sees_no_real_score"]
 
 # A finite mask value at or below this whose sum with the score rounds to the mask value itself (eager's
 # fp32 `s + finfo.min` is finfo.min) masks its key: the score becomes MASKED_SCORE (see add_mask). Far below
@@ -31,6 +32,10 @@ __all__ = ["FILL_MASK", "mask_arguments", "mask_kind", "reads_mask_row", "add_ma
 # above 32 survive the fp32 sum
 MASK_DROPS_AT: tl.constexpr = tl.constexpr(-1e9)
 MASKED_SCORE: tl.constexpr = tl.constexpr(-1024.0)
+
+# A row whose largest score (base 2) is at least this has a real one: the future keys of a mask that holds a
+# causal step (values <= -65504, MASKED_SCORE or -inf once added) weigh exp2(<= -1024 - (-512)) = 0 in fp32
+REAL_SCORE_FROM: tl.constexpr = tl.constexpr(-512.0)
 
 # The kernels' HAS_MASK: 0 no mask, 1 an additive mask, FILL_MASK a mask made from a -inf fill, whose
 # backward gives a query row masked entirely 0 in dq and dk (flash_backward's zero_empty_rows)
@@ -105,6 +110,24 @@ def load_mask_block(mask_head, stride_mm, stride_mn, m0, q_offs, n0, k_offs, seq
             else:
                 bias = tl.load(ptrs, mask=(q_idx < seq_q) & (k_idx < seq_k), other=0.0)
     return bias
+
+
+@triton.jit
+def causal_keys_end(m0, seq_k, causal_shift, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(hi, even_end) for a mask holding a causal step (CAUSAL_IN_MASK): blocks [0, hi) hold every key a
+    row of the query block at m0 sees causally, up to even_end, the end of the whole key blocks (the
+    ragged last block, if any, is the caller's); both multiples of BLOCK_N."""
+    even_end = seq_k // BLOCK_N * BLOCK_N
+    hi = tl.cdiv(tl.maximum(m0 + BLOCK_M + causal_shift, 0), BLOCK_N) * BLOCK_N
+    return tl.minimum(hi, even_end), even_end
+
+
+@triton.jit
+def sees_no_real_score(row_max):
+    """Whether a row of the block saw only masked keys so far (its max below REAL_SCORE_FROM): with a causal
+    step in the mask, such a row averages the keys at the fill, future ones included, as eager's softmax
+    does, so its block visits the keys above the diagonal too; every other block skips them exactly."""
+    return tl.min(row_max, 0) < REAL_SCORE_FROM
 
 
 settle_cache_keys(globals())  # each kernel's Triton key the same in every process (codegen/jit_keys.py)

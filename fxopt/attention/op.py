@@ -116,17 +116,21 @@ def _full_mask(mask: Optional[Tensor], q: Tensor, k: Tensor) -> Optional[Tensor]
 def run_flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: Optional[float],
                         causal: bool, scale_by: Optional[Tensor] = None, scale_power: int = 1,
                         key_slopes: Optional[Tensor] = None, safe_softmax: bool = False,
-                        mask_is_fill: bool = False) -> tuple[Tensor, Tensor]:
+                        mask_is_fill: bool = False, causal_in_mask: bool = False) -> tuple[Tensor, Tensor]:
     """The op's implementation; wrappers call it directly (codegen/direct_calls.py). `safe_softmax`
     (SDPA's): a query row its mask removes entirely gives 0 (and 0 gradients), not NaN as in eager.
-    `mask_is_fill`: the mask came from a -inf fill, for the backward (flash_backward's zero_empty_rows)."""
-    return flash_attention_impl(q, k, v, mask, scale, causal, scale_by, scale_power, key_slopes, safe_softmax)
+    `mask_is_fill`: the mask came from a -inf fill, for the backward (flash_backward's zero_empty_rows).
+    `causal_in_mask`: the mask holds a causal step (causal=False): the forward kernels skip the key blocks
+    above the diagonal wherever that is exact (flash_forward)."""
+    return flash_attention_impl(q, k, v, mask, scale, causal, scale_by, scale_power, key_slopes, safe_softmax,
+                                causal_in_mask=causal_in_mask)
 
 
 def flash_attention_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: Optional[float],
                          causal: bool, scale_by: Optional[Tensor] = None, scale_power: int = 1,
                          key_slopes: Optional[Tensor] = None, safe_softmax: bool = False,
-                         mask_is_fill: bool = False, need_lse: bool = True) -> tuple[Tensor, Optional[Tensor]]:
+                         mask_is_fill: bool = False, causal_in_mask: bool = False,
+                         need_lse: bool = True) -> tuple[Tensor, Optional[Tensor]]:
     """run_flash_attention (mask_is_fill concerns only the backward); need_lse=False (a wrapper whose graph
     never reads the statistics: inference) returns (out, None) without allocating or storing them."""
     scale = _scale_of(q, scale, scale_by, scale_power)
@@ -139,7 +143,7 @@ def flash_attention_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]
     mask = _full_mask(mask, q, k)
     if not decode_applies(q.shape[2], k.shape[2]):  # out already laid out like q
         return _triton_call(q, flash_forward, q, k, v, scale=scale, causal=causal, mask=mask, lse=need_lse,
-                            key_slopes=key_slopes, safe_softmax=safe_softmax)
+                            key_slopes=key_slopes, safe_softmax=safe_softmax, causal_in_mask=causal_in_mask)
     mask = _full_mask(reference.with_key_slopes(mask, key_slopes, q.shape[2], k.shape[2]), q, k)  # <= 16 rows
     out, lse = _triton_call(q, flash_decode, q, k, v, scale=scale, causal=causal, mask=mask, lse=need_lse,
                             safe_softmax=safe_softmax)
@@ -151,7 +155,7 @@ flash_attention = torch.library.custom_op("fxopt::flash_attention", mutates_args
 
 @flash_attention.register_fake
 def _(q, k, v, mask, scale, causal, scale_by=None, scale_power=1, key_slopes=None, safe_softmax=False,
-      mask_is_fill=False):
+      mask_is_fill=False, causal_in_mask=False):
     b, h, tq, _ = q.shape
     return torch.empty_like(q), q.new_empty(b, h, tq, dtype=torch.float32)
 
@@ -186,7 +190,7 @@ def _(dout, q, k, v, out, lse, mask, scale, causal, scale_by=None, scale_power=1
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, scale, causal, scale_by, scale_power, key_slopes, safe_softmax, mask_is_fill = inputs
+    q, k, v, mask, scale, causal, scale_by, scale_power, key_slopes, safe_softmax, mask_is_fill, _ = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, mask, scale_by, key_slopes)
     ctx.scale, ctx.causal, ctx.scale_power = scale, causal, scale_power
@@ -198,7 +202,7 @@ def _backward(ctx, dout, _dlse):
     q, k, v, out, lse, mask, scale_by, key_slopes = ctx.saved_tensors
     dq, dk, dv = flash_attention_backward(dout, q, k, v, out, lse, mask, ctx.scale, ctx.causal, scale_by,
                                           ctx.scale_power, key_slopes, ctx.safe_softmax, ctx.mask_is_fill)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 flash_attention.register_autograd(_backward, setup_context=_setup_context)

@@ -100,6 +100,8 @@ def rewrite(gm: fx.GraphModule, m: Match) -> fx.Node:
             options["safe_softmax"] = True
         elif m.facts.runtime_fill is not None:  # eager's fill backward: rows masked entirely get 0 in dq, dk
             options["mask_is_fill"] = True
+        if m.facts.folded_causal is not None:  # the forward skips the keys above the diagonal where exact
+            options["causal_in_mask"] = True
         fused = graph.call_function(FUSED_OP, (q, k, v, mask, m.scale, bool(m.facts.causal), *runtime), options)
         out = graph.call_function(operator.getitem, (fused, 0))
         if rank == 3:
