@@ -58,9 +58,10 @@ class MaskFacts:
     buffers: tuple = ()  # module buffers the causal fact or the slopes were read from (guarded at run time)
     key_slopes: torch.Tensor | None = None  # float64 [heads or 1]: a linear position bias (ALiBi) for the kernel
     safe_softmax: bool = False  # SDPA's: a row masked entirely is 0, not NaN (attention/op.py)
-    # a causal step with a finite fill beside the input-dependent mask, and whether it applies first: both
-    # are read by the kernel as one additive mask (fold_finite_causal)
-    folded_causal: tuple[MaskStep, bool] | None = None
+    # a causal step with a finite fill beside the input-dependent mask, whether it applies first, and the one
+    # value of its masked entries where known (None: an additive causal tensor read with the mask), for the
+    # kernel to fold into the mask it reads (fold_finite_causal)
+    folded_causal: tuple[MaskStep, bool, float | None] | None = None
     described: str = "none"
 
 
@@ -262,7 +263,7 @@ def mask_facts(steps: list[MaskStep], values, score_shape, requires_grad) -> Mas
         facts.described = f"causal (from {_describe_buffers(dict.fromkeys(buffers))})"
     if (facts.causal and (facts.runtime_fill is not None or facts.runtime_mask is not None) and runtime_at is not None
             and any(_finite_fill(s, values) for _, s in causal_steps)):
-        return fold_finite_causal(facts, causal_steps, runtime_at)
+        return fold_finite_causal(facts, causal_steps, runtime_at, values)
     if facts.runtime_mask is not None or facts.runtime_fill is not None:
         node = facts.runtime_mask if facts.runtime_mask is not None else facts.runtime_fill.tensor
         _describe_read_mask(facts, f"additive {list(node.meta['example_value'].shape)} read by the kernel")
@@ -281,15 +282,15 @@ def _finite_fill(step: MaskStep, values) -> bool:
     return bool(((tensor != 0) & (tensor != -math.inf)).any())
 
 
-def fold_finite_causal(facts: MaskFacts, causal_steps: list, runtime_at: int) -> MaskFacts:
+def fold_finite_causal(facts: MaskFacts, causal_steps: list, runtime_at: int, values) -> MaskFacts:
     """A causal mask with a finite fill (`masked_fill(~tril, finfo.min)`) beside an input-dependent mask (a
     bool padding mask, or an additive one that may hold -inf): a query row whose visible keys the padding
     removes (a left-padded row) has only -inf there, and eager's softmax averages the future keys, which
     hold the finite fill; causal block skipping never visits them and the row came out NaN, which the next
     layer's P @ V spread to every row (0 * NaN). Such a site runs with the causal step folded into the mask
-    the kernel reads (built per call; the forward skips the blocks above the diagonal of every query block
-    whose rows all see a real score, `causal_in_mask`), so those rows are eager's (their gradients, where
-    a loss reads them, are not: README, Attention).
+    the kernel reads (the kernels fold the fill value in: the op's `causal_fold`; the forward skips the
+    blocks above the diagonal of every query block whose rows all see a real score), so those rows are
+    eager's (their gradients, where a loss reads them, are not: README, Attention).
     A fill *replaces* the score (eager's masked keys all hold the fill, so a row masked everywhere else is
     their uniform average), while the kernel *adds* its mask: the folded mask holds finfo(float32).min for
     the fill (the matcher takes fills at or below -65504 only, which weigh nothing beside a real score),
@@ -307,12 +308,22 @@ def fold_finite_causal(facts: MaskFacts, causal_steps: list, runtime_at: int) ->
     if step.kind == "fill":
         step = replace(step, value=FOLDED_FILL)
     facts.causal = False  # (its buffers stay guarded: the forward kernels skip blocks above the diagonal)
-    facts.folded_causal = (step, at < runtime_at)
+    facts.folded_causal = (step, at < runtime_at, step.value if step.kind == "fill" else _one_value(step, values))
     facts.described = ("causal with a finite fill beside an input-dependent mask, read by the kernel as one "
                        "additive mask (rows whose visible keys are all masked average the keys at the fill "
                        "value, future ones included, as in eager: the forward visits the blocks above the "
                        "diagonal only for the query blocks holding such a row, the backward for every block)")
     return facts
+
+
+def _one_value(step: MaskStep, values) -> float | None:
+    """The value every masked (nonzero) entry of an additive causal mask holds, where it is one known value."""
+    try:
+        tensor = torch.as_tensor(values.value(step.tensor))
+    except Exception:  # (built over a symbolic length: not evaluated)
+        return None
+    masked = tensor[tensor != 0].unique()
+    return float(masked[0]) if masked.numel() == 1 else None
 
 
 def _read_additive(facts: MaskFacts, mask: fx.Node, requires_grad) -> None:

@@ -38,7 +38,7 @@ from .flash_common import (
     key_ranges, launcher, load_tile, log_sum_exp, resolve_config, running_max, softmax_denominator, store_rows,
     store_tile, tile_ptrs, visible,
 )
-from .mask_tiles import add_mask, causal_keys_end, mask_arguments, sees_no_real_score
+from .mask_tiles import add_mask, causal_keys_end, fold_causal, fold_mode, mask_arguments, sees_no_real_score
 from .flash_forward_tma import flash_forward_tma, tiles_fit, tma_applies
 from .launch_plans import frozen, planned
 
@@ -48,7 +48,7 @@ __all__ = ["flash_forward", "forward_config"]
 def flash_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool, mask: Tensor | None = None,
                   config: dict | None = None, lse: bool = True,
                   key_slopes: Tensor | None = None, safe_softmax: bool = False,
-                  causal_in_mask: bool = False) -> tuple[Tensor, Tensor | None]:
+                  causal_fold: str | None = None, causal_fill: float = 0.0) -> tuple[Tensor, Tensor | None]:
     """Attention forward; returns (out, lse), or (out, None) with lse=False (inference: nothing reads
     the statistics, so they are neither allocated nor stored).
 
@@ -68,17 +68,18 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool
     key_slopes[h] * (j - i - (Tk - Tq)) added before the mask (flash_common.add_key_slope).
     `safe_softmax`: a row that sees no key (masked everywhere with -inf) gives 0 and lse +inf, as SDPA's
     softmax does, instead of NaN and -inf.
-    `causal_in_mask` (with causal=False and a mask): the mask holds a causal step, values <= -65504 above the
-    diagonal (a finite causal fill folded in: attention_masks.fold_finite_causal); a query block visits
-    the key blocks above its diagonal only when one of its rows saw no real score below it
-    (mask_tiles.sees_no_real_score): everywhere else those keys weigh exactly 0.
+    `causal_fold` (with causal=False and a mask): a causal step with a finite fill (attention_masks.
+    fold_finite_causal): keys above the diagonal (bottom-right) get `causal_fill` instead of the mask
+    ("replaces"), or causal_fill plus the mask ("adds"), or what the mask holds ("in_mask": the fill is
+    in it already); a query block visits the key blocks above its diagonal only when one of its rows saw
+    no real score below it (mask_tiles.sees_no_real_score): everywhere else they weigh exactly 0.
     """
-    causal_in_mask = causal_in_mask and mask is not None and not causal
+    fold = fold_mode(causal_fold, mask, causal)
     use_tma, cfg = _forward_plan((q, k, v, mask, key_slopes), scale, causal, frozen(config))
     safe = safe_softmax and mask is not None  # without a mask every row sees a key (causal needs Tq <= Tk)
     if use_tma:
         return flash_forward_tma(q, k, v, scale=scale, causal=causal, cfg=cfg, store_lse=lse, key_slopes=key_slopes,
-                                 mask=mask, safe_softmax=safe, causal_in_mask=causal_in_mask)
+                                 mask=mask, safe_softmax=safe, fold=fold, causal_fill=causal_fill)
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
@@ -91,11 +92,11 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool
         q, k, v, *mask_arguments(mask, q), q if key_slopes is None else key_slopes, out,
         out if stats is None else stats,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E.value,
+        heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E.value, causal_fill,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         CAUSAL=causal, HAS_MASK=mask is not None, HAS_SLOPES=key_slopes is not None, EVEN_M=seq_q % block_m == 0,
         EVEN_N=seq_k % block_n == 0, EVEN_D=head_dim == block_d, DOT_PRECISION=dot_precision(q.dtype), STORE_LSE=lse,
-        SAFE=safe, CAUSAL_IN_MASK=causal_in_mask, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        SAFE=safe, FOLD=fold, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out, stats
 
 
@@ -121,14 +122,14 @@ def _flash_forward_kernel(
         stride_kb, stride_kh, stride_kn, stride_kd,
         stride_vb, stride_vh, stride_vn, stride_vd,
         stride_ob, stride_oh, stride_om, stride_od,
-        num_heads, group_size, seq_q, seq_k, qk_scale,
+        num_heads, group_size, seq_q, seq_k, qk_scale, causal_fill,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SLOPES: tl.constexpr, EVEN_M: tl.constexpr,
         EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, STORE_LSE: tl.constexpr,
-        SAFE: tl.constexpr, CAUSAL_IN_MASK: tl.constexpr):
+        SAFE: tl.constexpr, FOLD: tl.constexpr):
     """BLOCK_M query rows of one (batch, head) against every key they may see: out rows and lse."""
     block_m = tl.program_id(0)
-    if CAUSAL or CAUSAL_IN_MASK:  # heaviest query blocks first
+    if CAUSAL or FOLD != 0:  # heaviest query blocks first
         block_m = tl.num_programs(0) - 1 - block_m
     bh = tl.program_id(1)
     batch = (bh // num_heads).to(tl.int64)
@@ -150,21 +151,28 @@ def _flash_forward_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    mask_free_end, end = key_ranges(m0, seq_k, causal_shift, BLOCK_M, BLOCK_N, CAUSAL)
-    if CAUSAL_IN_MASK:  # whole blocks up to the diagonal's end, then the rest if a row has no real score
-        mask_free_end, even_end = causal_keys_end(m0, seq_k, causal_shift, BLOCK_M, BLOCK_N)
+    mask_free_end, end = key_ranges(m0, seq_k, causal_shift, BLOCK_M, BLOCK_N, CAUSAL or FOLD != 0)
     acc, row_sum, row_max = _attend_key_blocks(
         acc, row_sum, row_max, q, k_head, v_head, mask_head, m0, 0, mask_free_end, seq_q, seq_k, causal_shift,
-        qk_scale, slope, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
-        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_SLOPES, False, EVEN_M, True, EVEN_D, DOT_PRECISION)
-    if CAUSAL_IN_MASK:  # (the ragged last block is past the diagonal unless it ends there)
-        if (mask_free_end < even_end) & ~sees_no_real_score(row_max):
-            end = mask_free_end
-    if CAUSAL or CAUSAL_IN_MASK or not EVEN_N:
+        qk_scale, slope, causal_fill, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_SLOPES, False, EVEN_M, True, EVEN_D, DOT_PRECISION, 0)
+    if FOLD != 0:  # a finite causal fill: the diagonal's blocks, then those above it only if a row needs them
+        hi, even_end = causal_keys_end(m0, seq_k, causal_shift, BLOCK_M, BLOCK_N)
+        acc, row_sum, row_max = _attend_key_blocks(
+            acc, row_sum, row_max, q, k_head, v_head, mask_head, m0, mask_free_end, hi, seq_q, seq_k, causal_shift,
+            qk_scale, slope, causal_fill, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+            HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_SLOPES, False, EVEN_M, True, EVEN_D, DOT_PRECISION,
+            FOLD)
+        end = seq_k
+        if (hi < even_end) & ~sees_no_real_score(row_max):  # (else the ragged last block may be seen)
+            end = hi
+        mask_free_end = hi
+    if CAUSAL or FOLD != 0 or not EVEN_N:
         acc, row_sum, row_max = _attend_key_blocks(
             acc, row_sum, row_max, q, k_head, v_head, mask_head, m0, mask_free_end, end, seq_q, seq_k, causal_shift,
-            qk_scale, slope, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
-            HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_SLOPES, CAUSAL, EVEN_M, EVEN_N, EVEN_D, DOT_PRECISION)
+            qk_scale, slope, causal_fill, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+            HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_SLOPES, CAUSAL, EVEN_M, EVEN_N, EVEN_D, DOT_PRECISION,
+            FOLD)
 
     out = acc / softmax_denominator(row_sum, SAFE)[:, None]
     out_ptrs = tile_ptrs(Out + batch * stride_ob + head * stride_oh, m0, rows, stride_om, 0, dims, stride_od)
@@ -177,12 +185,13 @@ def _flash_forward_kernel(
 @triton.jit
 def _attend_key_blocks(
         acc, row_sum, row_max, q, k_head, v_head, mask_head, m0, key_lo, key_hi, seq_q, seq_k, causal_shift,
-        qk_scale, slope, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+        qk_scale, slope, causal_fill, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_MASK: tl.constexpr, HAS_SLOPES: tl.constexpr, MASK_CAUSAL: tl.constexpr, EVEN_M: tl.constexpr,
-        EVEN_KEYS: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        EVEN_KEYS: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, FOLD: tl.constexpr):
     """The online-softmax update over key blocks [key_lo, key_hi). EVEN_KEYS: every block lies
-    inside the keys; with it and MASK_CAUSAL off the scores get no elementwise mask at all."""
+    inside the keys; with it and MASK_CAUSAL off the scores get no elementwise mask at all. FOLD: the
+    mask tiles get the finite causal fill (mask_tiles.fold_causal)."""
     rows = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
@@ -196,7 +205,7 @@ def _attend_key_blocks(
         if HAS_MASK:
             bias = load_tile(tile_ptrs(mask_head, m0, rows, stride_mm, n0, cols, stride_mn), m0 + rows, seq_q,
                              n0 + cols, seq_k, EVEN_M, EVEN_KEYS)
-            s = add_mask(s, bias)
+            s = add_mask(s, fold_causal(bias, m0 + rows[:, None], n0 + cols[None, :], causal_shift, causal_fill, FOLD))
         if MASK_CAUSAL or not EVEN_KEYS:
             s = tl.where(visible(m0 + rows[:, None], n0 + cols[None, :], seq_q, seq_k, causal_shift, MASK_CAUSAL),
                          s, float("-inf"))

@@ -38,7 +38,7 @@ from .flash_common import (
     add_key_slope, head_slope, key_ranges, launcher, log_sum_exp, running_max, softmax_denominator, store_rows,
     visible,
 )
-from .mask_tiles import add_mask, causal_keys_end, load_mask_block, mask_arguments, reads_mask_row, sees_no_real_score
+from .mask_tiles import add_mask, causal_keys_end, fold_causal, load_mask_block, mask_arguments, reads_mask_row, sees_no_real_score
 
 try:  # triton >= 3.4
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -90,10 +90,10 @@ _DESCRIPTOR_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TensorDesc
 
 def flash_forward_tma(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool, cfg: dict,
                       store_lse: bool = True, key_slopes: Tensor | None = None, mask: Tensor | None = None,
-                      safe_softmax: bool = False, causal_in_mask: bool = False) -> tuple[Tensor, Tensor | None]:
+                      safe_softmax: bool = False, fold: int = 0, causal_fill: float = 0.0) -> tuple[Tensor, Tensor | None]:
     """flash_forward's (out, lse) for inputs `tma_applies` accepted; cfg: BLOCK_M, BLOCK_N, num_warps,
     num_stages (already resolved); without store_lse, (out, None); key_slopes, mask (expanded to
-    [B, H, Tq, Tk]), safe_softmax and causal_in_mask as flash_forward's."""
+    [B, H, Tq, Tk]), safe_softmax and causal_fill as flash_forward's; fold: the kernels' FOLD for its causal_fold."""
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
@@ -103,23 +103,23 @@ def flash_forward_tma(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: 
     launcher(_flash_forward_tma_kernel, grid, q.device)(
         descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(out, block_m),
         out if lse is None else lse, out if key_slopes is None else key_slopes, *mask_arguments(mask, q),
-        heads, heads // kv_heads, seq_q, seq_k, scale * 1.4426950408889634,
+        heads, heads // kv_heads, seq_q, seq_k, scale * 1.4426950408889634, causal_fill,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, HAS_SLOPES=key_slopes is not None,
         HAS_MASK=mask is not None, MASK_ROW=reads_mask_row(mask),
         SAFE=safe_softmax, EVEN_M=seq_q % block_m == 0, EVEN_N=seq_k % block_n == 0,
-        STORE_LSE=store_lse, CAUSAL_IN_MASK=causal_in_mask, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        STORE_LSE=store_lse, FOLD=fold, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out, lse
 
 
 @triton.jit
 def _flash_forward_tma_kernel(
         q_desc, k_desc, v_desc, o_desc, Lse, Slopes, Mask, stride_mb, stride_mh, stride_mm, stride_mn,
-        num_heads, group_size, seq_q, seq_k, qk_scale,
+        num_heads, group_size, seq_q, seq_k, qk_scale, causal_fill,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
         HAS_SLOPES: tl.constexpr, HAS_MASK: tl.constexpr, MASK_ROW: tl.constexpr, SAFE: tl.constexpr,
-        EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, STORE_LSE: tl.constexpr, CAUSAL_IN_MASK: tl.constexpr):
+        EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, STORE_LSE: tl.constexpr, FOLD: tl.constexpr):
     """BLOCK_M query rows of one (batch, head) against every key they may see: out rows and lse."""
-    bh, batch, head, kv_head, m0 = query_block_program(num_heads, group_size, BLOCK_M, CAUSAL or CAUSAL_IN_MASK)
+    bh, batch, head, kv_head, m0 = query_block_program(num_heads, group_size, BLOCK_M, CAUSAL or FOLD != 0)
     causal_shift = seq_k - seq_q
     slope = head_slope(Slopes, head, HAS_SLOPES)
     mask_head = Mask + batch.to(tl.int64) * stride_mb + head.to(tl.int64) * stride_mh
@@ -128,21 +128,26 @@ def _flash_forward_tma_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    mask_free_end, end = key_ranges(m0, seq_k, causal_shift, BLOCK_M, BLOCK_N, CAUSAL)
-    if CAUSAL_IN_MASK:  # as flash_forward's kernel
-        mask_free_end, even_end = causal_keys_end(m0, seq_k, causal_shift, BLOCK_M, BLOCK_N)
+    mask_free_end, end = key_ranges(m0, seq_k, causal_shift, BLOCK_M, BLOCK_N, CAUSAL or FOLD != 0)
     acc, row_sum, row_max = _tma_key_blocks(
         acc, row_sum, row_max, q, k_desc, v_desc, mask_head, stride_mm, stride_mn, batch, kv_head, m0, 0,
-        mask_free_end, seq_q, seq_k, causal_shift, qk_scale, slope, HEAD_DIM, BLOCK_M, BLOCK_N, False, False,
-        HAS_SLOPES, HAS_MASK, MASK_ROW, EVEN_M, True)
-    if CAUSAL_IN_MASK:
-        if (mask_free_end < even_end) & ~sees_no_real_score(row_max):
-            end = mask_free_end
-    if CAUSAL or CAUSAL_IN_MASK or not EVEN_N:
+        mask_free_end, seq_q, seq_k, causal_shift, qk_scale, slope, causal_fill, HEAD_DIM, BLOCK_M, BLOCK_N, False,
+        False, HAS_SLOPES, HAS_MASK, MASK_ROW, EVEN_M, True, 0)
+    if FOLD != 0:  # as flash_forward's kernel
+        hi, even_end = causal_keys_end(m0, seq_k, causal_shift, BLOCK_M, BLOCK_N)
         acc, row_sum, row_max = _tma_key_blocks(
             acc, row_sum, row_max, q, k_desc, v_desc, mask_head, stride_mm, stride_mn, batch, kv_head, m0,
-            mask_free_end, end, seq_q, seq_k, causal_shift, qk_scale, slope, HEAD_DIM, BLOCK_M, BLOCK_N, True,
-            CAUSAL, HAS_SLOPES, HAS_MASK, MASK_ROW, EVEN_M, EVEN_N)
+            mask_free_end, hi, seq_q, seq_k, causal_shift, qk_scale, slope, causal_fill, HEAD_DIM, BLOCK_M, BLOCK_N,
+            False, False, HAS_SLOPES, HAS_MASK, MASK_ROW, EVEN_M, True, FOLD)
+        end = seq_k
+        if (hi < even_end) & ~sees_no_real_score(row_max):
+            end = hi
+        mask_free_end = hi
+    if CAUSAL or FOLD != 0 or not EVEN_N:
+        acc, row_sum, row_max = _tma_key_blocks(
+            acc, row_sum, row_max, q, k_desc, v_desc, mask_head, stride_mm, stride_mn, batch, kv_head, m0,
+            mask_free_end, end, seq_q, seq_k, causal_shift, qk_scale, slope, causal_fill, HEAD_DIM, BLOCK_M, BLOCK_N,
+            True, CAUSAL, HAS_SLOPES, HAS_MASK, MASK_ROW, EVEN_M, EVEN_N, FOLD)
 
     out = (acc / softmax_denominator(row_sum, SAFE)[:, None]).to(o_desc.dtype)
     o_desc.store([batch, head, m0, 0], out.reshape(1, 1, BLOCK_M, HEAD_DIM))
@@ -167,12 +172,13 @@ def query_block_program(num_heads, group_size, BLOCK_M: tl.constexpr, CAUSAL: tl
 @triton.jit
 def _tma_key_blocks(
         acc, row_sum, row_max, q, k_desc, v_desc, mask_head, stride_mm, stride_mn, batch, kv_head, m0, key_lo,
-        key_hi, seq_q, seq_k, causal_shift, qk_scale, slope, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, MASKED: tl.constexpr, MASK_CAUSAL: tl.constexpr, HAS_SLOPES: tl.constexpr,
-        HAS_MASK: tl.constexpr, MASK_ROW: tl.constexpr, EVEN_M: tl.constexpr, EVEN_KEYS: tl.constexpr):
+        key_hi, seq_q, seq_k, causal_shift, qk_scale, slope, causal_fill, HEAD_DIM: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, MASK_CAUSAL: tl.constexpr,
+        HAS_SLOPES: tl.constexpr, HAS_MASK: tl.constexpr, MASK_ROW: tl.constexpr, EVEN_M: tl.constexpr,
+        EVEN_KEYS: tl.constexpr, FOLD: tl.constexpr):
     """The online-softmax update over key blocks [key_lo, key_hi); MASKED blocks get the elementwise
     causal / ragged-end mask, the others none. HAS_MASK: the additive mask is added to the scaled scores
-    (MASK_ROW: one row of it serves every query)."""
+    (MASK_ROW: one row of it serves every query), with the finite causal fill folded in (FOLD)."""
     rows = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     for n0 in range(key_lo, key_hi, BLOCK_N):
@@ -184,8 +190,10 @@ def _tma_key_blocks(
             if HAS_SLOPES:
                 s = add_key_slope(s, slope, m0 + rows[:, None], n0 + cols[None, :], causal_shift)
             if HAS_MASK:
-                s = add_mask(s, load_mask_block(mask_head, stride_mm, stride_mn, m0, rows[:, None], n0, cols[None, :],
-                                                seq_q, seq_k, EVEN_M, EVEN_KEYS, MASK_ROW))
+                bias = load_mask_block(mask_head, stride_mm, stride_mn, m0, rows[:, None], n0, cols[None, :], seq_q,
+                                       seq_k, EVEN_M, EVEN_KEYS, MASK_ROW)
+                s = add_mask(s, fold_causal(bias, m0 + rows[:, None], n0 + cols[None, :], causal_shift, causal_fill,
+                                            FOLD))
             if MASKED:
                 s = tl.where(visible(m0 + rows[:, None], n0 + cols[None, :], seq_q, seq_k, causal_shift,
                                      MASK_CAUSAL), s, float("-inf"))

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+import torch
 from torch import Tensor
 
 from ..codegen.jit_keys import settle as settle_cache_keys
 from .flash_common import LN2, LOG2E
 
 __all__ = ["FILL_MASK", "mask_arguments", "mask_kind", "reads_mask_row", "add_mask", "load_mask_block", "causal_keys_end",
-           "sees_no_real_score"]
+           "sees_no_real_score", "fold_causal", "fold_mode", "CAUSAL_FOLDS"]
 
 # A finite mask value at or below this whose sum with the score rounds to the mask value itself (eager's
 # fp32 `s + finfo.min` is finfo.min) masks its key: the score becomes MASKED_SCORE (see add_mask). Far below
@@ -36,6 +37,24 @@ MASKED_SCORE: tl.constexpr = tl.constexpr(-1024.0)
 # A row whose largest score (base 2) is at least this has a real one: the future keys of a mask that holds a
 # causal step (values <= -65504, MASKED_SCORE or -inf once added) weigh exp2(<= -1024 - (-512)) = 0 in fp32
 REAL_SCORE_FROM: tl.constexpr = tl.constexpr(-512.0)
+
+# The kernels' FOLD: how a finite causal fill beside the mask applies (attention_masks.fold_finite_causal).
+# FOLD_REPLACES: a key above the diagonal gets `causal_fill` instead of the mask; FOLD_ADDS: causal_fill plus
+# the mask; FOLD_IN_MASK: the mask already holds the causal step (built in the graph)
+FOLD_REPLACES: tl.constexpr = tl.constexpr(1)
+FOLD_ADDS: tl.constexpr = tl.constexpr(2)
+FOLD_IN_MASK: tl.constexpr = tl.constexpr(3)
+CAUSAL_FOLDS = {"replaces": FOLD_REPLACES.value, "adds": FOLD_ADDS.value, "in_mask": FOLD_IN_MASK.value}
+
+
+def fold_mode(causal_fold: str | None, mask: Tensor | None, causal: bool) -> int:
+    """The kernels' FOLD for the attention functions' `causal_fold` (None, or a CAUSAL_FOLDS key)."""
+    if causal_fold is None:
+        return 0
+    if causal_fold not in CAUSAL_FOLDS or mask is None or mask.dtype == torch.bool or causal:
+        raise ValueError(f"causal_fold={causal_fold!r} needs one of {sorted(CAUSAL_FOLDS)}, an additive float mask "
+                         "and causal=False")
+    return CAUSAL_FOLDS[causal_fold]
 
 # The kernels' HAS_MASK: 0 no mask, 1 an additive mask, FILL_MASK a mask made from a -inf fill, whose
 # backward gives a query row masked entirely 0 in dq and dk (flash_backward's zero_empty_rows)
@@ -113,8 +132,20 @@ def load_mask_block(mask_head, stride_mm, stride_mn, m0, q_offs, n0, k_offs, seq
 
 
 @triton.jit
+def fold_causal(bias, q_idx, k_idx, causal_shift, causal_fill, FOLD: tl.constexpr):
+    """The mask tile with the causal step folded in (FOLD_REPLACES, FOLD_ADDS), in fp32 as the graph's
+    materialized mask would hold it; q_idx and k_idx broadcast to the score tile."""
+    if FOLD == FOLD_ADDS:
+        b = bias.to(tl.float32)
+        bias = tl.where(k_idx <= q_idx + causal_shift, b, b + causal_fill)
+    elif FOLD == FOLD_REPLACES:
+        bias = tl.where(k_idx <= q_idx + causal_shift, bias.to(tl.float32), causal_fill)
+    return bias
+
+
+@triton.jit
 def causal_keys_end(m0, seq_k, causal_shift, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(hi, even_end) for a mask holding a causal step (CAUSAL_IN_MASK): blocks [0, hi) hold every key a
+    """(hi, even_end) for a finite causal fill beside the mask (FOLD): blocks [0, hi) hold every key a
     row of the query block at m0 sees causally, up to even_end, the end of the whole key blocks (the
     ragged last block, if any, is the caller's); both multiples of BLOCK_N."""
     even_end = seq_k // BLOCK_N * BLOCK_N

@@ -116,34 +116,41 @@ def _full_mask(mask: Optional[Tensor], q: Tensor, k: Tensor) -> Optional[Tensor]
 def run_flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: Optional[float],
                         causal: bool, scale_by: Optional[Tensor] = None, scale_power: int = 1,
                         key_slopes: Optional[Tensor] = None, safe_softmax: bool = False,
-                        mask_is_fill: bool = False, causal_in_mask: bool = False) -> tuple[Tensor, Tensor]:
+                        mask_is_fill: bool = False, causal_fold: Optional[str] = None,
+                        causal_fill: float = 0.0) -> tuple[Tensor, Tensor]:
     """The op's implementation; wrappers call it directly (codegen/direct_calls.py). `safe_softmax`
     (SDPA's): a query row its mask removes entirely gives 0 (and 0 gradients), not NaN as in eager.
     `mask_is_fill`: the mask came from a -inf fill, for the backward (flash_backward's zero_empty_rows).
-    `causal_in_mask`: the mask holds a causal step (causal=False): the forward kernels skip the key blocks
-    above the diagonal wherever that is exact (flash_forward)."""
+    `causal_fold`, `causal_fill` (causal=False, an additive mask): a causal step with a finite fill beside
+    the mask (attention_masks.fold_finite_causal; flash_forward's arguments of those names): the forward
+    kernels skip the key blocks above the diagonal wherever that is exact."""
     return flash_attention_impl(q, k, v, mask, scale, causal, scale_by, scale_power, key_slopes, safe_softmax,
-                                causal_in_mask=causal_in_mask)
+                                causal_fold=causal_fold, causal_fill=causal_fill)
 
 
 def flash_attention_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: Optional[float],
                          causal: bool, scale_by: Optional[Tensor] = None, scale_power: int = 1,
                          key_slopes: Optional[Tensor] = None, safe_softmax: bool = False,
-                         mask_is_fill: bool = False, causal_in_mask: bool = False,
+                         mask_is_fill: bool = False, causal_fold: Optional[str] = None, causal_fill: float = 0.0,
                          need_lse: bool = True) -> tuple[Tensor, Optional[Tensor]]:
     """run_flash_attention (mask_is_fill concerns only the backward); need_lse=False (a wrapper whose graph
     never reads the statistics: inference) returns (out, None) without allocating or storing them."""
     scale = _scale_of(q, scale, scale_by, scale_power)
-    if not _kernels_take(q) or not 0 < scale < math.inf:  # (a runtime scale may be anything)
+    kernels = _kernels_take(q) and 0 < scale < math.inf  # (a runtime scale may be anything)
+    from .flash_decode import decode_applies, flash_decode
+    if not kernels or decode_applies(q.shape[2], k.shape[2]):  # (only the flash forward folds the fill itself)
+        mask = reference.with_causal_fold(mask, causal_fold, causal_fill, q.shape[2], k.shape[2])
+        causal_fold = None
+    if not kernels:
         mask = reference.with_key_slopes(mask, key_slopes, q.shape[2], k.shape[2])
         out, lse = reference.attention(q, k, v, scale=scale, causal=causal, mask=mask, safe=safe_softmax)
         return _laid_out_like(out, q), lse.contiguous() if need_lse else None
-    from .flash_decode import decode_applies, flash_decode
     from .flash_forward import flash_forward
     mask = _full_mask(mask, q, k)
     if not decode_applies(q.shape[2], k.shape[2]):  # out already laid out like q
         return _triton_call(q, flash_forward, q, k, v, scale=scale, causal=causal, mask=mask, lse=need_lse,
-                            key_slopes=key_slopes, safe_softmax=safe_softmax, causal_in_mask=causal_in_mask)
+                            key_slopes=key_slopes, safe_softmax=safe_softmax, causal_fold=causal_fold,
+                            causal_fill=causal_fill)
     mask = _full_mask(reference.with_key_slopes(mask, key_slopes, q.shape[2], k.shape[2]), q, k)  # <= 16 rows
     out, lse = _triton_call(q, flash_decode, q, k, v, scale=scale, causal=causal, mask=mask, lse=need_lse,
                             safe_softmax=safe_softmax)
@@ -155,7 +162,7 @@ flash_attention = torch.library.custom_op("fxopt::flash_attention", mutates_args
 
 @flash_attention.register_fake
 def _(q, k, v, mask, scale, causal, scale_by=None, scale_power=1, key_slopes=None, safe_softmax=False,
-      mask_is_fill=False, causal_in_mask=False):
+      mask_is_fill=False, causal_fold=None, causal_fill=0.0):
     b, h, tq, _ = q.shape
     return torch.empty_like(q), q.new_empty(b, h, tq, dtype=torch.float32)
 
@@ -164,11 +171,14 @@ def run_flash_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, 
                                  mask: Optional[Tensor], scale: Optional[float], causal: bool,
                                  scale_by: Optional[Tensor] = None, scale_power: int = 1,
                                  key_slopes: Optional[Tensor] = None,
-                                 safe_softmax: bool = False,
-                                 mask_is_fill: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                                 safe_softmax: bool = False, mask_is_fill: bool = False,
+                                 causal_fold: Optional[str] = None,
+                                 causal_fill: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     """The backward's implementation. The kernels need no `safe_softmax`: the forward stored lse = +inf
-    for a row with no visible key, so P = exp(s - lse) is 0 there (flash_common.log_sum_exp)."""
+    for a row with no visible key, so P = exp(s - lse) is 0 there (flash_common.log_sum_exp). A causal
+    fold is built into the mask here (the backward visits every key block of such a site)."""
     scale = _scale_of(q, scale, scale_by, scale_power)
+    mask = reference.with_causal_fold(mask, causal_fold, causal_fill, q.shape[2], k.shape[2])
     if not _kernels_take(q) or not 0 < scale < math.inf:
         mask = reference.with_key_slopes(mask, key_slopes, q.shape[2], k.shape[2])
         dq, dk, dv = reference.attention_backward(dout, q, k, v, scale=scale, causal=causal, mask=mask,
@@ -185,24 +195,24 @@ flash_attention_backward = torch.library.custom_op("fxopt::flash_attention_backw
 
 @flash_attention_backward.register_fake
 def _(dout, q, k, v, out, lse, mask, scale, causal, scale_by=None, scale_power=1, key_slopes=None,
-      safe_softmax=False, mask_is_fill=False):
+      safe_softmax=False, mask_is_fill=False, causal_fold=None, causal_fill=0.0):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # as the kernels write them
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, scale, causal, scale_by, scale_power, key_slopes, safe_softmax, mask_is_fill, _ = inputs
+    q, k, v, mask, scale, causal, scale_by, scale_power, key_slopes, safe_softmax, mask_is_fill, *fold = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, mask, scale_by, key_slopes)
     ctx.scale, ctx.causal, ctx.scale_power = scale, causal, scale_power
-    ctx.safe_softmax, ctx.mask_is_fill = safe_softmax, mask_is_fill
+    ctx.safe_softmax, ctx.mask_is_fill, ctx.fold = safe_softmax, mask_is_fill, fold
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, _dlse):
     q, k, v, out, lse, mask, scale_by, key_slopes = ctx.saved_tensors
     dq, dk, dv = flash_attention_backward(dout, q, k, v, out, lse, mask, ctx.scale, ctx.causal, scale_by,
-                                          ctx.scale_power, key_slopes, ctx.safe_softmax, ctx.mask_is_fill)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+                                          ctx.scale_power, key_slopes, ctx.safe_softmax, ctx.mask_is_fill, *ctx.fold)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
 flash_attention.register_autograd(_backward, setup_context=_setup_context)

@@ -37,6 +37,17 @@ def with_key_slopes(mask, key_slopes, seq_q: int, seq_k: int):
     return bias if mask is None else bias + additive(mask)
 
 
+def with_causal_fold(mask, causal_fold, causal_fill: float, seq_q: int, seq_k: int):
+    """The mask with a finite causal step folded in as the kernels fold it (mask_tiles.fold_causal), float32
+    [..., Tq, Tk]: keys above the diagonal get causal_fill ("replaces") or causal_fill plus the mask
+    ("adds"); unchanged for None and "in_mask" (the mask holds the step already)."""
+    if causal_fold not in ("replaces", "adds"):
+        return mask
+    m = mask.float()
+    future = m + causal_fill if causal_fold == "adds" else torch.full((), causal_fill, device=m.device)
+    return torch.where(causal_keep(seq_q, seq_k, m.device), m, future)
+
+
 def additive(mask: torch.Tensor) -> torch.Tensor:
     """A mask as float32 added to the scores: a bool mask keeps its True scores (0) and drops the rest (-inf)."""
     if mask.dtype == torch.bool:

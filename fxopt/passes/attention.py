@@ -38,34 +38,30 @@ def _call(graph, op_or_method, *args):
     return graph.call_function(op_or_method, args)
 
 
-def _runtime_mask(graph: fx.Graph, facts: MaskFacts) -> fx.Node | None:
-    """The mask node the kernel reads: a -inf fill alone is read as the bool mask of the scores it keeps
-    (the condition itself, or its negation: one select per score in the kernels, mask_tiles.add_mask);
-    otherwise an additive mask (a fill becomes where(cond, fill, 0)), with a finite causal fill folded
-    in (attention_masks.fold_finite_causal): applied before the input mask m, eager's masked keys hold
-    fill + m, so the kernel adds where(keep, 0, fill) + m; applied after it, they hold the
-    fill alone: where(keep, m, fill)."""
+def _runtime_mask(graph: fx.Graph, facts: MaskFacts) -> tuple[fx.Node | None, dict]:
+    """(the mask node the kernel reads, the op's causal_fold options). A -inf fill alone is read as the bool
+    mask of the scores it keeps (the condition itself, or its negation: one select per score in the
+    kernels, mask_tiles.add_mask); otherwise an additive mask (a fill becomes where(cond, fill, 0)). A finite
+    causal fill beside it (attention_masks.fold_finite_causal) is the kernels' to fold (causal_fold): applied
+    before the input mask m, eager's masked keys hold fill + m ("adds"); applied after it, the fill alone
+    ("replaces"). An additive causal tensor of several (or unknown) values is added to m here ("in_mask")."""
     mask = facts.runtime_mask
     step = facts.runtime_fill
     if mask is None and step is not None and facts.folded_causal is None and dtype(step.tensor) == torch.bool \
             and step.value == -math.inf:
-        return step.tensor if step.negate else graph.call_function(torch.logical_not, (step.tensor,))
+        return (step.tensor if step.negate else graph.call_function(torch.logical_not, (step.tensor,))), {}
     if mask is None and step is not None:  # (a finite fill is fp32's finfo.min here: attention_masks.FOLDED_FILL)
         hit, miss = (0.0, step.value) if step.negate else (step.value, 0.0)
         mask = graph.call_function(torch.where, (step.tensor, hit, miss))
     if facts.folded_causal is None:
-        return mask
-    causal, causal_first = facts.folded_causal
-    if dtype(mask) in (torch.float16, torch.bfloat16):  # the fold's finfo(float32).min fits fp32 only
+        return mask, {}
+    causal, causal_first, fill = facts.folded_causal
+    if fill is not None:
+        return mask, {"causal_fold": "adds" if causal_first or causal.kind == "add" else "replaces",
+                      "causal_fill": fill}
+    if dtype(mask) in (torch.float16, torch.bfloat16):  # a causal value may fit fp32 only
         mask = _call(graph, "float", mask)
-    if causal.kind == "add":  # additions commute
-        return graph.call_function(operator.add, (causal.tensor, mask))
-    if causal_first:
-        kept, dropped = (0.0, causal.value) if causal.negate else (causal.value, 0.0)
-        return graph.call_function(operator.add, (graph.call_function(torch.where, (causal.tensor, kept, dropped)),
-                                                  mask))
-    kept, dropped = (mask, causal.value) if causal.negate else (causal.value, mask)
-    return graph.call_function(torch.where, (causal.tensor, kept, dropped))
+    return graph.call_function(operator.add, (causal.tensor, mask)), {"causal_fold": "in_mask"}  # (additions commute)
 
 
 def _slopes_constant(gm: fx.GraphModule, m: Match) -> fx.Node | None:
@@ -87,7 +83,7 @@ def rewrite(gm: fx.GraphModule, m: Match) -> fx.Node:
     out_dtype = dtype(m.out)
     with graph.inserting_before(m.out):
         k = m.k if m.k is not None else _call(graph, "transpose", m.k_transposed, -2, -1)
-        mask = _runtime_mask(graph, m.facts)
+        mask, fold = _runtime_mask(graph, m.facts)
         q, v = m.q, m.v
         if rank == 3:
             q, k, v = (_call(graph, "unsqueeze", t, 0) for t in (q, k, v))
@@ -95,13 +91,11 @@ def rewrite(gm: fx.GraphModule, m: Match) -> fx.Node:
                 mask = _call(graph, "unsqueeze", mask, 0) if len(shape(mask) or ()) == 3 else mask
         runtime = (m.scale_by, m.scale_power) if m.scale_by is not None else ()
         slopes = _slopes_constant(gm, m)
-        options = {"key_slopes": slopes} if slopes is not None else {}
+        options = {"key_slopes": slopes, **fold} if slopes is not None else fold
         if m.facts.safe_softmax:
             options["safe_softmax"] = True
         elif m.facts.runtime_fill is not None:  # eager's fill backward: rows masked entirely get 0 in dq, dk
             options["mask_is_fill"] = True
-        if m.facts.folded_causal is not None:  # the forward skips the keys above the diagonal where exact
-            options["causal_in_mask"] = True
         fused = graph.call_function(FUSED_OP, (q, k, v, mask, m.scale, bool(m.facts.causal), *runtime), options)
         out = graph.call_function(operator.getitem, (fused, 0))
         if rank == 3:

@@ -1,7 +1,8 @@
-"""flash_forward's `causal_in_mask`: the mask holds a causal step (a finite causal fill folded in beside a
-padding mask, attention_masks.fold_finite_causal), and a query block skips the key blocks above its
-diagonal unless one of its rows sees no real score below it (a left-padded row, which eager averages
-over the keys at the fill, future ones included). Against float64 softmax over the same mask, in the
+"""flash_forward's `causal_fold`: a causal step with a finite fill beside a padding mask
+(attention_masks.fold_finite_causal), folded into the mask by the kernel ("replaces", "adds") or held by
+the mask already ("in_mask"); a query block skips the key blocks above its diagonal unless one of its rows
+sees no real score below it (a left-padded row, which eager averages over the keys at the fill, future
+ones included). Against float64 softmax over the same mask, in the
 Triton interpreter: the pointer kernel in float32 and float16, the TMA kernel in float16 (the interpreter
 emulates its descriptors); bfloat16 and the real compiler on the GPU (`-k cuda` has nothing here: the
 kernels run through the fused op in tests/attention/test_folded_causal_fill.py there)."""
@@ -12,6 +13,7 @@ import torch
 
 from fxopt.analysis.attention_masks import FOLDED_FILL
 from fxopt.attention.flash_forward import flash_forward
+from fxopt.attention.reference import with_causal_fold
 
 from .test_flash_kernels import OUT_TOL, assert_close, make_qkv
 
@@ -19,13 +21,21 @@ POINTER = dict(TMA=False, BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
 TMA = dict(TMA=True, BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
 
 
-def folded_mask(batch, seq_q, seq_k, pad):
-    """What the fold builds for `where(tril, s, finfo.min) + padding`: 0 / FOLDED_FILL by the causal
-    step, plus -inf on batch 0's first `pad` keys; [B, 1, Tq, Tk] float32."""
-    tril = torch.ones(seq_q, seq_k, dtype=torch.bool).tril(seq_k - seq_q)
-    padding = torch.zeros(batch, 1, 1, seq_k)
-    padding[0, ..., :pad] = float("-inf")
-    return torch.where(tril, 0.0, FOLDED_FILL) + padding
+def padding(batch, seq_k, pad, fill=float("-inf")):
+    """[B, 1, 1, Tk] additive: batch 0's first `pad` keys get `fill`."""
+    mask = torch.zeros(batch, 1, 1, seq_k)
+    mask[0, ..., :pad] = fill
+    return mask
+
+
+def folded_mask(batch, seq_q, seq_k, pad, fold="in_mask"):
+    """(the mask the kernel reads, the mask eager's scores get) for `where(tril, s, finfo.min) + padding`
+    ("adds", and "in_mask": what the graph builds for an additive causal tensor), or padding then the
+    causal where ("replaces", with a padding of finfo.min: a padded row averages its visible keys and the
+    future ones; README, Attention, known difference (2) says why not -1e4)."""
+    read = padding(batch, seq_k, pad, FOLDED_FILL if fold == "replaces" else float("-inf"))
+    full = with_causal_fold(read, "adds" if fold == "in_mask" else fold, FOLDED_FILL, seq_q, seq_k)
+    return (full if fold == "in_mask" else read), full
 
 
 def reference(q, k, v, mask, scale):
@@ -33,71 +43,79 @@ def reference(q, k, v, mask, scale):
     return torch.softmax(s, -1) @ v.double()
 
 
-def run(q, k, v, mask, config, causal_in_mask=True):
+def run(q, k, v, mask, config, fold="in_mask"):
     full = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    return flash_forward(q, k, v, scale=0.3, causal=False, mask=full, config=config, causal_in_mask=causal_in_mask)
+    return flash_forward(q, k, v, scale=0.3, causal=False, mask=full, config=config, causal_fold=fold,
+                         causal_fill=FOLDED_FILL)
+
+
+FOLDS = ["in_mask", "adds", "replaces"]
 
 
 @pytest.mark.parametrize("seq_q,seq_k", [(64, 64), (77, 77), (40, 64), (48, 61)])
 @pytest.mark.parametrize("pad", [0, 5, 20])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_pointer_kernel_matches_float64(seq_q, seq_k, pad, dtype):
+@pytest.mark.parametrize("fold", FOLDS)
+def test_pointer_kernel_matches_float64(seq_q, seq_k, pad, dtype, fold):
     """Even and ragged key ends, Tq < Tk (bottom-right), rows with no real score in the first one or two
     query blocks (pad 5, 20: batch 0's first keys hidden), and none (pad 0)."""
     q, k, v = make_qkv(2, 2, 2, seq_q, seq_k, 16, dtype, seed=seq_q + pad)
-    mask = folded_mask(2, seq_q, seq_k, pad)
-    out, lse = run(q, k, v, mask, POINTER)
+    read, full = folded_mask(2, seq_q, seq_k, pad, fold)
+    out, lse = run(q, k, v, read, POINTER, fold)
     assert out.isfinite().all()
-    assert_close(out, reference(q, k, v, mask, 0.3), OUT_TOL[dtype])
-    want_lse = torch.logsumexp(0.3 * q.double() @ k.double().mT + mask.double(), -1)
+    assert_close(out, reference(q, k, v, full, 0.3), OUT_TOL[dtype])
+    want_lse = torch.logsumexp(0.3 * q.double() @ k.double().mT + full.double(), -1)
     finite = want_lse > -1e30  # (a row averaging the fill has lse near finfo.min: the kernel's is its own level)
     assert_close(lse[finite], want_lse[finite], OUT_TOL[dtype])
 
 
 @pytest.mark.parametrize("seq_q,seq_k", [(64, 64), (48, 61)])
 @pytest.mark.parametrize("pad", [0, 20])
-def test_tma_kernel_matches_float64(seq_q, seq_k, pad, monkeypatch):
+@pytest.mark.parametrize("fold", FOLDS)
+def test_tma_kernel_matches_float64(seq_q, seq_k, pad, fold, monkeypatch):
     from fxopt.attention import flash_forward_tma as tma_module
     calls = []
     monkeypatch.setattr("fxopt.attention.flash_forward.flash_forward_tma",
                         lambda *a, **kw: calls.append(1) or tma_module.flash_forward_tma(*a, **kw))
     q, k, v = make_qkv(2, 2, 2, seq_q, seq_k, 16, torch.float16, transposed=True, seed=seq_k + pad)
-    mask = folded_mask(2, seq_q, seq_k, pad)
-    out, _ = run(q, k, v, mask, TMA)
+    read, full = folded_mask(2, seq_q, seq_k, pad, fold)
+    out, _ = run(q, k, v, read, TMA, fold)
     assert calls, "the TMA kernel did not run"
     assert out.isfinite().all()
-    assert_close(out, reference(q, k, v, mask, 0.3), OUT_TOL[torch.float16])
+    assert_close(out, reference(q, k, v, full, 0.3), OUT_TOL[torch.float16])
 
 
 @pytest.mark.parametrize("config", [POINTER, TMA], ids=["pointer", "tma"])
-def test_blocks_above_the_diagonal_are_skipped_where_every_row_sees_a_real_score(config):
+@pytest.mark.parametrize("fold", FOLDS)
+def test_blocks_above_the_diagonal_are_skipped_where_every_row_sees_a_real_score(config, fold):
     """Values NaN from key 32 on: with the skip, the query blocks ending before key 32 never read them
     (their rows are finite and right); without it, every row visits every key and is NaN (0 * NaN). Batch
     0's left-padded rows (query block 0) must visit the future keys: NaN there, as in eager (whose weights
     for those keys are not 0 in these rows alone)."""
     q, k, v = make_qkv(2, 2, 2, 64, 64, 16, torch.float16, seed=7)
-    mask = folded_mask(2, 64, 64, pad=4)
-    want = reference(q, k, v, mask, 0.3)  # before the NaN: keys 32 on weigh 0 in rows before 32 but 0-3
+    read, full = folded_mask(2, 64, 64, 4, fold)
+    want = reference(q, k, v, full, 0.3)  # before the NaN: keys 32 on weigh 0 in rows before 32 but 0-3
     v[:, :, 32:] = float("nan")
-    out, _ = run(q, k, v, mask, config)
+    out, _ = run(q, k, v, read, config, fold)
     assert_close(out[1, :, :32], want[1, :, :32], OUT_TOL[torch.float16])
     assert_close(out[0, :, 16:32], want[0, :, 16:32], OUT_TOL[torch.float16])
     assert out[0, :, :4].isnan().all()  # rows 0-3 see only padding: they average every key, as eager
-    unskipped, _ = run(q, k, v, mask, config, causal_in_mask=False)
+    unskipped, _ = flash_forward(q, k, v, scale=0.3, causal=False, mask=full.expand(2, 2, 64, 64), config=config)
     assert unskipped[1, :, :32].isnan().all()
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("pad", [0, 40])
-def test_gpu_bf16_hd128_default_config(pad):
+@pytest.mark.parametrize("fold", FOLDS)
+def test_gpu_bf16_hd128_default_config(pad, fold):
     """The real compiler (TMA where the GPU has it), bfloat16, head dim 128, the default blocks: right
     against float64, and keys 128 on (NaN values) never read by the query blocks before row 128 of the
     batch without padding (every default block divides 128)."""
     q, k, v = (t.cuda() for t in make_qkv(2, 4, 4, 256, 256, 128, torch.bfloat16, transposed=True, seed=pad))
-    mask = folded_mask(2, 256, 256, pad).cuda()
-    want = reference(q, k, v, mask, 0.3)
-    out, _ = run(q, k, v, mask, None)
+    read, full = (t.cuda() for t in folded_mask(2, 256, 256, pad, fold))
+    want = reference(q, k, v, full, 0.3)
+    out, _ = run(q, k, v, read, None, fold)
     assert_close(out, want, OUT_TOL[torch.bfloat16])
     v[:, :, 128:] = float("nan")
-    out, _ = run(q, k, v, mask, None)
+    out, _ = run(q, k, v, read, None, fold)
     assert_close(out[1, :, :128], want[1, :, :128], OUT_TOL[torch.bfloat16])
