@@ -36,14 +36,15 @@ from .flash_common import (
 from .flash_backward_tma import flash_backward_tma
 from .flash_forward_tma import tiles_fit, tma_applies, tma_readable
 from .launch_plans import frozen, planned
-from .mask_tiles import FILL_MASK, add_mask, mask_arguments, mask_kind
+from .mask_tiles import FILL_MASK, add_mask, fold_causal, fold_mode, mask_arguments, mask_kind
 
 __all__ = ["flash_backward", "backward_config"]
 
 
 def flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, scale: float,
                    causal: bool, mask: Tensor | None = None, config: dict | None = None,
-                   key_slopes: Tensor | None = None, zero_empty_rows: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                   key_slopes: Tensor | None = None, zero_empty_rows: bool = False, causal_fold: str | None = None,
+                   causal_fill: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv) of flash_forward's out, given dout (any strides) and the forward's out
     and lse; shapes, dtypes and memory order of q, k, v (`torch.empty_like`: the model's backward
     reshapes them to [B, T, H * D] without a copy). The mask gets no gradient. `config`:
@@ -53,7 +54,9 @@ def flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     bias (ALiBi), recomputed here. `zero_empty_rows`: the mask came from a fill (`masked_fill(m, -inf)`,
     `where(keep, s, -inf)`), whose eager backward gives every masked score a gradient of 0: a query row
     masked entirely (NaN output, lse -inf) then adds nothing to dq and dk, where an additive -inf mask's
-    NaN reaches both (dv is NaN either way, as in eager)."""
+    NaN reaches both (dv is NaN either way, as in eager). `causal_fold`, `causal_fill`: flash_forward's
+    (every key block is visited here)."""
+    fold = fold_mode(causal_fold, mask, causal)
     use_tma, cfg = _backward_plan((dout, q, k, v, out, lse, mask, key_slopes), scale, causal, frozen(config))
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
@@ -63,7 +66,7 @@ def flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     shared = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, EVEN_D=head_dim == block_d,
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     attention = dict(CAUSAL=causal, HAS_MASK=mask_kind(mask, zero_empty_rows), HAS_SLOPES=key_slopes is not None,
-                     DOT_PRECISION=dot_precision(q.dtype), **shared)
+                     DOT_PRECISION=dot_precision(q.dtype), FOLD=fold, **shared)
     mask_args = (*mask_arguments(mask, q), q if key_slopes is None else key_slopes)
 
     block_m = cfg["DQ_BLOCK_M"]
@@ -72,21 +75,21 @@ def flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
         BLOCK_M=block_m, EVEN_M=seq_q % block_m == 0, **shared)
     if use_tma:
         return flash_backward_tma(dout, q, k, v, lse, delta, scale=scale, causal=causal, cfg=cfg, key_slopes=key_slopes,
-                                  mask=mask, zero_empty_rows=zero_empty_rows)
+                                  mask=mask, zero_empty_rows=zero_empty_rows, fold=fold, causal_fill=causal_fill)
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))  # each laid out like its input
 
     block_m, block_n = cfg["DKDV_BLOCK_M"], cfg["DKDV_BLOCK_N"]
     launcher(_dkdv_kernel, (cdiv(seq_k, block_n), batch * kv_heads), q.device)(
         q, k, v, *mask_args, dout, lse, delta, dk, dv,
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
-        kv_heads, heads // kv_heads, seq_q, seq_k, scale, scale * LOG2E.value,
+        kv_heads, heads // kv_heads, seq_q, seq_k, scale, scale * LOG2E.value, causal_fill,
         BLOCK_M=block_m, BLOCK_N=block_n, EVEN_M=seq_q % block_m == 0, EVEN_N=seq_k % block_n == 0, **attention)
 
     block_m, block_n = cfg["DQ_BLOCK_M"], cfg["DQ_BLOCK_N"]
     launcher(_dq_kernel, (cdiv(seq_q, block_m), batch * heads), q.device)(
         q, k, v, *mask_args, dout, lse, delta, dq,
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(),
-        heads, heads // kv_heads, seq_q, seq_k, scale, scale * LOG2E.value,
+        heads, heads // kv_heads, seq_q, seq_k, scale, scale * LOG2E.value, causal_fill,
         BLOCK_M=block_m, BLOCK_N=block_n, EVEN_M=seq_q % block_m == 0, EVEN_N=seq_k % block_n == 0, **attention)
     return dq, dk, dv
 
@@ -148,10 +151,10 @@ def _dkdv_kernel(
         stride_dob, stride_doh, stride_dom, stride_dod,
         stride_dkb, stride_dkh, stride_dkn, stride_dkd,
         stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-        num_kv_heads, group_size, seq_q, seq_k, sm_scale, qk_scale,
+        num_kv_heads, group_size, seq_q, seq_k, sm_scale, qk_scale, causal_fill,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SLOPES: tl.constexpr, EVEN_M: tl.constexpr,
-        EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, FOLD: tl.constexpr):
     """dK and dV for BLOCK_N keys of one (batch, kv head), summed over the query heads of its group."""
     n0 = tl.program_id(0) * BLOCK_N
     bkv = tl.program_id(1)
@@ -178,20 +181,20 @@ def _dkdv_kernel(
         if CAUSAL:
             dk, dv = _accumulate_dkdv(
                 dk, dv, k, v, q_head, do_head, mask_head, Lse + rows_head, Delta + rows_head, n0, first, mask_free_lo,
-                seq_q, seq_k, causal_shift, qk_scale, slope, stride_qm, stride_qd, stride_dom, stride_dod, stride_mm,
-                stride_mn, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_SLOPES,
-                True, EVEN_M, EVEN_N, EVEN_D, DOT_PRECISION)
+                seq_q, seq_k, causal_shift, qk_scale, slope, causal_fill, stride_qm, stride_qd, stride_dom, stride_dod,
+                stride_mm, stride_mn, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_SLOPES,
+                True, EVEN_M, EVEN_N, EVEN_D, DOT_PRECISION, FOLD)
         dk, dv = _accumulate_dkdv(
             dk, dv, k, v, q_head, do_head, mask_head, Lse + rows_head, Delta + rows_head, n0, mask_free_lo, ragged_lo,
-            seq_q, seq_k, causal_shift, qk_scale, slope, stride_qm, stride_qd, stride_dom, stride_dod, stride_mm,
-            stride_mn, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_SLOPES,
-            False, True, EVEN_N, EVEN_D, DOT_PRECISION)
+            seq_q, seq_k, causal_shift, qk_scale, slope, causal_fill, stride_qm, stride_qd, stride_dom, stride_dod,
+            stride_mm, stride_mn, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_SLOPES,
+            False, True, EVEN_N, EVEN_D, DOT_PRECISION, FOLD)
         if not EVEN_M:
             dk, dv = _accumulate_dkdv(
                 dk, dv, k, v, q_head, do_head, mask_head, Lse + rows_head, Delta + rows_head, n0, ragged_lo, seq_q,
-                seq_q, seq_k, causal_shift, qk_scale, slope, stride_qm, stride_qd, stride_dom, stride_dod, stride_mm,
-                stride_mn, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_SLOPES,
-                False, False, EVEN_N, EVEN_D, DOT_PRECISION)
+                seq_q, seq_k, causal_shift, qk_scale, slope, causal_fill, stride_qm, stride_qd, stride_dom, stride_dod,
+                stride_mm, stride_mn, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_SLOPES,
+                False, False, EVEN_N, EVEN_D, DOT_PRECISION, FOLD)
 
     dk_ptrs = tile_ptrs(DK + batch * stride_dkb + kv_head * stride_dkh, n0, cols, stride_dkn, 0, dims, stride_dkd)
     store_tile(dk_ptrs, (dk * sm_scale).to(DK.dtype.element_ty), n0 + cols, seq_k, dims, HEAD_DIM, EVEN_N, EVEN_D)
@@ -202,11 +205,11 @@ def _dkdv_kernel(
 @triton.jit
 def _accumulate_dkdv(
         dk, dv, k, v, q_head, do_head, mask_head, lse_head, delta_head, n0, query_lo, query_hi,
-        seq_q, seq_k, causal_shift, qk_scale, slope, stride_qm, stride_qd, stride_dom, stride_dod, stride_mm, stride_mn,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_MASK: tl.constexpr, HAS_SLOPES: tl.constexpr,
+        seq_q, seq_k, causal_shift, qk_scale, slope, causal_fill, stride_qm, stride_qd, stride_dom, stride_dod,
+        stride_mm, stride_mn, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SLOPES: tl.constexpr,
         MASK_CAUSAL: tl.constexpr, EVEN_QUERIES: tl.constexpr, EVEN_N: tl.constexpr,
-        EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, FOLD: tl.constexpr):
     """dK^T-side accumulation over query blocks [query_lo, query_hi) of one query head, in transposed
     tiles [keys, queries]. EVEN_QUERIES: every block lies inside the queries. Rows past the keys
     (a ragged key block) produce garbage that is never stored and never summed into valid rows."""
@@ -223,7 +226,8 @@ def _accumulate_dkdv(
         if HAS_MASK:
             bias_t = load_tile(tile_ptrs(mask_head, n0, cols, stride_mn, m0, rows, stride_mm), n0 + cols, seq_k,
                                m0 + rows, seq_q, EVEN_N, EVEN_QUERIES)
-            s_t = add_mask(s_t, bias_t)
+            s_t = add_mask(s_t, fold_causal(bias_t, m0 + rows[None, :], n0 + cols[:, None], causal_shift, causal_fill,
+                                            FOLD))
         if MASK_CAUSAL or not EVEN_QUERIES:
             s_t = tl.where(visible(m0 + rows[None, :], n0 + cols[:, None], seq_q, seq_k, causal_shift, MASK_CAUSAL),
                            s_t, float("-inf"))
@@ -249,10 +253,10 @@ def _dq_kernel(
         stride_vb, stride_vh, stride_vn, stride_vd,
         stride_dob, stride_doh, stride_dom, stride_dod,
         stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-        num_heads, group_size, seq_q, seq_k, sm_scale, qk_scale,
+        num_heads, group_size, seq_q, seq_k, sm_scale, qk_scale, causal_fill,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SLOPES: tl.constexpr, EVEN_M: tl.constexpr,
-        EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, FOLD: tl.constexpr):
     """dQ for BLOCK_M query rows of one (batch, head)."""
     block_m = tl.program_id(0)
     if CAUSAL:  # heaviest query blocks first
@@ -282,13 +286,14 @@ def _dq_kernel(
     mask_free_end, end = key_ranges(m0, seq_k, causal_shift, BLOCK_M, BLOCK_N, CAUSAL)
     dq = _accumulate_dq(
         dq, q, do, lse, delta, k_head, v_head, mask_head, m0, 0, mask_free_end, seq_q, seq_k, causal_shift, qk_scale,
-        slope, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
-        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_SLOPES, False, EVEN_M, True, EVEN_D, DOT_PRECISION)
+        slope, causal_fill, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_SLOPES, False, EVEN_M, True, EVEN_D, DOT_PRECISION, FOLD)
     if CAUSAL or not EVEN_N:
         dq = _accumulate_dq(
             dq, q, do, lse, delta, k_head, v_head, mask_head, m0, mask_free_end, end, seq_q, seq_k, causal_shift,
-            qk_scale, slope, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
-            HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_SLOPES, CAUSAL, EVEN_M, EVEN_N, EVEN_D, DOT_PRECISION)
+            qk_scale, slope, causal_fill, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+            HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_SLOPES, CAUSAL, EVEN_M, EVEN_N, EVEN_D, DOT_PRECISION,
+            FOLD)
 
     if HAS_MASK == FILL_MASK:  # (as in _accumulate_dkdv)
         dq = tl.where(lse[:, None] == float("-inf"), 0.0, dq)
@@ -299,10 +304,10 @@ def _dq_kernel(
 @triton.jit
 def _accumulate_dq(
         dq, q, do, lse, delta, k_head, v_head, mask_head, m0, key_lo, key_hi, seq_q, seq_k, causal_shift, qk_scale,
-        slope, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+        slope, causal_fill, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_MASK: tl.constexpr, HAS_SLOPES: tl.constexpr, MASK_CAUSAL: tl.constexpr, EVEN_M: tl.constexpr,
-        EVEN_KEYS: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        EVEN_KEYS: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, FOLD: tl.constexpr):
     """dQ accumulation over key blocks [key_lo, key_hi); lse is in base 2 here."""
     rows = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -317,7 +322,7 @@ def _accumulate_dq(
         if HAS_MASK:
             bias = load_tile(tile_ptrs(mask_head, m0, rows, stride_mm, n0, cols, stride_mn), m0 + rows, seq_q,
                              n0 + cols, seq_k, EVEN_M, EVEN_KEYS)
-            s = add_mask(s, bias)
+            s = add_mask(s, fold_causal(bias, m0 + rows[:, None], n0 + cols[None, :], causal_shift, causal_fill, FOLD))
         if MASK_CAUSAL or not EVEN_KEYS:
             s = tl.where(visible(m0 + rows[:, None], n0 + cols[None, :], seq_q, seq_k, causal_shift, MASK_CAUSAL),
                          s, float("-inf"))

@@ -26,22 +26,23 @@ from ..codegen.jit_keys import settle as settle_cache_keys
 from ..codegen.wrapper_runtime import cdiv
 from .flash_common import LOG2E, add_key_slope, head_slope, key_ranges, launcher, load_rows, query_ranges, visible
 from .flash_forward_tma import descriptor, query_block_program
-from .mask_tiles import FILL_MASK, add_mask, load_mask_block, mask_arguments, mask_kind, reads_mask_row
+from .mask_tiles import FILL_MASK, add_mask, fold_causal, load_mask_block, mask_arguments, mask_kind, reads_mask_row
 
 __all__ = ["flash_backward_tma"]
 
 
 def flash_backward_tma(dout, q, k, v, lse, delta, *, scale: float, causal: bool, cfg: dict,
                        key_slopes: Tensor | None = None, mask: Tensor | None = None,
-                       zero_empty_rows: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                       zero_empty_rows: bool = False, fold: int = 0,
+                       causal_fill: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) for inputs the TMA path accepts (the caller checked tma_applies and dout); `delta`
     already computed; cfg resolved (DKDV_/DQ_ blocks, num_warps, num_stages); key_slopes, mask (expanded to
-    [B, H, Tq, Tk]) and zero_empty_rows as flash_backward's."""
+    [B, H, Tq, Tk]), zero_empty_rows and causal_fill as flash_backward's; fold: the kernels' FOLD."""
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
     shared = dict(HEAD_DIM=head_dim, CAUSAL=causal, HAS_SLOPES=key_slopes is not None,
-                  HAS_MASK=mask_kind(mask, zero_empty_rows), MASK_ROW=reads_mask_row(mask),
+                  HAS_MASK=mask_kind(mask, zero_empty_rows), MASK_ROW=reads_mask_row(mask), FOLD=fold,
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     slopes = lse if key_slopes is None else key_slopes  # (unread without slopes)
     mask_args = mask_arguments(mask, q)
@@ -50,14 +51,14 @@ def flash_backward_tma(dout, q, k, v, lse, delta, *, scale: float, causal: bool,
     launcher(_dkdv_tma_kernel, (cdiv(seq_k, block_n), batch * kv_heads), q.device)(
         descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(dout, block_m),
         descriptor(dk, block_n), descriptor(dv, block_n), lse, delta, slopes, *mask_args,
-        kv_heads, heads // kv_heads, seq_q, seq_k, scale, scale * LOG2E.value,
+        kv_heads, heads // kv_heads, seq_q, seq_k, scale, scale * LOG2E.value, causal_fill,
         BLOCK_M=block_m, BLOCK_N=block_n, EVEN_M=seq_q % block_m == 0, EVEN_N=seq_k % block_n == 0, **shared)
 
     block_m, block_n = cfg["DQ_BLOCK_M"], cfg["DQ_BLOCK_N"]
     launcher(_dq_tma_kernel, (cdiv(seq_q, block_m), batch * heads), q.device)(
         descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(dout, block_m),
         descriptor(dq, block_m), lse, delta, slopes, *mask_args,
-        heads, heads // kv_heads, seq_q, seq_k, scale, scale * LOG2E.value,
+        heads, heads // kv_heads, seq_q, seq_k, scale, scale * LOG2E.value, causal_fill,
         BLOCK_M=block_m, BLOCK_N=block_n, EVEN_M=seq_q % block_m == 0, EVEN_N=seq_k % block_n == 0, **shared)
     return dq, dk, dv
 
@@ -65,10 +66,10 @@ def flash_backward_tma(dout, q, k, v, lse, delta, *, scale: float, causal: bool,
 @triton.jit
 def _dkdv_tma_kernel(
         q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, Slopes, Mask, stride_mb, stride_mh,
-        stride_mm, stride_mn, num_kv_heads, group_size, seq_q, seq_k, sm_scale, qk_scale,
+        stride_mm, stride_mn, num_kv_heads, group_size, seq_q, seq_k, sm_scale, qk_scale, causal_fill,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
         HAS_SLOPES: tl.constexpr, HAS_MASK: tl.constexpr, MASK_ROW: tl.constexpr, EVEN_M: tl.constexpr,
-        EVEN_N: tl.constexpr):
+        EVEN_N: tl.constexpr, FOLD: tl.constexpr):
     """dK and dV for BLOCK_N keys of one (batch, kv head), summed over the query heads of its group."""
     n0 = tl.program_id(0) * BLOCK_N
     bkv = tl.program_id(1)
@@ -88,27 +89,27 @@ def _dkdv_tma_kernel(
         if CAUSAL:
             dk, dv = _accumulate_dkdv_tma(dk, dv, k, v, q_desc, do_desc, Lse + rows_head, Delta + rows_head,
                                           mask_head, stride_mm, stride_mn, batch, head, n0, first, mask_free_lo, seq_q,
-                                          seq_k, causal_shift, qk_scale, slope, HEAD_DIM, BLOCK_M, BLOCK_N, True, True,
-                                          HAS_SLOPES, HAS_MASK, MASK_ROW, EVEN_N)
+                                          seq_k, causal_shift, qk_scale, slope, causal_fill, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                          True, True, HAS_SLOPES, HAS_MASK, MASK_ROW, EVEN_N, FOLD)
         dk, dv = _accumulate_dkdv_tma(dk, dv, k, v, q_desc, do_desc, Lse + rows_head, Delta + rows_head, mask_head,
                                       stride_mm, stride_mn, batch, head, n0, mask_free_lo, ragged_lo, seq_q, seq_k,
-                                      causal_shift, qk_scale, slope, HEAD_DIM, BLOCK_M, BLOCK_N, False, False,
-                                      HAS_SLOPES, HAS_MASK, MASK_ROW, EVEN_N)
+                                      causal_shift, qk_scale, slope, causal_fill, HEAD_DIM, BLOCK_M, BLOCK_N, False,
+                                      False, HAS_SLOPES, HAS_MASK, MASK_ROW, EVEN_N, FOLD)
         if not EVEN_M:
             dk, dv = _accumulate_dkdv_tma(dk, dv, k, v, q_desc, do_desc, Lse + rows_head, Delta + rows_head,
                                           mask_head, stride_mm, stride_mn, batch, head, n0, ragged_lo, seq_q, seq_q,
-                                          seq_k, causal_shift, qk_scale, slope, HEAD_DIM, BLOCK_M, BLOCK_N, True,
-                                          False, HAS_SLOPES, HAS_MASK, MASK_ROW, EVEN_N)
+                                          seq_k, causal_shift, qk_scale, slope, causal_fill, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                          True, False, HAS_SLOPES, HAS_MASK, MASK_ROW, EVEN_N, FOLD)
     dk_desc.store([batch, kv_head, n0, 0], (dk * sm_scale).to(dk_desc.dtype).reshape(1, 1, BLOCK_N, HEAD_DIM))
     dv_desc.store([batch, kv_head, n0, 0], dv.to(dv_desc.dtype).reshape(1, 1, BLOCK_N, HEAD_DIM))
 
 
 @triton.jit
 def _accumulate_dkdv_tma(dk, dv, k, v, q_desc, do_desc, lse_head, delta_head, mask_head, stride_mm, stride_mn, batch,
-                         head, n0, query_lo, query_hi, seq_q, seq_k, causal_shift, qk_scale, slope,
+                         head, n0, query_lo, query_hi, seq_q, seq_k, causal_shift, qk_scale, slope, causal_fill,
                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                          MASK_CAUSAL: tl.constexpr, HAS_SLOPES: tl.constexpr, HAS_MASK: tl.constexpr,
-                         MASK_ROW: tl.constexpr, EVEN_N: tl.constexpr):
+                         MASK_ROW: tl.constexpr, EVEN_N: tl.constexpr, FOLD: tl.constexpr):
     """Over query blocks [query_lo, query_hi) of one query head, in transposed tiles [keys, queries];
     blocks that are not MASKED lie inside the queries."""
     rows = tl.arange(0, BLOCK_M)
@@ -120,8 +121,10 @@ def _accumulate_dkdv_tma(dk, dv, k, v, q_desc, do_desc, lse_head, delta_head, ma
         if HAS_SLOPES:
             s_t = add_key_slope(s_t, slope, m0 + rows[None, :], n0 + cols[:, None], causal_shift)
         if HAS_MASK:
-            s_t = add_mask(s_t, load_mask_block(mask_head, stride_mm, stride_mn, m0, rows[None, :], n0, cols[:, None],
-                                                seq_q, seq_k, not MASKED, EVEN_N, MASK_ROW))
+            bias_t = load_mask_block(mask_head, stride_mm, stride_mn, m0, rows[None, :], n0, cols[:, None], seq_q,
+                                     seq_k, not MASKED, EVEN_N, MASK_ROW)
+            s_t = add_mask(s_t, fold_causal(bias_t, m0 + rows[None, :], n0 + cols[:, None], causal_shift, causal_fill,
+                                            FOLD))
         if MASKED:
             s_t = tl.where(visible(m0 + rows[None, :], n0 + cols[:, None], seq_q, seq_k, causal_shift, MASK_CAUSAL),
                            s_t, float("-inf"))
@@ -141,10 +144,10 @@ def _accumulate_dkdv_tma(dk, dv, k, v, q_desc, do_desc, lse_head, delta_head, ma
 @triton.jit
 def _dq_tma_kernel(
         q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, Slopes, Mask, stride_mb, stride_mh, stride_mm,
-        stride_mn, num_heads, group_size, seq_q, seq_k, sm_scale, qk_scale,
+        stride_mn, num_heads, group_size, seq_q, seq_k, sm_scale, qk_scale, causal_fill,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
         HAS_SLOPES: tl.constexpr, HAS_MASK: tl.constexpr, MASK_ROW: tl.constexpr, EVEN_M: tl.constexpr,
-        EVEN_N: tl.constexpr):
+        EVEN_N: tl.constexpr, FOLD: tl.constexpr):
     """dQ for BLOCK_M query rows of one (batch, head)."""
     bh, batch, head, kv_head, m0 = query_block_program(num_heads, group_size, BLOCK_M, CAUSAL)
     rows = tl.arange(0, BLOCK_M)
@@ -159,12 +162,13 @@ def _dq_tma_kernel(
     mask_head = Mask + batch.to(tl.int64) * stride_mb + head.to(tl.int64) * stride_mh
     mask_free_end, end = key_ranges(m0, seq_k, causal_shift, BLOCK_M, BLOCK_N, CAUSAL)
     dq = _accumulate_dq_tma(dq, q, do, lse, delta, k_desc, v_desc, mask_head, stride_mm, stride_mn, batch, kv_head, m0,
-                            0, mask_free_end, seq_q, seq_k, causal_shift, qk_scale, slope, HEAD_DIM, BLOCK_M, BLOCK_N,
-                            False, False, HAS_SLOPES, HAS_MASK, MASK_ROW, EVEN_M)
+                            0, mask_free_end, seq_q, seq_k, causal_shift, qk_scale, slope, causal_fill, HEAD_DIM,
+                            BLOCK_M, BLOCK_N, False, False, HAS_SLOPES, HAS_MASK, MASK_ROW, EVEN_M, FOLD)
     if CAUSAL or not EVEN_N:
         dq = _accumulate_dq_tma(dq, q, do, lse, delta, k_desc, v_desc, mask_head, stride_mm, stride_mn, batch,
-                                kv_head, m0, mask_free_end, end, seq_q, seq_k, causal_shift, qk_scale, slope, HEAD_DIM,
-                                BLOCK_M, BLOCK_N, True, CAUSAL, HAS_SLOPES, HAS_MASK, MASK_ROW, EVEN_M)
+                                kv_head, m0, mask_free_end, end, seq_q, seq_k, causal_shift, qk_scale, slope,
+                                causal_fill, HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL, HAS_SLOPES, HAS_MASK, MASK_ROW,
+                                EVEN_M, FOLD)
     if HAS_MASK == FILL_MASK:  # (as in _accumulate_dkdv_tma)
         dq = tl.where(lse[:, None] == float("-inf"), 0.0, dq)
     dq_desc.store([batch, head, m0, 0], (dq * sm_scale).to(dq_desc.dtype).reshape(1, 1, BLOCK_M, HEAD_DIM))
@@ -172,10 +176,10 @@ def _dq_tma_kernel(
 
 @triton.jit
 def _accumulate_dq_tma(dq, q, do, lse, delta, k_desc, v_desc, mask_head, stride_mm, stride_mn, batch, kv_head, m0,
-                       key_lo, key_hi, seq_q, seq_k, causal_shift, qk_scale, slope, HEAD_DIM: tl.constexpr,
+                       key_lo, key_hi, seq_q, seq_k, causal_shift, qk_scale, slope, causal_fill, HEAD_DIM: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, MASK_CAUSAL: tl.constexpr,
                        HAS_SLOPES: tl.constexpr, HAS_MASK: tl.constexpr, MASK_ROW: tl.constexpr,
-                       EVEN_M: tl.constexpr):
+                       EVEN_M: tl.constexpr, FOLD: tl.constexpr):
     """dQ over key blocks [key_lo, key_hi) (inside the keys unless MASKED); lse is in base 2 here."""
     rows = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -186,8 +190,9 @@ def _accumulate_dq_tma(dq, q, do, lse, delta, k_desc, v_desc, mask_head, stride_
         if HAS_SLOPES:
             s = add_key_slope(s, slope, m0 + rows[:, None], n0 + cols[None, :], causal_shift)
         if HAS_MASK:
-            s = add_mask(s, load_mask_block(mask_head, stride_mm, stride_mn, m0, rows[:, None], n0, cols[None, :],
-                                            seq_q, seq_k, EVEN_M, not MASKED, MASK_ROW))
+            bias = load_mask_block(mask_head, stride_mm, stride_mn, m0, rows[:, None], n0, cols[None, :], seq_q, seq_k,
+                                   EVEN_M, not MASKED, MASK_ROW)
+            s = add_mask(s, fold_causal(bias, m0 + rows[:, None], n0 + cols[None, :], causal_shift, causal_fill, FOLD))
         if MASKED:
             s = tl.where(visible(m0 + rows[:, None], n0 + cols[None, :], seq_q, seq_k, causal_shift, MASK_CAUSAL),
                          s, float("-inf"))

@@ -38,7 +38,9 @@ from .flash_common import (
     add_key_slope, head_slope, key_ranges, launcher, log_sum_exp, running_max, softmax_denominator, store_rows,
     visible,
 )
-from .mask_tiles import add_mask, causal_keys_end, fold_causal, load_mask_block, mask_arguments, reads_mask_row, sees_no_real_score
+from .mask_tiles import (
+    add_mask, causal_keys_end, fold_causal, load_mask_block, mask_arguments, reads_mask_row, sees_no_real_score,
+)
 
 try:  # triton >= 3.4
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -90,7 +92,8 @@ _DESCRIPTOR_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TensorDesc
 
 def flash_forward_tma(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool, cfg: dict,
                       store_lse: bool = True, key_slopes: Tensor | None = None, mask: Tensor | None = None,
-                      safe_softmax: bool = False, fold: int = 0, causal_fill: float = 0.0) -> tuple[Tensor, Tensor | None]:
+                      safe_softmax: bool = False, fold: int = 0,
+                      causal_fill: float = 0.0) -> tuple[Tensor, Tensor | None]:
     """flash_forward's (out, lse) for inputs `tma_applies` accepted; cfg: BLOCK_M, BLOCK_N, num_warps,
     num_stages (already resolved); without store_lse, (out, None); key_slopes, mask (expanded to
     [B, H, Tq, Tk]), safe_softmax and causal_fill as flash_forward's; fold: the kernels' FOLD for its causal_fold."""

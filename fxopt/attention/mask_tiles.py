@@ -23,8 +23,8 @@ from torch import Tensor
 from ..codegen.jit_keys import settle as settle_cache_keys
 from .flash_common import LN2, LOG2E
 
-__all__ = ["FILL_MASK", "mask_arguments", "mask_kind", "reads_mask_row", "add_mask", "load_mask_block", "causal_keys_end",
-           "sees_no_real_score", "fold_causal", "fold_mode", "CAUSAL_FOLDS"]
+__all__ = ["FILL_MASK", "mask_arguments", "mask_kind", "reads_mask_row", "add_mask", "load_mask_block",
+           "causal_keys_end", "sees_no_real_score", "fold_causal", "fold_mode", "CAUSAL_FOLDS"]
 
 # A finite mask value at or below this whose sum with the score rounds to the mask value itself (eager's
 # fp32 `s + finfo.min` is finfo.min) masks its key: the score becomes MASKED_SCORE (see add_mask). Far below

@@ -176,17 +176,18 @@ def run_flash_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, 
                                  causal_fill: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     """The backward's implementation. The kernels need no `safe_softmax`: the forward stored lse = +inf
     for a row with no visible key, so P = exp(s - lse) is 0 there (flash_common.log_sum_exp). A causal
-    fold is built into the mask here (the backward visits every key block of such a site)."""
+    fold is applied by the kernels as in the forward, but every key block is visited."""
     scale = _scale_of(q, scale, scale_by, scale_power)
-    mask = reference.with_causal_fold(mask, causal_fold, causal_fill, q.shape[2], k.shape[2])
     if not _kernels_take(q) or not 0 < scale < math.inf:
+        mask = reference.with_causal_fold(mask, causal_fold, causal_fill, q.shape[2], k.shape[2])
         mask = reference.with_key_slopes(mask, key_slopes, q.shape[2], k.shape[2])
         dq, dk, dv = reference.attention_backward(dout, q, k, v, scale=scale, causal=causal, mask=mask,
                                                   safe=safe_softmax, zero_empty_rows=mask_is_fill)
         return _laid_out_like(dq, q), _laid_out_like(dk, k), _laid_out_like(dv, v)
     from .flash_backward import flash_backward
     return _triton_call(q, flash_backward, dout, q, k, v, out, lse, scale=scale, causal=causal,
-                        mask=_full_mask(mask, q, k), key_slopes=key_slopes, zero_empty_rows=mask_is_fill)
+                        mask=_full_mask(mask, q, k), key_slopes=key_slopes, zero_empty_rows=mask_is_fill,
+                        causal_fold=causal_fold, causal_fill=causal_fill)
 
 
 flash_attention_backward = torch.library.custom_op("fxopt::flash_attention_backward",

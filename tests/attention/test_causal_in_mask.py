@@ -12,13 +12,15 @@ import pytest
 import torch
 
 from fxopt.analysis.attention_masks import FOLDED_FILL
+from fxopt.attention.flash_backward import flash_backward
 from fxopt.attention.flash_forward import flash_forward
 from fxopt.attention.reference import with_causal_fold
 
-from .test_flash_kernels import OUT_TOL, assert_close, make_qkv
+from .test_flash_kernels import GRAD_TOL, OUT_TOL, assert_close, make_qkv
 
 POINTER = dict(TMA=False, BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
 TMA = dict(TMA=True, BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+BACKWARD = dict(DKDV_BLOCK_M=16, DKDV_BLOCK_N=16, DQ_BLOCK_M=16, DQ_BLOCK_N=16, num_warps=4, num_stages=1)
 
 
 def padding(batch, seq_k, pad, fill=float("-inf")):
@@ -104,6 +106,26 @@ def test_blocks_above_the_diagonal_are_skipped_where_every_row_sees_a_real_score
     assert unskipped[1, :, :32].isnan().all()
 
 
+@pytest.mark.parametrize("tma", [False, True], ids=["pointer", "tma"])
+@pytest.mark.parametrize("fold", FOLDS)
+def test_backward_folds_the_fill_as_the_forward(fold, tma):
+    """dq, dk, dv with the fold applied by the backward kernels (every key block visited) against float64
+    autograd over the mask it stands for; no row without a real score (pad 0: README, Attention, known
+    difference (1) is about those rows' dq and dk)."""
+    dtype = torch.float16 if tma else torch.float32
+    q, k, v = make_qkv(2, 2, 2, 48, 61, 16, dtype, transposed=tma, seed=3)
+    read, full = folded_mask(2, 48, 61, 0, fold)
+    out, lse = run(q, k, v, read, POINTER, fold)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).to(dtype)
+    config = dict(BACKWARD, TMA=tma)
+    grads = flash_backward(dout, q, k, v, out, lse, scale=0.3, causal=False, mask=read.expand(2, 2, 48, 61),
+                           config=config, causal_fold=fold, causal_fill=FOLDED_FILL)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    reference(*leaves, full, 0.3).backward(dout.double())
+    for got, leaf in zip(grads, leaves):
+        assert_close(got, leaf.grad, GRAD_TOL[dtype])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("pad", [0, 40])
 @pytest.mark.parametrize("fold", FOLDS)
@@ -119,3 +141,19 @@ def test_gpu_bf16_hd128_default_config(pad, fold):
     v[:, :, 128:] = float("nan")
     out, _ = run(q, k, v, read, None, fold)
     assert_close(out[1, :, :128], want[1, :, :128], OUT_TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fold", FOLDS)
+def test_gpu_bf16_hd128_backward(fold):
+    """The real compiler's backward (TMA where the GPU has it) with the fold, bfloat16, head dim 128."""
+    q, k, v = (t.cuda() for t in make_qkv(2, 4, 4, 256, 256, 128, torch.bfloat16, transposed=True, seed=9))
+    read, full = (t.cuda() for t in folded_mask(2, 256, 256, 0, fold))
+    out, lse = run(q, k, v, read, None, fold)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16).cuda()
+    grads = flash_backward(dout, q, k, v, out, lse, scale=0.3, causal=False, mask=read.expand(2, 4, 256, 256),
+                           causal_fold=fold, causal_fill=FOLDED_FILL)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    reference(*leaves, full, 0.3).backward(dout.double())
+    for got, leaf in zip(grads, leaves):
+        assert_close(got, leaf.grad, GRAD_TOL[torch.bfloat16])
