@@ -236,6 +236,24 @@ def make_attn_hf_padded(device, dtype, quick):
     return _hf_gpt2_padded, (*_qkv(device, dtype, B, H, T, T, D), attention_mask)
 
 
+def _hf_gpt2_padded_fwd_bwd(q, k, v, attention_mask, dout):
+    return _gradients(_hf_gpt2_padded(q, k, v, attention_mask), (q, k, v), dout)
+
+
+def _sdpa_causal_and_padded_fwd_bwd(q, k, v, attention_mask, dout):
+    return _gradients(_sdpa_causal_and_padded(q, k, v, attention_mask), (q, k, v), dout)
+
+
+@workload("attn_hf_padded_bwd", "attn_hf_padded fwd+bwd (dq, dk, dv) via autograd (fxopt's backward visits "
+          "every key block there); B8 H16 T2048 D128; FLOPs = 3.5x causal fwd", kind="attention", training=True,
+          flops=_causal_fwd_bwd_flops, anchor=_sdpa_causal_and_padded_fwd_bwd, rtol=5e-2, atol=5e-2)
+def make_attn_hf_padded_bwd(device, dtype, quick):
+    B, H, T, D = (2, 2, 64, 32) if quick else (8, 16, 2048, 128)
+    attention_mask = (1.0 - _padding_keep(B, T, device).to(dtype)) * torch.finfo(dtype).min
+    q, k, v = _qkv(device, dtype, B, H, T, T, D, requires_grad=True)
+    return _hf_gpt2_padded_fwd_bwd, (q, k, v, attention_mask, randn(B, H, T, D, device=device, dtype=dtype))
+
+
 # ---------------------------------------------------------------- GPT-2 block
 
 class CausalSelfAttention(nn.Module):
