@@ -45,6 +45,8 @@ TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2}
 NEAR_MISSES = ["softmax over queries", "finite fill scaled after", "scores returned", "probs returned",
                "mask from values", "nan fill", "kv tiled", "v scaled", "bool mask added", "top-left causal",
                "diagonal masked", "max subtracted", "scores rounded to fp16", "head dim 8", "probs scaled"]
+MASK_NEAR_MISSES = {"finite fill scaled after", "mask from values", "nan fill", "bool mask added", "top-left causal",
+                    "diagonal masked"}  # (the others leave the masks as they are: the known differences stand)
 FILLS = {"-inf": 'float("-inf")', "finfo": "torch.finfo(s.dtype).min", "-65504": "-65504.0", "-1e4": "-1e4",
          "nan": 'float("nan")'}
 HEADER = "import math\n\nimport torch\nimport torch.nn.functional as F\n\n\n"
@@ -80,8 +82,8 @@ class _Program:
         # finite fill: (1) their dq and dk, (2) and (3) all of them beside an additive finfo.min padding
         finite = self.causal in ("tril", "triu", "where_buffer", "window", "full_add") and self.fill != "-inf"
         additive_finite = self.mask == "additive" and self.mask_fill == "finfo"
-        self.known = () if not finite or near else ("out0", "dq", "dk", "dv") if additive_finite else \
-            ("dq", "dk") if self.mask in ("bool", "additive") else ()
+        self.known = () if not finite or near in MASK_NEAR_MISSES else ("out0", "dq", "dk", "dv") \
+            if additive_finite else ("dq", "dk") if self.mask in ("bool", "additive") else ()
 
     # ------------------------------------------------------------------ f(q, k, v[, mask])
 
