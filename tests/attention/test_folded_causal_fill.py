@@ -90,3 +90,42 @@ def test_16bit_additive_padding_folds_without_overflow(dtype, device):
     mask = torch.zeros(1, 1, 3, 22, dtype=dtype, device=device)
     mask[..., :8] = torch.finfo(dtype).min  # every query row keeps unpadded keys
     _check(f, q, k, v, mask, tol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_hf_gpt2_padding_over_several_blocks_forward_and_backward(dtype, device):
+    """HF GPT-2's spelling over 80 positions (several query and key blocks: the forward's skip of the blocks
+    above the diagonal, and its visit of them for the query blocks holding left-padded rows), batch 0 padded
+    on the left (rows 0-39 see no real key), batch 1 on the right. Gradients through a loss over the rows
+    with a real key (README, Attention, known difference (1) is about the others)."""
+    t = 80
+
+    def f(q, k, v, attention_mask):
+        s = (q @ k.mT) / torch.full([], 4.0, dtype=q.dtype, device=q.device)
+        tril = torch.tril(torch.ones(t, t, dtype=torch.bool, device=q.device)).view(1, 1, t, t)
+        s = torch.where(tril, s, torch.full([], torch.finfo(s.dtype).min, dtype=s.dtype, device=s.device))
+        return torch.softmax(s + attention_mask, -1).type(v.dtype) @ v
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, t, D, generator=g).to(dtype).to(device).requires_grad_() for _ in range(3))
+    keep = torch.ones(2, 1, 1, t, device=device)
+    keep[0, ..., :40], keep[1, ..., 60:] = 0.0, 0.0
+    attention_mask = ((1.0 - keep) * torch.finfo(dtype).min).to(dtype)
+    sites = fxopt.explain(f, q, k, v, attention_mask).attention
+    assert [s.fused for s in sites] == [True], [str(s) for s in sites]
+    weight = torch.randn(2, 2, t, D, generator=g).to(device)
+    weight[0, :, :40] = 0.0  # rows without a real key: out of the loss
+
+    def grads(fn, *inputs):
+        out = fn(*inputs)
+        return [out, *torch.autograd.grad((out.double() * weight).sum(), inputs[:3])]
+    got = grads(compile_fxopt(f), q, k, v, attention_mask)
+    want = grads(f, *[to64(x).detach().requires_grad_(x.requires_grad) for x in (q, k, v, attention_mask)])
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    for outs in (got, want):  # batch 0's rows 0-39 apart: float64's finfo.min is another fill
+        outs[0] = torch.cat([outs[0][0, :, 40:].flatten(), outs[0][1].flatten()])
+    for a, b in zip(got, want):
+        assert a.isfinite().all()
+        torch.testing.assert_close(a.double(), b.detach(), rtol=tol, atol=tol)
+    if dtype == torch.float32:  # the padded rows average the keys at the fill, future ones included, as eager
+        torch.testing.assert_close(compile_fxopt(f)(q, k, v, attention_mask)[0, :, :40],
+                                   f(q, k, v, attention_mask)[0, :, :40], rtol=1e-5, atol=1e-5)
