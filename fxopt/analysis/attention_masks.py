@@ -275,11 +275,18 @@ def _finite_fill(step: MaskStep, values) -> bool:
     values are not known here counts as finite."""
     if step.kind == "fill":
         return step.value != -math.inf
+    masked = _masked_values(step, values)
+    return masked is None or bool((masked != -math.inf).any())
+
+
+def _masked_values(step: MaskStep, values) -> torch.Tensor | None:
+    """The distinct nonzero values of an additive causal step's tensor; None where not evaluated (built over
+    a symbolic length)."""
     try:
         tensor = torch.as_tensor(values.value(step.tensor))
-    except Exception:  # (built over a symbolic length: not evaluated)
-        return True
-    return bool(((tensor != 0) & (tensor != -math.inf)).any())
+    except Exception:  # (not evaluated)
+        return None
+    return tensor[tensor != 0].unique()
 
 
 def fold_finite_causal(facts: MaskFacts, causal_steps: list, runtime_at: int, values) -> MaskFacts:
@@ -306,24 +313,17 @@ def fold_finite_causal(facts: MaskFacts, causal_steps: list, runtime_at: int, va
         raise NotAttention("a causal mask and an input mask filled with different finite values: a row the input "
                            "masks entirely weighs the two levels in eager, the kernel reads one")
     if step.kind == "fill":
-        step = replace(step, value=FOLDED_FILL)
+        fill = FOLDED_FILL
+    else:  # an additive causal tensor: its one masked value, or None (added to the mask in the graph)
+        masked = _masked_values(step, values)
+        fill = float(masked[0]) if masked is not None and masked.numel() == 1 else None
     facts.causal = False  # (its buffers stay guarded: the forward kernels skip blocks above the diagonal)
-    facts.folded_causal = (step, at < runtime_at, step.value if step.kind == "fill" else _one_value(step, values))
+    facts.folded_causal = (step, at < runtime_at, fill)
     facts.described = ("causal with a finite fill beside an input-dependent mask, read by the kernel as one "
                        "additive mask (rows whose visible keys are all masked average the keys at the fill "
                        "value, future ones included, as in eager: the forward visits the blocks above the "
                        "diagonal only for the query blocks holding such a row, the backward for every block)")
     return facts
-
-
-def _one_value(step: MaskStep, values) -> float | None:
-    """The value every masked (nonzero) entry of an additive causal mask holds, where it is one known value."""
-    try:
-        tensor = torch.as_tensor(values.value(step.tensor))
-    except Exception:  # (built over a symbolic length: not evaluated)
-        return None
-    masked = tensor[tensor != 0].unique()
-    return float(masked[0]) if masked.numel() == 1 else None
 
 
 def _read_additive(facts: MaskFacts, mask: fx.Node, requires_grad) -> None:

@@ -38,7 +38,7 @@ from .flash_common import (
     key_ranges, launcher, load_tile, log_sum_exp, resolve_config, running_max, softmax_denominator, store_rows,
     store_tile, tile_ptrs, visible,
 )
-from .mask_tiles import add_mask, causal_keys_end, fold_causal, fold_mode, mask_arguments, sees_no_real_score
+from .mask_tiles import add_mask, causal_keys_end, fold_causal, fold_mode, folded_keys_end, mask_arguments
 from .flash_forward_tma import flash_forward_tma, tiles_fit, tma_applies
 from .launch_plans import frozen, planned
 
@@ -72,7 +72,7 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool
     fold_finite_causal): keys above the diagonal (bottom-right) get `causal_fill` instead of the mask
     ("replaces"), or causal_fill plus the mask ("adds"), or what the mask holds ("in_mask": the fill is
     in it already); a query block visits the key blocks above its diagonal only when one of its rows saw
-    no real score below it (mask_tiles.sees_no_real_score): everywhere else they weigh exactly 0.
+    no real score below it (mask_tiles.folded_keys_end): everywhere else they weigh exactly 0.
     """
     fold = fold_mode(causal_fold, mask, causal)
     use_tma, cfg = _forward_plan((q, k, v, mask, key_slopes), scale, causal, frozen(config))
@@ -163,9 +163,7 @@ def _flash_forward_kernel(
             qk_scale, slope, causal_fill, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
             HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_SLOPES, False, EVEN_M, True, EVEN_D, DOT_PRECISION,
             FOLD)
-        end = seq_k
-        if (hi < even_end) & ~sees_no_real_score(row_max):  # (else the ragged last block may be seen)
-            end = hi
+        end = folded_keys_end(hi, even_end, seq_k, row_max)
         mask_free_end = hi
     if CAUSAL or FOLD != 0 or not EVEN_N:
         acc, row_sum, row_max = _attend_key_blocks(

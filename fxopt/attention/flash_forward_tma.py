@@ -39,7 +39,7 @@ from .flash_common import (
     visible,
 )
 from .mask_tiles import (
-    add_mask, causal_keys_end, fold_causal, load_mask_block, mask_arguments, reads_mask_row, sees_no_real_score,
+    add_mask, causal_keys_end, fold_causal, folded_keys_end, load_mask_block, mask_arguments, reads_mask_row,
 )
 
 try:  # triton >= 3.4
@@ -142,9 +142,7 @@ def _flash_forward_tma_kernel(
             acc, row_sum, row_max, q, k_desc, v_desc, mask_head, stride_mm, stride_mn, batch, kv_head, m0,
             mask_free_end, hi, seq_q, seq_k, causal_shift, qk_scale, slope, causal_fill, HEAD_DIM, BLOCK_M, BLOCK_N,
             False, False, HAS_SLOPES, HAS_MASK, MASK_ROW, EVEN_M, True, FOLD)
-        end = seq_k
-        if (hi < even_end) & ~sees_no_real_score(row_max):
-            end = hi
+        end = folded_keys_end(hi, even_end, seq_k, row_max)
         mask_free_end = hi
     if CAUSAL or FOLD != 0 or not EVEN_N:
         acc, row_sum, row_max = _tma_key_blocks(

@@ -24,7 +24,7 @@ from ..codegen.jit_keys import settle as settle_cache_keys
 from .flash_common import LN2, LOG2E
 
 __all__ = ["FILL_MASK", "mask_arguments", "mask_kind", "reads_mask_row", "add_mask", "load_mask_block",
-           "causal_keys_end", "sees_no_real_score", "fold_causal", "fold_mode", "CAUSAL_FOLDS"]
+           "causal_keys_end", "folded_keys_end", "fold_causal", "fold_mode", "CAUSAL_FOLDS"]
 
 # A finite mask value at or below this whose sum with the score rounds to the mask value itself (eager's
 # fp32 `s + finfo.min` is finfo.min) masks its key: the score becomes MASKED_SCORE (see add_mask). Far below
@@ -154,11 +154,15 @@ def causal_keys_end(m0, seq_k, causal_shift, BLOCK_M: tl.constexpr, BLOCK_N: tl.
 
 
 @triton.jit
-def sees_no_real_score(row_max):
-    """Whether a row of the block saw only masked keys so far (its max below REAL_SCORE_FROM): with a causal
-    step in the mask, such a row averages the keys at the fill, future ones included, as eager's softmax
-    does, so its block visits the keys above the diagonal too; every other block skips them exactly."""
-    return tl.min(row_max, 0) < REAL_SCORE_FROM
+def folded_keys_end(hi, even_end, seq_k, row_max):
+    """Where a query block's key loop ends after the blocks [0, hi) of causal_keys_end: at hi, unless a row
+    of the block saw no real score there (its max below REAL_SCORE_FROM: such a row averages the keys at the
+    fill, future ones included, as eager's softmax does) or the ragged last block may hold visible keys
+    (hi is even_end); then at seq_k. Every block past hi that is skipped weighs exactly 0."""
+    end = seq_k
+    if (hi < even_end) & ~(tl.min(row_max, 0) < REAL_SCORE_FROM):
+        end = hi
+    return end
 
 
 settle_cache_keys(globals())  # each kernel's Triton key the same in every process (codegen/jit_keys.py)

@@ -136,22 +136,20 @@ def flash_attention_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]
     """run_flash_attention (mask_is_fill concerns only the backward); need_lse=False (a wrapper whose graph
     never reads the statistics: inference) returns (out, None) without allocating or storing them."""
     scale = _scale_of(q, scale, scale_by, scale_power)
-    kernels = _kernels_take(q) and 0 < scale < math.inf  # (a runtime scale may be anything)
-    from .flash_decode import decode_applies, flash_decode
-    if not kernels or decode_applies(q.shape[2], k.shape[2]):  # (only the flash forward folds the fill itself)
-        mask = reference.with_causal_fold(mask, causal_fold, causal_fill, q.shape[2], k.shape[2])
-        causal_fold = None
-    if not kernels:
-        mask = reference.with_key_slopes(mask, key_slopes, q.shape[2], k.shape[2])
+    seq_q, seq_k = q.shape[2], k.shape[2]
+    if not _kernels_take(q) or not 0 < scale < math.inf:  # (a runtime scale may be anything)
+        mask = reference.with_causal_fold(mask, causal_fold, causal_fill, seq_q, seq_k)
+        mask = reference.with_key_slopes(mask, key_slopes, seq_q, seq_k)
         out, lse = reference.attention(q, k, v, scale=scale, causal=causal, mask=mask, safe=safe_softmax)
         return _laid_out_like(out, q), lse.contiguous() if need_lse else None
+    from .flash_decode import decode_applies, flash_decode
     from .flash_forward import flash_forward
-    mask = _full_mask(mask, q, k)
-    if not decode_applies(q.shape[2], k.shape[2]):  # out already laid out like q
-        return _triton_call(q, flash_forward, q, k, v, scale=scale, causal=causal, mask=mask, lse=need_lse,
-                            key_slopes=key_slopes, safe_softmax=safe_softmax, causal_fold=causal_fold,
+    if not decode_applies(seq_q, seq_k):  # out already laid out like q
+        return _triton_call(q, flash_forward, q, k, v, scale=scale, causal=causal, mask=_full_mask(mask, q, k),
+                            lse=need_lse, key_slopes=key_slopes, safe_softmax=safe_softmax, causal_fold=causal_fold,
                             causal_fill=causal_fill)
-    mask = _full_mask(reference.with_key_slopes(mask, key_slopes, q.shape[2], k.shape[2]), q, k)  # <= 16 rows
+    mask = reference.with_causal_fold(mask, causal_fold, causal_fill, seq_q, seq_k)  # (<= 16 rows: built here)
+    mask = _full_mask(reference.with_key_slopes(mask, key_slopes, seq_q, seq_k), q, k)
     out, lse = _triton_call(q, flash_decode, q, k, v, scale=scale, causal=causal, mask=mask, lse=need_lse,
                             safe_softmax=safe_softmax)
     return _laid_out_like(out, q), lse

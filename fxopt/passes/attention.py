@@ -91,7 +91,9 @@ def rewrite(gm: fx.GraphModule, m: Match) -> fx.Node:
                 mask = _call(graph, "unsqueeze", mask, 0) if len(shape(mask) or ()) == 3 else mask
         runtime = (m.scale_by, m.scale_power) if m.scale_by is not None else ()
         slopes = _slopes_constant(gm, m)
-        options = {"key_slopes": slopes, **fold} if slopes is not None else fold
+        options = dict(fold)
+        if slopes is not None:
+            options["key_slopes"] = slopes
         if m.facts.safe_softmax:
             options["safe_softmax"] = True
         elif m.facts.runtime_fill is not None:  # eager's fill backward: rows masked entirely get 0 in dq, dk
