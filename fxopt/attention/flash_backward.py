@@ -36,7 +36,10 @@ from .flash_common import (
 from .flash_backward_tma import flash_backward_tma
 from .flash_forward_tma import tiles_fit, tma_applies, tma_readable
 from .launch_plans import frozen, planned
-from .mask_tiles import FILL_MASK, add_mask, fold_causal, fold_mode, mask_arguments, mask_kind
+from .mask_tiles import (
+    FILL_MASK, add_mask, causal_keys_end, fold_causal, fold_mode, folded_keys_end, future_queries_end,
+    lacks_real_score, mask_arguments, mask_kind,
+)
 
 __all__ = ["flash_backward", "backward_config"]
 
@@ -54,8 +57,9 @@ def flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     bias (ALiBi), recomputed here. `zero_empty_rows`: the mask came from a fill (`masked_fill(m, -inf)`,
     `where(keep, s, -inf)`), whose eager backward gives every masked score a gradient of 0: a query row
     masked entirely (NaN output, lse -inf) then adds nothing to dq and dk, where an additive -inf mask's
-    NaN reaches both (dv is NaN either way, as in eager). `causal_fold`, `causal_fill`: flash_forward's
-    (every key block is visited here)."""
+    NaN reaches both (dv is NaN either way, as in eager). `causal_fold`, `causal_fill`: flash_forward's; as
+    there, a tile of keys above the diagonal is skipped unless one of its query rows saw no real score
+    (read from lse, mask_tiles.lacks_real_score)."""
     fold = fold_mode(causal_fold, mask, causal)
     use_tma, cfg = _backward_plan((dout, q, k, v, out, lse, mask, key_slopes), scale, causal, frozen(config))
     batch, heads, seq_q, head_dim = q.shape
@@ -171,6 +175,8 @@ def _dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     first, mask_free_lo, ragged_lo = query_ranges(n0, seq_q, causal_shift, BLOCK_M, BLOCK_N, CAUSAL)
+    if FOLD != 0:  # query blocks before mask_free_lo see only future keys here: visited where a row needs them
+        mask_free_lo = future_queries_end(n0, causal_shift, ragged_lo, BLOCK_M)
     for g in range(group_size):
         head = kv_head * group_size + g
         q_head = Q + batch * stride_qb + head * stride_qh
@@ -178,6 +184,14 @@ def _dkdv_kernel(
         mask_head = Mask + batch * stride_mb + head * stride_mh
         slope = head_slope(Slopes, head, HAS_SLOPES)
         rows_head = (batch * num_kv_heads * group_size + head) * seq_q  # lse and delta are contiguous [B, H, Tq]
+        if FOLD != 0:
+            for m0 in tl.range(0, mask_free_lo, BLOCK_M, num_stages=1):
+                if lacks_real_score(tl.load(Lse + rows_head + m0 + tl.arange(0, BLOCK_M)) * LOG2E):
+                    dk, dv = _accumulate_dkdv(
+                        dk, dv, k, v, q_head, do_head, mask_head, Lse + rows_head, Delta + rows_head, n0, m0,
+                        m0 + BLOCK_M, seq_q, seq_k, causal_shift, qk_scale, slope, causal_fill, stride_qm, stride_qd,
+                        stride_dom, stride_dod, stride_mm, stride_mn, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK,
+                        HAS_SLOPES, False, True, EVEN_N, EVEN_D, DOT_PRECISION, FOLD)
         if CAUSAL:
             dk, dv = _accumulate_dkdv(
                 dk, dv, k, v, q_head, do_head, mask_head, Lse + rows_head, Delta + rows_head, n0, first, mask_free_lo,
@@ -259,7 +273,7 @@ def _dq_kernel(
         EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, FOLD: tl.constexpr):
     """dQ for BLOCK_M query rows of one (batch, head)."""
     block_m = tl.program_id(0)
-    if CAUSAL:  # heaviest query blocks first
+    if CAUSAL or FOLD != 0:  # heaviest query blocks first
         block_m = tl.num_programs(0) - 1 - block_m
     bh = tl.program_id(1)
     batch = (bh // num_heads).to(tl.int64)
@@ -284,6 +298,10 @@ def _dq_kernel(
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     mask_free_end, end = key_ranges(m0, seq_k, causal_shift, BLOCK_M, BLOCK_N, CAUSAL)
+    if FOLD != 0:  # as the forward: the blocks above the diagonal only if a row saw no real score
+        hi, even_end = causal_keys_end(m0, seq_k, causal_shift, BLOCK_M, BLOCK_N)
+        end = folded_keys_end(hi, even_end, seq_k, lse)
+        mask_free_end = tl.minimum(mask_free_end, end)
     dq = _accumulate_dq(
         dq, q, do, lse, delta, k_head, v_head, mask_head, m0, 0, mask_free_end, seq_q, seq_k, causal_shift, qk_scale,
         slope, causal_fill, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,

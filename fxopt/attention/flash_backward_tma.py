@@ -26,7 +26,10 @@ from ..codegen.jit_keys import settle as settle_cache_keys
 from ..codegen.wrapper_runtime import cdiv
 from .flash_common import LOG2E, add_key_slope, head_slope, key_ranges, launcher, load_rows, query_ranges, visible
 from .flash_forward_tma import descriptor, query_block_program
-from .mask_tiles import FILL_MASK, add_mask, fold_causal, load_mask_block, mask_arguments, mask_kind, reads_mask_row
+from .mask_tiles import (
+    FILL_MASK, add_mask, causal_keys_end, fold_causal, folded_keys_end, future_queries_end, lacks_real_score,
+    load_mask_block, mask_arguments, mask_kind, reads_mask_row,
+)
 
 __all__ = ["flash_backward_tma"]
 
@@ -81,11 +84,21 @@ def _dkdv_tma_kernel(
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     first, mask_free_lo, ragged_lo = query_ranges(n0, seq_q, causal_shift, BLOCK_M, BLOCK_N, CAUSAL)
+    if FOLD != 0:  # as flash_backward's kernel
+        mask_free_lo = future_queries_end(n0, causal_shift, ragged_lo, BLOCK_M)
     for g in range(group_size):
         head = kv_head * group_size + g
         rows_head = (batch * num_kv_heads * group_size + head).to(tl.int64) * seq_q  # lse, delta: [B, H, Tq]
         slope = head_slope(Slopes, head, HAS_SLOPES)
         mask_head = Mask + batch.to(tl.int64) * stride_mb + head.to(tl.int64) * stride_mh
+        if FOLD != 0:
+            for m0 in tl.range(0, mask_free_lo, BLOCK_M, num_stages=1):
+                if lacks_real_score(tl.load(Lse + rows_head + m0 + tl.arange(0, BLOCK_M)) * LOG2E):
+                    dk, dv = _accumulate_dkdv_tma(
+                        dk, dv, k, v, q_desc, do_desc, Lse + rows_head, Delta + rows_head, mask_head, stride_mm,
+                        stride_mn, batch, head, n0, m0, m0 + BLOCK_M, seq_q, seq_k, causal_shift, qk_scale, slope,
+                        causal_fill, HEAD_DIM, BLOCK_M, BLOCK_N, False, False, HAS_SLOPES, HAS_MASK, MASK_ROW, EVEN_N,
+                        FOLD)
         if CAUSAL:
             dk, dv = _accumulate_dkdv_tma(dk, dv, k, v, q_desc, do_desc, Lse + rows_head, Delta + rows_head,
                                           mask_head, stride_mm, stride_mn, batch, head, n0, first, mask_free_lo, seq_q,
@@ -149,7 +162,7 @@ def _dq_tma_kernel(
         HAS_SLOPES: tl.constexpr, HAS_MASK: tl.constexpr, MASK_ROW: tl.constexpr, EVEN_M: tl.constexpr,
         EVEN_N: tl.constexpr, FOLD: tl.constexpr):
     """dQ for BLOCK_M query rows of one (batch, head)."""
-    bh, batch, head, kv_head, m0 = query_block_program(num_heads, group_size, BLOCK_M, CAUSAL)
+    bh, batch, head, kv_head, m0 = query_block_program(num_heads, group_size, BLOCK_M, CAUSAL or FOLD != 0)
     rows = tl.arange(0, BLOCK_M)
     causal_shift = seq_k - seq_q
     q = q_desc.load([batch, head, m0, 0]).reshape(BLOCK_M, HEAD_DIM)
@@ -161,6 +174,10 @@ def _dq_tma_kernel(
     slope = head_slope(Slopes, head, HAS_SLOPES)
     mask_head = Mask + batch.to(tl.int64) * stride_mb + head.to(tl.int64) * stride_mh
     mask_free_end, end = key_ranges(m0, seq_k, causal_shift, BLOCK_M, BLOCK_N, CAUSAL)
+    if FOLD != 0:  # as flash_backward's kernel
+        hi, even_end = causal_keys_end(m0, seq_k, causal_shift, BLOCK_M, BLOCK_N)
+        end = folded_keys_end(hi, even_end, seq_k, lse)
+        mask_free_end = tl.minimum(mask_free_end, end)
     dq = _accumulate_dq_tma(dq, q, do, lse, delta, k_desc, v_desc, mask_head, stride_mm, stride_mn, batch, kv_head, m0,
                             0, mask_free_end, seq_q, seq_k, causal_shift, qk_scale, slope, causal_fill, HEAD_DIM,
                             BLOCK_M, BLOCK_N, False, False, HAS_SLOPES, HAS_MASK, MASK_ROW, EVEN_M, FOLD)

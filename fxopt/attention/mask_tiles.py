@@ -24,7 +24,8 @@ from ..codegen.jit_keys import settle as settle_cache_keys
 from .flash_common import LN2, LOG2E
 
 __all__ = ["FILL_MASK", "mask_arguments", "mask_kind", "reads_mask_row", "add_mask", "load_mask_block",
-           "causal_keys_end", "folded_keys_end", "fold_causal", "fold_mode", "CAUSAL_FOLDS"]
+           "causal_keys_end", "folded_keys_end", "future_queries_end", "lacks_real_score", "fold_causal", "fold_mode",
+           "CAUSAL_FOLDS"]
 
 # A finite mask value at or below this whose sum with the score rounds to the mask value itself (eager's
 # fp32 `s + finfo.min` is finfo.min) masks its key: the score becomes MASKED_SCORE (see add_mask). Far below
@@ -154,15 +155,32 @@ def causal_keys_end(m0, seq_k, causal_shift, BLOCK_M: tl.constexpr, BLOCK_N: tl.
 
 
 @triton.jit
-def folded_keys_end(hi, even_end, seq_k, row_max):
+def folded_keys_end(hi, even_end, seq_k, row_level):
     """Where a query block's key loop ends after the blocks [0, hi) of causal_keys_end: at hi, unless a row
-    of the block saw no real score there (its max below REAL_SCORE_FROM: such a row averages the keys at the
-    fill, future ones included, as eager's softmax does) or the ragged last block may hold visible keys
-    (hi is even_end); then at seq_k. Every block past hi that is skipped weighs exactly 0."""
+    of the block saw no real score there (lacks_real_score: such a row averages the keys at the fill, future
+    ones included, as eager's softmax does) or the ragged last block may hold visible keys (hi is even_end);
+    then at seq_k. Every block past hi that is skipped weighs exactly 0. row_level: the forward's running
+    maxima, or the backward's log-sum-exps (base 2), which are at least the maxima."""
     end = seq_k
-    if (hi < even_end) & ~(tl.min(row_max, 0) < REAL_SCORE_FROM):
+    if (hi < even_end) & ~lacks_real_score(row_level):
         end = hi
     return end
+
+
+@triton.jit
+def lacks_real_score(row_level):
+    """Whether a row of the block has no score at or above REAL_SCORE_FROM (row_level: its running max, or
+    its log-sum-exp, base 2). The backward skips a tile of future keys only where every row has one: those
+    keys score <= MASKED_SCORE, so exp2(s - lse) <= exp2(-512) is exactly 0 in fp32, as in the forward."""
+    return tl.min(row_level, 0) < REAL_SCORE_FROM
+
+
+@triton.jit
+def future_queries_end(n0, causal_shift, ragged_lo, BLOCK_M: tl.constexpr):
+    """The backward's dK/dV side of the fold: query blocks [0, this) hold only rows for which every key of the
+    block at n0 lies above the diagonal (row n0 - causal_shift is the first to see key n0); capped at the
+    ragged last query block, which the kernels visit in its own loop."""
+    return tl.minimum(tl.maximum(n0 - causal_shift, 0) // BLOCK_M * BLOCK_M, ragged_lo)
 
 
 settle_cache_keys(globals())  # each kernel's Triton key the same in every process (codegen/jit_keys.py)

@@ -106,24 +106,66 @@ def test_blocks_above_the_diagonal_are_skipped_where_every_row_sees_a_real_score
     assert unskipped[1, :, :32].isnan().all()
 
 
-@pytest.mark.parametrize("tma", [False, True], ids=["pointer", "tma"])
-@pytest.mark.parametrize("fold", FOLDS)
-def test_backward_folds_the_fill_as_the_forward(fold, tma):
-    """dq, dk, dv with the fold applied by the backward kernels (every key block visited) against float64
-    autograd over the mask it stands for; no row without a real score (pad 0: README, Attention, known
-    difference (1) is about those rows' dq and dk)."""
-    dtype = torch.float16 if tma else torch.float32
-    q, k, v = make_qkv(2, 2, 2, 48, 61, 16, dtype, transposed=tma, seed=3)
-    read, full = folded_mask(2, 48, 61, 0, fold)
+def fold_backward(dout, q, k, v, read, fold, tma):
     out, lse = run(q, k, v, read, POINTER, fold)
-    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).to(dtype)
-    config = dict(BACKWARD, TMA=tma)
-    grads = flash_backward(dout, q, k, v, out, lse, scale=0.3, causal=False, mask=read.expand(2, 2, 48, 61),
-                           config=config, causal_fold=fold, causal_fill=FOLDED_FILL)
+    return flash_backward(dout, q, k, v, out, lse, scale=0.3, causal=False, mask=read.expand(*q.shape[:3], k.shape[2]),
+                          config=dict(BACKWARD, TMA=tma), causal_fold=fold, causal_fill=FOLDED_FILL)
+
+
+def reference_grads(q, k, v, full, dout):
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
     reference(*leaves, full, 0.3).backward(dout.double())
-    for got, leaf in zip(grads, leaves):
-        assert_close(got, leaf.grad, GRAD_TOL[dtype])
+    return [leaf.grad for leaf in leaves]
+
+
+@pytest.mark.parametrize("seq_q,seq_k", [(48, 61), (64, 64)])
+@pytest.mark.parametrize("pad", [0, 20])
+@pytest.mark.parametrize("tma", [False, True], ids=["pointer", "tma"])
+@pytest.mark.parametrize("fold", FOLDS)
+def test_backward_folds_the_fill_as_the_forward(fold, tma, pad, seq_q, seq_k):
+    """dq, dk, dv with the fold applied by the backward kernels against float64 autograd over the mask it
+    stands for. Batch 0's first `pad` keys hidden: its rows with no real score (the first 20 or 33 queries,
+    in two or three query blocks) make both backward kernels visit their blocks above the diagonal; their dq
+    and dk are README, Attention, known difference (1), so there only dv and batch 1's gradients are compared."""
+    dtype = torch.float16 if tma else torch.float32
+    q, k, v = make_qkv(2, 2, 2, seq_q, seq_k, 16, dtype, transposed=tma, seed=3 + pad)
+    read, full = folded_mask(2, seq_q, seq_k, pad, fold)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).to(dtype)
+    dq, dk, dv = fold_backward(dout, q, k, v, read, fold, tma)
+    want_dq, want_dk, want_dv = reference_grads(q, k, v, full, dout)
+    assert_close(dv, want_dv, GRAD_TOL[dtype])
+    checked = slice(None) if pad == 0 else slice(1, 2)
+    assert_close(dq[checked], want_dq[checked], GRAD_TOL[dtype])
+    assert_close(dk[checked], want_dk[checked], GRAD_TOL[dtype])
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["pointer", "tma"])
+@pytest.mark.parametrize("fold", FOLDS)
+def test_backward_skips_the_future_tiles_where_every_row_sees_a_real_score(fold, tma):
+    """The backward's skip, proved by NaN the skipped tiles would read. dK/dV: dout NaN in rows 0-31 reaches
+    the keys from 32 on only through the tiles above the diagonal (exact zeros in eager), so those keys' dk and
+    dv stay finite and right in the batch without padding; batch 0's left-padded rows (0-3) need those tiles:
+    NaN reaches its keys. dQ: keys from 32 on NaN reach rows 0-31 only through those tiles (the forward skips
+    them too), so those rows' dq stays finite and right; batch 0's padded rows are NaN, as in eager."""
+    dtype = torch.float16 if tma else torch.float32
+    q, k, v = make_qkv(2, 2, 2, 64, 64, 16, dtype, transposed=tma, seed=11)
+    read, full = folded_mask(2, 64, 64, 4, fold)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).to(dtype)
+    quiet = dout.clone()
+    quiet[:, :, :32] = 0  # (changes no gradient of the keys from 32 on: their tiles with rows 0-31 weigh 0)
+    _, want_dk, want_dv = reference_grads(q, k, v, full, quiet)
+    dout[:, :, :32] = float("nan")
+    _, dk, dv = fold_backward(dout, q, k, v, read, fold, tma)
+    assert_close(dk[1, :, 32:], want_dk[1, :, 32:], GRAD_TOL[dtype])
+    assert_close(dv[1, :, 32:], want_dv[1, :, 32:], GRAD_TOL[dtype])
+    assert dv[0, :, 32:].isnan().all()
+
+    want_dq, _, _ = reference_grads(q, k, v, full, dout.nan_to_num())
+    k[:, :, 32:] = float("nan")
+    dq, _, _ = fold_backward(dout.nan_to_num(), q, k, v, read, fold, tma)
+    assert_close(dq[1, :, :32], want_dq[1, :, :32], GRAD_TOL[dtype])
+    assert_close(dq[0, :, 16:32], want_dq[0, :, 16:32], GRAD_TOL[dtype])
+    assert dq[0, :, :4].isnan().all()
 
 
 @pytest.mark.gpu
