@@ -209,6 +209,34 @@ def make_attn_sdpa_padded_bwd(device, dtype, quick):
     return _sdpa_padded_fwd_bwd, (q, k, v, _padding_keep(B, T, device), randn(B, H, T, D, device=device, dtype=dtype))
 
 
+def _llama_4d_mask(keep: torch.Tensor, dtype) -> torch.Tensor:
+    """transformers' Llama 4-D additive mask [B, 1, T, T] from a key padding mask: finfo.min above the
+    diagonal and at padded keys, built before the attention (a runtime tensor to a compiler)."""
+    T = keep.shape[-1]
+    visible = torch.ones(T, T, dtype=torch.bool, device=keep.device).tril() & keep
+    return torch.zeros(visible.shape, dtype=dtype, device=keep.device).masked_fill(~visible, torch.finfo(dtype).min)
+
+
+def _hf_llama_masked(q, k, v, causal_mask):
+    """HF Llama's eager attention: scores times the scaling, + the 4-D mask, softmax in fp32, cast back."""
+    att = torch.matmul(q, k.transpose(2, 3)) * q.size(-1) ** -0.5 + causal_mask
+    return torch.matmul(F.softmax(att, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def _sdpa_llama_masked(q, k, v, causal_mask):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask)  # (HF's sdpa attention does this)
+
+
+@workload("attn_llama_mask", "HF Llama eager attention with its 4-D additive causal + padding mask [B, 1, T, T] "
+          "built outside (fxopt: the mask's visible key range per query block, mask_blocks.py); B8 H16 T2048 D128; "
+          "causal FLOPs; SDPA anchor takes the same mask", kind="attention", flops=_causal_flops,
+          anchor=_sdpa_llama_masked, rtol=5e-2, atol=5e-2)
+def make_attn_llama_mask(device, dtype, quick):
+    B, H, T, D = (2, 2, 64, 32) if quick else (8, 16, 2048, 128)
+    mask = _llama_4d_mask(_padding_keep(B, T, device), dtype)
+    return _hf_llama_masked, (*_qkv(device, dtype, B, H, T, T, D), mask)
+
+
 def _hf_gpt2_padded(q, k, v, attention_mask):
     """HF GPT-2's eager attention: division by a 0-dim tensor, torch.where on a bool tril (HF's is a
     buffer, built here) with the dtype's finite finfo.min, then + HF's padding mask, (1 - keep) * finfo.min."""
@@ -227,7 +255,8 @@ def _sdpa_causal_and_padded(q, k, v, attention_mask):
 
 
 @workload("attn_hf_padded", "HF GPT-2 eager attention with a padding mask: where(tril, s, finfo.min) + "
-          "(1 - keep) * finfo.min (the causal fill folded into the mask: no block skipping); B8 H16 T2048 D128; "
+          "(1 - keep) * finfo.min (the kernels fold the causal fill into the mask tiles and skip the blocks above "
+          "the diagonal where every row sees a real score); B8 H16 T2048 D128; "
           "causal FLOPs; SDPA anchor takes tril & keep as one bool mask", kind="attention", flops=_causal_flops,
           anchor=_sdpa_causal_and_padded, rtol=5e-2, atol=5e-2)
 def make_attn_hf_padded(device, dtype, quick):
@@ -244,8 +273,8 @@ def _sdpa_causal_and_padded_fwd_bwd(q, k, v, attention_mask, dout):
     return _gradients(_sdpa_causal_and_padded(q, k, v, attention_mask), (q, k, v), dout)
 
 
-@workload("attn_hf_padded_bwd", "attn_hf_padded fwd+bwd (dq, dk, dv) via autograd (fxopt's backward visits "
-          "every key block there); B8 H16 T2048 D128; FLOPs = 3.5x causal fwd", kind="attention", training=True,
+@workload("attn_hf_padded_bwd", "attn_hf_padded fwd+bwd (dq, dk, dv) via autograd (fxopt's backward skips "
+          "the key tiles above the diagonal as its forward does); B8 H16 T2048 D128; FLOPs = 3.5x causal fwd", kind="attention", training=True,
           flops=_causal_fwd_bwd_flops, anchor=_sdpa_causal_and_padded_fwd_bwd, rtol=5e-2, atol=5e-2)
 def make_attn_hf_padded_bwd(device, dtype, quick):
     B, H, T, D = (2, 2, 64, 32) if quick else (8, 16, 2048, 128)

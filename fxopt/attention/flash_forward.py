@@ -38,7 +38,10 @@ from .flash_common import (
     key_ranges, launcher, load_tile, log_sum_exp, resolve_config, running_max, softmax_denominator, store_rows,
     store_tile, tile_ptrs, visible,
 )
-from .mask_tiles import add_mask, causal_keys_end, fold_causal, fold_mode, folded_keys_end, mask_arguments
+from .mask_blocks import mask_ranges, range_arguments, visible_key_range
+from .mask_tiles import (
+    add_mask, causal_keys_end, fold_causal, fold_mode, folded_keys_end, lacks_real_score, mask_arguments,
+)
 from .flash_forward_tma import flash_forward_tma, tiles_fit, tma_applies
 from .launch_plans import frozen, planned
 
@@ -77,9 +80,10 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool
     fold = fold_mode(causal_fold, mask, causal)
     use_tma, cfg = _forward_plan((q, k, v, mask, key_slopes), scale, causal, frozen(config))
     safe = safe_softmax and mask is not None  # without a mask every row sees a key (causal needs Tq <= Tk)
+    ranges = mask_ranges(mask, causal or fold != 0, cfg, q)
     if use_tma:
         return flash_forward_tma(q, k, v, scale=scale, causal=causal, cfg=cfg, store_lse=lse, key_slopes=key_slopes,
-                                 mask=mask, safe_softmax=safe, fold=fold, causal_fill=causal_fill)
+                                 mask=mask, safe_softmax=safe, fold=fold, causal_fill=causal_fill, ranges=ranges)
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
@@ -90,13 +94,13 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool
     grid = (cdiv(seq_q, block_m), batch * heads)
     launcher(_flash_forward_kernel, grid, q.device)(
         q, k, v, *mask_arguments(mask, q), q if key_slopes is None else key_slopes, out,
-        out if stats is None else stats,
+        out if stats is None else stats, *range_arguments(ranges, q),
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E.value, causal_fill,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         CAUSAL=causal, HAS_MASK=mask is not None, HAS_SLOPES=key_slopes is not None, EVEN_M=seq_q % block_m == 0,
         EVEN_N=seq_k % block_n == 0, EVEN_D=head_dim == block_d, DOT_PRECISION=dot_precision(q.dtype), STORE_LSE=lse,
-        SAFE=safe, FOLD=fold, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        SAFE=safe, FOLD=fold, RANGES=ranges is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out, stats
 
 
@@ -118,6 +122,7 @@ def _forward_plan(tensors: tuple, scale: float, causal: bool, config) -> tuple[b
 @triton.jit
 def _flash_forward_kernel(
         Q, K, V, Mask, stride_mb, stride_mh, stride_mm, stride_mn, Slopes, Out, Lse,
+        Ranges, stride_rb, stride_rh, stride_rq,
         stride_qb, stride_qh, stride_qm, stride_qd,
         stride_kb, stride_kh, stride_kn, stride_kd,
         stride_vb, stride_vh, stride_vn, stride_vd,
@@ -126,8 +131,9 @@ def _flash_forward_kernel(
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SLOPES: tl.constexpr, EVEN_M: tl.constexpr,
         EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, STORE_LSE: tl.constexpr,
-        SAFE: tl.constexpr, FOLD: tl.constexpr):
-    """BLOCK_M query rows of one (batch, head) against every key they may see: out rows and lse."""
+        SAFE: tl.constexpr, FOLD: tl.constexpr, RANGES: tl.constexpr):
+    """BLOCK_M query rows of one (batch, head) against every key they may see: out rows and lse.
+    RANGES: a mask's visible key range per query block (mask_blocks.py; never with CAUSAL or FOLD)."""
     block_m = tl.program_id(0)
     if CAUSAL or FOLD != 0:  # heaviest query blocks first
         block_m = tl.num_programs(0) - 1 - block_m
@@ -152,8 +158,12 @@ def _flash_forward_kernel(
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     mask_free_end, end = key_ranges(m0, seq_k, causal_shift, BLOCK_M, BLOCK_N, CAUSAL or FOLD != 0)
+    key_lo = 0
+    if RANGES:  # the mask's visible range only: [key_lo, mask_free_end) whole blocks, then a ragged end
+        key_lo, end = visible_key_range(Ranges, batch, head, block_m, stride_rb, stride_rh, stride_rq, seq_k, BLOCK_N)
+        mask_free_end = tl.minimum(mask_free_end, end)
     acc, row_sum, row_max = _attend_key_blocks(
-        acc, row_sum, row_max, q, k_head, v_head, mask_head, m0, 0, mask_free_end, seq_q, seq_k, causal_shift,
+        acc, row_sum, row_max, q, k_head, v_head, mask_head, m0, key_lo, mask_free_end, seq_q, seq_k, causal_shift,
         qk_scale, slope, causal_fill, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
         HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_SLOPES, False, EVEN_M, True, EVEN_D, DOT_PRECISION, 0)
     if FOLD != 0:  # a finite causal fill: the diagonal's blocks, then those above it only if a row needs them
@@ -171,6 +181,18 @@ def _flash_forward_kernel(
             qk_scale, slope, causal_fill, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
             HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_SLOPES, CAUSAL, EVEN_M, EVEN_N, EVEN_D, DOT_PRECISION,
             FOLD)
+    if RANGES:  # the blocks outside the range, only for a query block with a row that saw no real score
+        lacks = lacks_real_score(row_max)
+        acc, row_sum, row_max = _attend_key_blocks(
+            acc, row_sum, row_max, q, k_head, v_head, mask_head, m0, 0, tl.where(lacks, key_lo, 0), seq_q, seq_k,
+            causal_shift, qk_scale, slope, causal_fill, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm,
+            stride_mn, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_SLOPES, False, EVEN_M, True, EVEN_D,
+            DOT_PRECISION, FOLD)
+        acc, row_sum, row_max = _attend_key_blocks(
+            acc, row_sum, row_max, q, k_head, v_head, mask_head, m0, tl.where(lacks, end, seq_k), seq_k, seq_q, seq_k,
+            causal_shift, qk_scale, slope, causal_fill, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm,
+            stride_mn, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_SLOPES, False, EVEN_M, EVEN_N, EVEN_D,
+            DOT_PRECISION, FOLD)
 
     out = acc / softmax_denominator(row_sum, SAFE)[:, None]
     out_ptrs = tile_ptrs(Out + batch * stride_ob + head * stride_oh, m0, rows, stride_om, 0, dims, stride_od)

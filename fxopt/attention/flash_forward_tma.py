@@ -38,8 +38,10 @@ from .flash_common import (
     add_key_slope, head_slope, key_ranges, launcher, log_sum_exp, running_max, softmax_denominator, store_rows,
     visible,
 )
+from .mask_blocks import range_arguments, visible_key_range
 from .mask_tiles import (
-    add_mask, causal_keys_end, fold_causal, folded_keys_end, load_mask_block, mask_arguments, reads_mask_row,
+    add_mask, causal_keys_end, fold_causal, folded_keys_end, lacks_real_score, load_mask_block, mask_arguments,
+    reads_mask_row,
 )
 
 try:  # triton >= 3.4
@@ -92,11 +94,12 @@ _DESCRIPTOR_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TensorDesc
 
 def flash_forward_tma(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool, cfg: dict,
                       store_lse: bool = True, key_slopes: Tensor | None = None, mask: Tensor | None = None,
-                      safe_softmax: bool = False, fold: int = 0,
-                      causal_fill: float = 0.0) -> tuple[Tensor, Tensor | None]:
+                      safe_softmax: bool = False, fold: int = 0, causal_fill: float = 0.0,
+                      ranges: tuple | None = None) -> tuple[Tensor, Tensor | None]:
     """flash_forward's (out, lse) for inputs `tma_applies` accepted; cfg: BLOCK_M, BLOCK_N, num_warps,
     num_stages (already resolved); without store_lse, (out, None); key_slopes, mask (expanded to
-    [B, H, Tq, Tk]), safe_softmax and causal_fill as flash_forward's; fold: the kernels' FOLD for its causal_fold."""
+    [B, H, Tq, Tk]), safe_softmax and causal_fill as flash_forward's; fold: the kernels' FOLD for its causal_fold;
+    ranges: mask_blocks.mask_ranges's, or None."""
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
@@ -106,22 +109,26 @@ def flash_forward_tma(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: 
     launcher(_flash_forward_tma_kernel, grid, q.device)(
         descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(out, block_m),
         out if lse is None else lse, out if key_slopes is None else key_slopes, *mask_arguments(mask, q),
+        *range_arguments(ranges, q),
         heads, heads // kv_heads, seq_q, seq_k, scale * 1.4426950408889634, causal_fill,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, HAS_SLOPES=key_slopes is not None,
         HAS_MASK=mask is not None, MASK_ROW=reads_mask_row(mask),
         SAFE=safe_softmax, EVEN_M=seq_q % block_m == 0, EVEN_N=seq_k % block_n == 0,
-        STORE_LSE=store_lse, FOLD=fold, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        STORE_LSE=store_lse, FOLD=fold, RANGES=ranges is not None, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
     return out, lse
 
 
 @triton.jit
 def _flash_forward_tma_kernel(
         q_desc, k_desc, v_desc, o_desc, Lse, Slopes, Mask, stride_mb, stride_mh, stride_mm, stride_mn,
-        num_heads, group_size, seq_q, seq_k, qk_scale, causal_fill,
+        Ranges, stride_rb, stride_rh, stride_rq, num_heads, group_size, seq_q, seq_k, qk_scale, causal_fill,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
         HAS_SLOPES: tl.constexpr, HAS_MASK: tl.constexpr, MASK_ROW: tl.constexpr, SAFE: tl.constexpr,
-        EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, STORE_LSE: tl.constexpr, FOLD: tl.constexpr):
-    """BLOCK_M query rows of one (batch, head) against every key they may see: out rows and lse."""
+        EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, STORE_LSE: tl.constexpr, FOLD: tl.constexpr,
+        RANGES: tl.constexpr):
+    """BLOCK_M query rows of one (batch, head) against every key they may see: out rows and lse; RANGES as
+    flash_forward's kernel."""
     bh, batch, head, kv_head, m0 = query_block_program(num_heads, group_size, BLOCK_M, CAUSAL or FOLD != 0)
     causal_shift = seq_k - seq_q
     slope = head_slope(Slopes, head, HAS_SLOPES)
@@ -132,8 +139,13 @@ def _flash_forward_tma_kernel(
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     mask_free_end, end = key_ranges(m0, seq_k, causal_shift, BLOCK_M, BLOCK_N, CAUSAL or FOLD != 0)
+    key_lo = 0
+    if RANGES:  # as flash_forward's kernel
+        key_lo, end = visible_key_range(Ranges, batch, head, m0 // BLOCK_M, stride_rb, stride_rh, stride_rq, seq_k,
+                                        BLOCK_N)
+        mask_free_end = tl.minimum(mask_free_end, end)
     acc, row_sum, row_max = _tma_key_blocks(
-        acc, row_sum, row_max, q, k_desc, v_desc, mask_head, stride_mm, stride_mn, batch, kv_head, m0, 0,
+        acc, row_sum, row_max, q, k_desc, v_desc, mask_head, stride_mm, stride_mn, batch, kv_head, m0, key_lo,
         mask_free_end, seq_q, seq_k, causal_shift, qk_scale, slope, causal_fill, HEAD_DIM, BLOCK_M, BLOCK_N, False,
         False, HAS_SLOPES, HAS_MASK, MASK_ROW, EVEN_M, True, 0)
     if FOLD != 0:  # as flash_forward's kernel
@@ -149,6 +161,16 @@ def _flash_forward_tma_kernel(
             acc, row_sum, row_max, q, k_desc, v_desc, mask_head, stride_mm, stride_mn, batch, kv_head, m0,
             mask_free_end, end, seq_q, seq_k, causal_shift, qk_scale, slope, causal_fill, HEAD_DIM, BLOCK_M, BLOCK_N,
             True, CAUSAL, HAS_SLOPES, HAS_MASK, MASK_ROW, EVEN_M, EVEN_N, FOLD)
+    if RANGES:  # as flash_forward's kernel
+        lacks = lacks_real_score(row_max)
+        acc, row_sum, row_max = _tma_key_blocks(
+            acc, row_sum, row_max, q, k_desc, v_desc, mask_head, stride_mm, stride_mn, batch, kv_head, m0, 0,
+            tl.where(lacks, key_lo, 0), seq_q, seq_k, causal_shift, qk_scale, slope, causal_fill, HEAD_DIM, BLOCK_M,
+            BLOCK_N, True, False, HAS_SLOPES, HAS_MASK, MASK_ROW, EVEN_M, True, FOLD)
+        acc, row_sum, row_max = _tma_key_blocks(
+            acc, row_sum, row_max, q, k_desc, v_desc, mask_head, stride_mm, stride_mn, batch, kv_head, m0,
+            tl.where(lacks, end, seq_k), seq_k, seq_q, seq_k, causal_shift, qk_scale, slope, causal_fill, HEAD_DIM,
+            BLOCK_M, BLOCK_N, True, False, HAS_SLOPES, HAS_MASK, MASK_ROW, EVEN_M, EVEN_N, FOLD)
 
     out = (acc / softmax_denominator(row_sum, SAFE)[:, None]).to(o_desc.dtype)
     o_desc.store([batch, head, m0, 0], out.reshape(1, 1, BLOCK_M, HEAD_DIM))

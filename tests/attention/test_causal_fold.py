@@ -89,11 +89,12 @@ def test_tma_kernel_matches_float64(seq_q, seq_k, pad, fold, monkeypatch):
 
 @pytest.mark.parametrize("config", [POINTER, TMA], ids=["pointer", "tma"])
 @pytest.mark.parametrize("fold", FOLDS)
-def test_blocks_above_the_diagonal_are_skipped_where_every_row_sees_a_real_score(config, fold):
+def test_blocks_above_the_diagonal_are_skipped_where_every_row_sees_a_real_score(config, fold, monkeypatch):
     """Values NaN from key 32 on: with the skip, the query blocks ending before key 32 never read them
     (their rows are finite and right); without it, every row visits every key and is NaN (0 * NaN). Batch
     0's left-padded rows (query block 0) must visit the future keys: NaN there, as in eager (whose weights
-    for those keys are not 0 in these rows alone)."""
+    for those keys are not 0 in these rows alone). The materialized mask without the fold skips the same
+    blocks through its key ranges (mask_blocks.py), and without those it visits them."""
     q, k, v = make_qkv(2, 2, 2, 64, 64, 16, torch.float16, seed=7)
     read, full = folded_mask(2, 64, 64, 4, fold)
     want = reference(q, k, v, full, 0.3)  # before the NaN: keys 32 on weigh 0 in rows before 32 but 0-3
@@ -102,6 +103,9 @@ def test_blocks_above_the_diagonal_are_skipped_where_every_row_sees_a_real_score
     assert_close(out[1, :, :32], want[1, :, :32], OUT_TOL[torch.float16])
     assert_close(out[0, :, 16:32], want[0, :, 16:32], OUT_TOL[torch.float16])
     assert out[0, :, :4].isnan().all()  # rows 0-3 see only padding: they average every key, as eager
+    ranged, _ = flash_forward(q, k, v, scale=0.3, causal=False, mask=full.expand(2, 2, 64, 64), config=config)
+    assert_close(ranged[1, :, :32], want[1, :, :32], OUT_TOL[torch.float16])
+    monkeypatch.setattr("fxopt.attention.mask_blocks.MIN_KEY_BLOCKS", 1000)
     unskipped, _ = flash_forward(q, k, v, scale=0.3, causal=False, mask=full.expand(2, 2, 64, 64), config=config)
     assert unskipped[1, :, :32].isnan().all()
 

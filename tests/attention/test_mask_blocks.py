@@ -1,0 +1,159 @@
+"""A runtime mask's visible key ranges (fxopt/attention/mask_blocks.py) and the forward that walks only them.
+
+The ranges against a torch computation of the same tiles; the forward against float64 softmax over masks
+model code builds at run time (HF Llama's 4-D causal + padding mask from `attention_mask`, a sliding window,
+right-padded keys), with NaN values in the keys a skipped block holds to prove the skip, and rows whose
+visible keys are all dropped (left padding), which must still average every key as eager does. Kernels in
+the Triton interpreter (pointer kernel in float32 and float16, the TMA kernel in float16); on the GPU through
+the fused op in the model tests."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fxopt.attention.flash_forward import flash_forward
+from fxopt.attention.mask_blocks import drop_threshold, key_block_ranges
+
+from .test_flash_kernels import OUT_TOL, assert_close, make_qkv
+
+POINTER = dict(TMA=False, BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+TMA = dict(TMA=True, BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+
+
+def expected_ranges(mask, block_m, block_n, dtype):
+    """(lo, hi) per query block from the mask's own tiles, in torch."""
+    keep = mask if mask.dtype == torch.bool else ~(mask.float() <= drop_threshold(dtype))
+    b, h, tq, tk = keep.shape
+    bm = block_m if tq > 1 else 1
+    keep = F.pad(keep, (0, -tk % block_n, 0, -tq % bm), value=False)
+    tiles = keep.reshape(b, h, keep.shape[2] // bm, bm, keep.shape[3] // block_n, block_n).any(3).any(-1)
+    out = torch.zeros(*tiles.shape[:3], 2, dtype=torch.int32)
+    for idx in torch.cartesian_prod(*(torch.arange(n) for n in tiles.shape[:3])):
+        seen = tiles[tuple(idx)].nonzero()
+        if len(seen):
+            out[tuple(idx)] = torch.tensor([seen.min(), seen.max() + 1], dtype=torch.int32)
+    return out
+
+
+def llama_mask(batch, seq, pad_left, pad_right, dtype=torch.float32, fill=None):
+    """transformers' 4-D additive mask [B, 1, T, T]: finfo.min above the diagonal and at padded keys;
+    batch 0 padded on the left, batch 1 on the right."""
+    fill = torch.finfo(dtype).min if fill is None else fill
+    keep = torch.ones(batch, seq, dtype=torch.bool)
+    keep[0, :pad_left] = False
+    keep[1, seq - pad_right:] = False
+    visible = torch.ones(seq, seq, dtype=torch.bool).tril() & keep[:, None, None, :]
+    return torch.zeros(batch, 1, seq, seq, dtype=dtype).masked_fill(~visible, fill)
+
+
+def reference(q, k, v, mask, scale=0.3):
+    s = scale * q.double() @ k.double().mT
+    s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.double()
+    return torch.softmax(s, -1) @ v.double()
+
+
+def run(q, k, v, mask, config, **kw):
+    return flash_forward(q, k, v, scale=0.3, causal=False, mask=mask.expand(*q.shape[:3], k.shape[2]),
+                         config=config, **kw)[0]
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 64, 64), (2, 3, 45, 77), (2, 1, 1, 70), (1, 2, 16, 16)])
+@pytest.mark.parametrize("kind", ["finfo", "inf", "bool", "fp16_min", "nan"])
+def test_ranges_match_the_masks_tiles(shape, kind):
+    """Random banded masks (some rows' keys all dropped), broadcast heads and queries, ragged ends; NaN is
+    kept; fp16's -65504 drops only beside fp16 inputs."""
+    g = torch.Generator().manual_seed(sum(shape))
+    b, h, tq, tk = shape
+    first = torch.randint(0, tk, (b, h, tq, 1), generator=g)
+    width = torch.randint(0, tk // 2 + 1, (b, h, tq, 1), generator=g)
+    cols = torch.arange(tk)
+    keep = (cols >= first) & (cols < first + width)
+    fill = {"finfo": torch.finfo(torch.float32).min, "inf": float("-inf"), "fp16_min": -65504.0, "nan": -1e9}
+    mask = keep if kind == "bool" else torch.zeros(shape).masked_fill(~keep, fill.get(kind, 0.0))
+    if kind == "nan":
+        mask[..., :, 3] = float("nan")
+    for dtype in (torch.float16, torch.bfloat16):
+        got, _ = key_block_ranges(mask.expand(b, 4 if h == 1 else h, tq if tq > 1 else 33, tk), 16, 16, dtype)
+        assert torch.equal(got, expected_ranges(mask, 16, 16, dtype)), (kind, dtype)
+    if kind == "fp16_min":
+        got, _ = key_block_ranges(mask, 16, 16, torch.bfloat16)
+        assert (got[..., 0] == 0).all() and (got[..., 1] == -(-tk // 16)).all()  # -65504 kept beside bf16
+
+
+@pytest.mark.parametrize("seq", [64, 77])
+@pytest.mark.parametrize("pads", [(0, 0), (5, 9), (20, 30)])
+@pytest.mark.parametrize("dtype,config", [(torch.float32, POINTER), (torch.float16, POINTER), (torch.float16, TMA)],
+                         ids=["fp32", "fp16", "fp16-tma"])
+def test_llama_mask_matches_float64(seq, pads, dtype, config):
+    """HF Llama's mask: the forward walks each query block's visible range (the causal diagonal; from the
+    first unpadded key), and rows whose visible keys are all padding (batch 0's first pad_left rows) average
+    every key at the fill, future ones included, as eager does."""
+    q, k, v = make_qkv(2, 2, 2, seq, seq, 16, dtype, transposed=config["TMA"], seed=seq + pads[0])
+    mask = llama_mask(2, seq, *pads, dtype=torch.float32)
+    out = run(q, k, v, mask, config)
+    assert out.isfinite().all()
+    assert_close(out, reference(q, k, v, mask), OUT_TOL[dtype])
+
+
+@pytest.mark.parametrize("config", [POINTER, TMA], ids=["pointer", "tma"])
+def test_blocks_outside_the_range_are_not_read(config):
+    """NaN values in keys a query block's range leaves out: the future keys (from key 32 on, for rows before
+    32), and keys before a sliding window of 16: those rows stay finite and right. Batch 0's left-padded rows
+    (0-3) need every key: NaN, as in eager."""
+    q, k, v = make_qkv(2, 2, 2, 64, 64, 16, torch.float16, seed=5)
+    mask = llama_mask(2, 64, 4, 0)
+    want = reference(q, k, v, mask)
+    poisoned = v.clone()
+    poisoned[:, :, 32:] = float("nan")
+    out = run(q, k, poisoned, mask, config)
+    assert_close(out[1, :, :32], want[1, :, :32], OUT_TOL[torch.float16])
+    assert_close(out[0, :, 16:32], want[0, :, 16:32], OUT_TOL[torch.float16])
+    assert out[0, :, :4].isnan().all()
+
+    rows, cols = torch.arange(64)[:, None], torch.arange(64)
+    window = (cols <= rows) & (cols > rows - 16)
+    mask = torch.zeros(1, 1, 64, 64).masked_fill(~window, float("-inf"))
+    want = reference(q, k, v, mask)
+    poisoned = v.clone()
+    poisoned[:, :, :16] = float("nan")
+    out = run(q, k, poisoned, mask, config)
+    assert_close(out[:, :, 32:], want[:, :, 32:], OUT_TOL[torch.float16])  # (rows 32 on see keys from 17)
+
+
+@pytest.mark.parametrize("config", [POINTER, TMA], ids=["pointer", "tma"])
+def test_rows_that_see_no_key_keep_their_meaning(config):
+    """A bool mask hiding every key of a row: NaN as eager's softmax, 0 with SDPA's safe softmax; a key padding
+    row [B, 1, 1, Tk] with right padding skips the padded blocks."""
+    q, k, v = make_qkv(2, 2, 2, 64, 64, 16, torch.float16, seed=8)
+    keep = torch.ones(2, 1, 64, 64, dtype=torch.bool).tril()
+    keep[1, :, 40:] = False
+    out = run(q, k, v, keep, config)
+    assert out[1, :, 40:].isnan().all()
+    assert_close(out[:, :, :40], reference(q, k, v, keep)[:, :, :40], OUT_TOL[torch.float16])
+    safe = run(q, k, v, keep, config, safe_softmax=True)
+    assert (safe[1, :, 40:] == 0).all()
+
+    padding = torch.ones(2, 1, 1, 64, dtype=torch.bool)
+    padding[1, ..., 30:] = False
+    poisoned = v.clone()
+    poisoned[1, :, 32:] = float("nan")
+    out = run(q, k, poisoned, padding, config)
+    assert_close(out, reference(q, k, v, padding), OUT_TOL[torch.float16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pads", [(0, 0), (40, 100)])
+@pytest.mark.parametrize("mask_dtype", [torch.bfloat16, torch.float32, torch.bool])
+def test_gpu_bf16_hd128_llama_mask(pads, mask_dtype):
+    """The real compiler (TMA where the GPU has it), bfloat16, head dim 128, the default blocks, T 512: right
+    against float64, and the values of keys 256 on (NaN) never read by the query blocks before row 256 of
+    the batch padded on the right (every default block divides 256)."""
+    q, k, v = (t.cuda() for t in make_qkv(2, 4, 4, 512, 512, 128, torch.bfloat16, transposed=True, seed=pads[0]))
+    mask = llama_mask(2, 512, *pads, dtype=torch.bfloat16 if mask_dtype == torch.bool else mask_dtype).cuda()
+    if mask_dtype == torch.bool:
+        mask = mask == 0
+    want = reference(q, k, v, mask)
+    assert_close(run(q, k, v, mask, None), want, OUT_TOL[torch.bfloat16])
+    v[:, :, 256:] = float("nan")
+    assert_close(run(q, k, v, mask, None)[1, :, :256], want[1, :, :256], OUT_TOL[torch.bfloat16])
