@@ -274,7 +274,8 @@ def _sdpa_causal_and_padded_fwd_bwd(q, k, v, attention_mask, dout):
 
 
 @workload("attn_hf_padded_bwd", "attn_hf_padded fwd+bwd (dq, dk, dv) via autograd (fxopt's backward skips "
-          "the key tiles above the diagonal as its forward does); B8 H16 T2048 D128; FLOPs = 3.5x causal fwd", kind="attention", training=True,
+          "the key tiles above the diagonal as its forward does); B8 H16 T2048 D128; FLOPs = 3.5x causal fwd",
+          kind="attention", training=True,
           flops=_causal_fwd_bwd_flops, anchor=_sdpa_causal_and_padded_fwd_bwd, rtol=5e-2, atol=5e-2)
 def make_attn_hf_padded_bwd(device, dtype, quick):
     B, H, T, D = (2, 2, 64, 32) if quick else (8, 16, 2048, 128)
