@@ -237,6 +237,24 @@ def make_attn_llama_mask(device, dtype, quick):
     return _hf_llama_masked, (*_qkv(device, dtype, B, H, T, T, D), mask)
 
 
+def _hf_llama_masked_fwd_bwd(q, k, v, causal_mask, dout):
+    return _gradients(_hf_llama_masked(q, k, v, causal_mask), (q, k, v), dout)
+
+
+def _sdpa_llama_masked_fwd_bwd(q, k, v, causal_mask, dout):
+    return _gradients(_sdpa_llama_masked(q, k, v, causal_mask), (q, k, v), dout)
+
+
+@workload("attn_llama_mask_bwd", "attn_llama_mask fwd+bwd (dq, dk, dv) via autograd (fxopt's backward kernels walk "
+          "the mask's visible ranges too); B8 H16 T2048 D128; FLOPs = 3.5x causal fwd", kind="attention",
+          training=True, flops=_causal_fwd_bwd_flops, anchor=_sdpa_llama_masked_fwd_bwd, rtol=5e-2, atol=5e-2)
+def make_attn_llama_mask_bwd(device, dtype, quick):
+    B, H, T, D = (2, 2, 64, 32) if quick else (8, 16, 2048, 128)
+    mask = _llama_4d_mask(_padding_keep(B, T, device), dtype)
+    q, k, v = _qkv(device, dtype, B, H, T, T, D, requires_grad=True)
+    return _hf_llama_masked_fwd_bwd, (q, k, v, mask, randn(B, H, T, D, device=device, dtype=dtype))
+
+
 def _hf_gpt2_padded(q, k, v, attention_mask):
     """HF GPT-2's eager attention: division by a 0-dim tensor, torch.where on a bool tril (HF's is a
     buffer, built here) with the dtype's finite finfo.min, then + HF's padding mask, (1 - keep) * finfo.min."""

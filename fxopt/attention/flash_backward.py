@@ -36,6 +36,7 @@ from .flash_common import (
 from .flash_backward_tma import flash_backward_tma
 from .flash_forward_tma import tiles_fit, tma_applies, tma_readable
 from .launch_plans import frozen, planned
+from .mask_blocks import load_range, mask_ranges, range_arguments
 from .mask_tiles import (
     FILL_MASK, add_mask, causal_keys_end, fold_causal, fold_mode, folded_keys_end, future_queries_end,
     lacks_real_score, mask_arguments, mask_kind,
@@ -72,6 +73,9 @@ def flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     attention = dict(CAUSAL=causal, HAS_MASK=mask_kind(mask, zero_empty_rows), HAS_SLOPES=key_slopes is not None,
                      DOT_PRECISION=dot_precision(q.dtype), FOLD=fold, **shared)
     mask_args = (*mask_arguments(mask, q), q if key_slopes is None else key_slopes)
+    whole = causal or fold != 0  # (their own block skipping); else a mask's visible ranges (mask_blocks.py)
+    dkdv_ranges = mask_ranges(mask, whole, cfg["DKDV_BLOCK_M"], cfg["DKDV_BLOCK_N"], q, by_keys=True)
+    dq_ranges = mask_ranges(mask, whole, cfg["DQ_BLOCK_M"], cfg["DQ_BLOCK_N"], q)
 
     block_m = cfg["DQ_BLOCK_M"]
     launcher(_delta_kernel, (cdiv(seq_q, block_m), batch * heads), q.device)(
@@ -79,22 +83,25 @@ def flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
         BLOCK_M=block_m, EVEN_M=seq_q % block_m == 0, **shared)
     if use_tma:
         return flash_backward_tma(dout, q, k, v, lse, delta, scale=scale, causal=causal, cfg=cfg, key_slopes=key_slopes,
-                                  mask=mask, zero_empty_rows=zero_empty_rows, fold=fold, causal_fill=causal_fill)
+                                  mask=mask, zero_empty_rows=zero_empty_rows, fold=fold, causal_fill=causal_fill,
+                                  ranges=(dkdv_ranges, dq_ranges))
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))  # each laid out like its input
 
     block_m, block_n = cfg["DKDV_BLOCK_M"], cfg["DKDV_BLOCK_N"]
     launcher(_dkdv_kernel, (cdiv(seq_k, block_n), batch * kv_heads), q.device)(
-        q, k, v, *mask_args, dout, lse, delta, dk, dv,
+        q, k, v, *mask_args, dout, lse, delta, dk, dv, *range_arguments(dkdv_ranges, q),
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
         kv_heads, heads // kv_heads, seq_q, seq_k, scale, scale * LOG2E.value, causal_fill,
-        BLOCK_M=block_m, BLOCK_N=block_n, EVEN_M=seq_q % block_m == 0, EVEN_N=seq_k % block_n == 0, **attention)
+        BLOCK_M=block_m, BLOCK_N=block_n, EVEN_M=seq_q % block_m == 0, EVEN_N=seq_k % block_n == 0,
+        RANGES=dkdv_ranges is not None, **attention)
 
     block_m, block_n = cfg["DQ_BLOCK_M"], cfg["DQ_BLOCK_N"]
     launcher(_dq_kernel, (cdiv(seq_q, block_m), batch * heads), q.device)(
-        q, k, v, *mask_args, dout, lse, delta, dq,
+        q, k, v, *mask_args, dout, lse, delta, dq, *range_arguments(dq_ranges, q),
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(),
         heads, heads // kv_heads, seq_q, seq_k, scale, scale * LOG2E.value, causal_fill,
-        BLOCK_M=block_m, BLOCK_N=block_n, EVEN_M=seq_q % block_m == 0, EVEN_N=seq_k % block_n == 0, **attention)
+        BLOCK_M=block_m, BLOCK_N=block_n, EVEN_M=seq_q % block_m == 0, EVEN_N=seq_k % block_n == 0,
+        RANGES=dq_ranges is not None, **attention)
     return dq, dk, dv
 
 
@@ -149,7 +156,7 @@ def _delta_kernel(Out, DOut, Delta, stride_ob, stride_oh, stride_om, stride_od,
 @triton.jit
 def _dkdv_kernel(
         Q, K, V, Mask, stride_mb, stride_mh, stride_mm, stride_mn, Slopes, DOut, Lse, Delta, DK, DV,
-        stride_qb, stride_qh, stride_qm, stride_qd,
+        Ranges, stride_rb, stride_rh, stride_rk, stride_qb, stride_qh, stride_qm, stride_qd,
         stride_kb, stride_kh, stride_kn, stride_kd,
         stride_vb, stride_vh, stride_vn, stride_vd,
         stride_dob, stride_doh, stride_dom, stride_dod,
@@ -158,8 +165,10 @@ def _dkdv_kernel(
         num_kv_heads, group_size, seq_q, seq_k, sm_scale, qk_scale, causal_fill,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SLOPES: tl.constexpr, EVEN_M: tl.constexpr,
-        EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, FOLD: tl.constexpr):
-    """dK and dV for BLOCK_N keys of one (batch, kv head), summed over the query heads of its group."""
+        EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, FOLD: tl.constexpr,
+        RANGES: tl.constexpr):
+    """dK and dV for BLOCK_N keys of one (batch, kv head), summed over the query heads of its group. FOLD,
+    RANGES: whole query blocks outside [query_lo, query_hi) only where a row saw no real score."""
     n0 = tl.program_id(0) * BLOCK_N
     bkv = tl.program_id(1)
     batch = (bkv // num_kv_heads).to(tl.int64)
@@ -184,9 +193,14 @@ def _dkdv_kernel(
         mask_head = Mask + batch * stride_mb + head * stride_mh
         slope = head_slope(Slopes, head, HAS_SLOPES)
         rows_head = (batch * num_kv_heads * group_size + head) * seq_q  # lse and delta are contiguous [B, H, Tq]
-        if FOLD != 0:
-            for m0 in tl.range(0, mask_free_lo, BLOCK_M, num_stages=1):
-                if lacks_real_score(tl.load(Lse + rows_head + m0 + tl.arange(0, BLOCK_M)) * LOG2E):
+        query_lo, query_hi = mask_free_lo, ragged_lo
+        if RANGES:  # the query range the mask leaves visible to this key block (mask_blocks.py)
+            query_lo, query_hi = load_range(Ranges, batch, head, tl.program_id(0), stride_rb, stride_rh, stride_rk)
+            query_lo, query_hi = tl.minimum(query_lo, ragged_lo), tl.minimum(query_hi, ragged_lo)
+        if FOLD != 0 or RANGES:
+            for m0 in tl.range(0, ragged_lo, BLOCK_M, num_stages=1):
+                outside = (m0 < query_lo) | (m0 >= query_hi)
+                if outside & lacks_real_score(tl.load(Lse + rows_head + m0 + tl.arange(0, BLOCK_M)) * LOG2E):
                     dk, dv = _accumulate_dkdv(
                         dk, dv, k, v, q_head, do_head, mask_head, Lse + rows_head, Delta + rows_head, n0, m0,
                         m0 + BLOCK_M, seq_q, seq_k, causal_shift, qk_scale, slope, causal_fill, stride_qm, stride_qd,
@@ -199,7 +213,7 @@ def _dkdv_kernel(
                 stride_mm, stride_mn, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_SLOPES,
                 True, EVEN_M, EVEN_N, EVEN_D, DOT_PRECISION, FOLD)
         dk, dv = _accumulate_dkdv(
-            dk, dv, k, v, q_head, do_head, mask_head, Lse + rows_head, Delta + rows_head, n0, mask_free_lo, ragged_lo,
+            dk, dv, k, v, q_head, do_head, mask_head, Lse + rows_head, Delta + rows_head, n0, query_lo, query_hi,
             seq_q, seq_k, causal_shift, qk_scale, slope, causal_fill, stride_qm, stride_qd, stride_dom, stride_dod,
             stride_mm, stride_mn, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_SLOPES,
             False, True, EVEN_N, EVEN_D, DOT_PRECISION, FOLD)
@@ -262,7 +276,7 @@ def _accumulate_dkdv(
 @triton.jit
 def _dq_kernel(
         Q, K, V, Mask, stride_mb, stride_mh, stride_mm, stride_mn, Slopes, DOut, Lse, Delta, DQ,
-        stride_qb, stride_qh, stride_qm, stride_qd,
+        Ranges, stride_rb, stride_rh, stride_rq, stride_qb, stride_qh, stride_qm, stride_qd,
         stride_kb, stride_kh, stride_kn, stride_kd,
         stride_vb, stride_vh, stride_vn, stride_vd,
         stride_dob, stride_doh, stride_dom, stride_dod,
@@ -270,8 +284,9 @@ def _dq_kernel(
         num_heads, group_size, seq_q, seq_k, sm_scale, qk_scale, causal_fill,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SLOPES: tl.constexpr, EVEN_M: tl.constexpr,
-        EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, FOLD: tl.constexpr):
-    """dQ for BLOCK_M query rows of one (batch, head)."""
+        EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, FOLD: tl.constexpr,
+        RANGES: tl.constexpr):
+    """dQ for BLOCK_M query rows of one (batch, head); RANGES as flash_forward's kernel."""
     block_m = tl.program_id(0)
     if CAUSAL or FOLD != 0:  # heaviest query blocks first
         block_m = tl.num_programs(0) - 1 - block_m
@@ -302,9 +317,13 @@ def _dq_kernel(
         hi, even_end = causal_keys_end(m0, seq_k, causal_shift, BLOCK_M, BLOCK_N)
         end = folded_keys_end(hi, even_end, seq_k, lse)
         mask_free_end = tl.minimum(mask_free_end, end)
+    key_lo = 0
+    if RANGES:
+        key_lo, end = load_range(Ranges, batch, head, block_m, stride_rb, stride_rh, stride_rq)
+        mask_free_end = tl.minimum(mask_free_end, end)
     dq = _accumulate_dq(
-        dq, q, do, lse, delta, k_head, v_head, mask_head, m0, 0, mask_free_end, seq_q, seq_k, causal_shift, qk_scale,
-        slope, causal_fill, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+        dq, q, do, lse, delta, k_head, v_head, mask_head, m0, key_lo, mask_free_end, seq_q, seq_k, causal_shift,
+        qk_scale, slope, causal_fill, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
         HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_SLOPES, False, EVEN_M, True, EVEN_D, DOT_PRECISION, FOLD)
     if CAUSAL or not EVEN_N:
         dq = _accumulate_dq(
@@ -312,6 +331,18 @@ def _dq_kernel(
             qk_scale, slope, causal_fill, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
             HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_SLOPES, CAUSAL, EVEN_M, EVEN_N, EVEN_D, DOT_PRECISION,
             FOLD)
+    if RANGES:  # the keys outside the range, only for a query block with a row that saw no real score
+        lacks = lacks_real_score(lse)
+        dq = _accumulate_dq(
+            dq, q, do, lse, delta, k_head, v_head, mask_head, m0, 0, tl.where(lacks, key_lo, 0), seq_q, seq_k,
+            causal_shift, qk_scale, slope, causal_fill, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm,
+            stride_mn, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_SLOPES, False, EVEN_M, True, EVEN_D,
+            DOT_PRECISION, FOLD)
+        dq = _accumulate_dq(
+            dq, q, do, lse, delta, k_head, v_head, mask_head, m0, tl.where(lacks, end, seq_k), seq_k, seq_q, seq_k,
+            causal_shift, qk_scale, slope, causal_fill, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm,
+            stride_mn, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_SLOPES, False, EVEN_M, EVEN_N, EVEN_D,
+            DOT_PRECISION, FOLD)
 
     if HAS_MASK == FILL_MASK:  # (as in _accumulate_dkdv)
         dq = tl.where(lse[:, None] == float("-inf"), 0.0, dq)

@@ -26,6 +26,7 @@ from ..codegen.jit_keys import settle as settle_cache_keys
 from ..codegen.wrapper_runtime import cdiv
 from .flash_common import LOG2E, add_key_slope, head_slope, key_ranges, launcher, load_rows, query_ranges, visible
 from .flash_forward_tma import descriptor, query_block_program
+from .mask_blocks import load_range, range_arguments
 from .mask_tiles import (
     FILL_MASK, add_mask, causal_keys_end, fold_causal, folded_keys_end, future_queries_end, lacks_real_score,
     load_mask_block, mask_arguments, mask_kind, reads_mask_row,
@@ -36,11 +37,12 @@ __all__ = ["flash_backward_tma"]
 
 def flash_backward_tma(dout, q, k, v, lse, delta, *, scale: float, causal: bool, cfg: dict,
                        key_slopes: Tensor | None = None, mask: Tensor | None = None,
-                       zero_empty_rows: bool = False, fold: int = 0,
-                       causal_fill: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+                       zero_empty_rows: bool = False, fold: int = 0, causal_fill: float = 0.0,
+                       ranges: tuple = (None, None)) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) for inputs the TMA path accepts (the caller checked tma_applies and dout); `delta`
     already computed; cfg resolved (DKDV_/DQ_ blocks, num_warps, num_stages); key_slopes, mask (expanded to
-    [B, H, Tq, Tk]), zero_empty_rows and causal_fill as flash_backward's; fold: the kernels' FOLD."""
+    [B, H, Tq, Tk]), zero_empty_rows and causal_fill as flash_backward's; fold: the kernels' FOLD; ranges: the
+    mask's visible ranges (mask_blocks.mask_ranges) for the dK/dV and the dQ kernel, or None."""
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
@@ -54,26 +56,30 @@ def flash_backward_tma(dout, q, k, v, lse, delta, *, scale: float, causal: bool,
     launcher(_dkdv_tma_kernel, (cdiv(seq_k, block_n), batch * kv_heads), q.device)(
         descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(dout, block_m),
         descriptor(dk, block_n), descriptor(dv, block_n), lse, delta, slopes, *mask_args,
-        kv_heads, heads // kv_heads, seq_q, seq_k, scale, scale * LOG2E.value, causal_fill,
-        BLOCK_M=block_m, BLOCK_N=block_n, EVEN_M=seq_q % block_m == 0, EVEN_N=seq_k % block_n == 0, **shared)
+        *range_arguments(ranges[0], q), kv_heads, heads // kv_heads, seq_q, seq_k, scale, scale * LOG2E.value,
+        causal_fill, BLOCK_M=block_m, BLOCK_N=block_n, EVEN_M=seq_q % block_m == 0, EVEN_N=seq_k % block_n == 0,
+        RANGES=ranges[0] is not None, **shared)
 
     block_m, block_n = cfg["DQ_BLOCK_M"], cfg["DQ_BLOCK_N"]
     launcher(_dq_tma_kernel, (cdiv(seq_q, block_m), batch * heads), q.device)(
         descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(dout, block_m),
-        descriptor(dq, block_m), lse, delta, slopes, *mask_args,
+        descriptor(dq, block_m), lse, delta, slopes, *mask_args, *range_arguments(ranges[1], q),
         heads, heads // kv_heads, seq_q, seq_k, scale, scale * LOG2E.value, causal_fill,
-        BLOCK_M=block_m, BLOCK_N=block_n, EVEN_M=seq_q % block_m == 0, EVEN_N=seq_k % block_n == 0, **shared)
+        BLOCK_M=block_m, BLOCK_N=block_n, EVEN_M=seq_q % block_m == 0, EVEN_N=seq_k % block_n == 0,
+        RANGES=ranges[1] is not None, **shared)
     return dq, dk, dv
 
 
 @triton.jit
 def _dkdv_tma_kernel(
         q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, Slopes, Mask, stride_mb, stride_mh,
-        stride_mm, stride_mn, num_kv_heads, group_size, seq_q, seq_k, sm_scale, qk_scale, causal_fill,
+        stride_mm, stride_mn, Ranges, stride_rb, stride_rh, stride_rk, num_kv_heads, group_size, seq_q, seq_k,
+        sm_scale, qk_scale, causal_fill,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
         HAS_SLOPES: tl.constexpr, HAS_MASK: tl.constexpr, MASK_ROW: tl.constexpr, EVEN_M: tl.constexpr,
-        EVEN_N: tl.constexpr, FOLD: tl.constexpr):
-    """dK and dV for BLOCK_N keys of one (batch, kv head), summed over the query heads of its group."""
+        EVEN_N: tl.constexpr, FOLD: tl.constexpr, RANGES: tl.constexpr):
+    """dK and dV for BLOCK_N keys of one (batch, kv head), summed over the query heads of its group; FOLD,
+    RANGES as flash_backward's kernel."""
     n0 = tl.program_id(0) * BLOCK_N
     bkv = tl.program_id(1)
     batch = bkv // num_kv_heads
@@ -91,9 +97,14 @@ def _dkdv_tma_kernel(
         rows_head = (batch * num_kv_heads * group_size + head).to(tl.int64) * seq_q  # lse, delta: [B, H, Tq]
         slope = head_slope(Slopes, head, HAS_SLOPES)
         mask_head = Mask + batch.to(tl.int64) * stride_mb + head.to(tl.int64) * stride_mh
-        if FOLD != 0:
-            for m0 in tl.range(0, mask_free_lo, BLOCK_M, num_stages=1):
-                if lacks_real_score(tl.load(Lse + rows_head + m0 + tl.arange(0, BLOCK_M)) * LOG2E):
+        query_lo, query_hi = mask_free_lo, ragged_lo
+        if RANGES:
+            query_lo, query_hi = load_range(Ranges, batch, head, tl.program_id(0), stride_rb, stride_rh, stride_rk)
+            query_lo, query_hi = tl.minimum(query_lo, ragged_lo), tl.minimum(query_hi, ragged_lo)
+        if FOLD != 0 or RANGES:
+            for m0 in tl.range(0, ragged_lo, BLOCK_M, num_stages=1):
+                outside = (m0 < query_lo) | (m0 >= query_hi)
+                if outside & lacks_real_score(tl.load(Lse + rows_head + m0 + tl.arange(0, BLOCK_M)) * LOG2E):
                     dk, dv = _accumulate_dkdv_tma(
                         dk, dv, k, v, q_desc, do_desc, Lse + rows_head, Delta + rows_head, mask_head, stride_mm,
                         stride_mn, batch, head, n0, m0, m0 + BLOCK_M, seq_q, seq_k, causal_shift, qk_scale, slope,
@@ -105,7 +116,7 @@ def _dkdv_tma_kernel(
                                           seq_k, causal_shift, qk_scale, slope, causal_fill, HEAD_DIM, BLOCK_M, BLOCK_N,
                                           True, True, HAS_SLOPES, HAS_MASK, MASK_ROW, EVEN_N, FOLD)
         dk, dv = _accumulate_dkdv_tma(dk, dv, k, v, q_desc, do_desc, Lse + rows_head, Delta + rows_head, mask_head,
-                                      stride_mm, stride_mn, batch, head, n0, mask_free_lo, ragged_lo, seq_q, seq_k,
+                                      stride_mm, stride_mn, batch, head, n0, query_lo, query_hi, seq_q, seq_k,
                                       causal_shift, qk_scale, slope, causal_fill, HEAD_DIM, BLOCK_M, BLOCK_N, False,
                                       False, HAS_SLOPES, HAS_MASK, MASK_ROW, EVEN_N, FOLD)
         if not EVEN_M:
@@ -157,11 +168,12 @@ def _accumulate_dkdv_tma(dk, dv, k, v, q_desc, do_desc, lse_head, delta_head, ma
 @triton.jit
 def _dq_tma_kernel(
         q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, Slopes, Mask, stride_mb, stride_mh, stride_mm,
-        stride_mn, num_heads, group_size, seq_q, seq_k, sm_scale, qk_scale, causal_fill,
+        stride_mn, Ranges, stride_rb, stride_rh, stride_rq, num_heads, group_size, seq_q, seq_k, sm_scale, qk_scale,
+        causal_fill,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
         HAS_SLOPES: tl.constexpr, HAS_MASK: tl.constexpr, MASK_ROW: tl.constexpr, EVEN_M: tl.constexpr,
-        EVEN_N: tl.constexpr, FOLD: tl.constexpr):
-    """dQ for BLOCK_M query rows of one (batch, head)."""
+        EVEN_N: tl.constexpr, FOLD: tl.constexpr, RANGES: tl.constexpr):
+    """dQ for BLOCK_M query rows of one (batch, head); RANGES as flash_forward's kernel."""
     bh, batch, head, kv_head, m0 = query_block_program(num_heads, group_size, BLOCK_M, CAUSAL or FOLD != 0)
     rows = tl.arange(0, BLOCK_M)
     causal_shift = seq_k - seq_q
@@ -178,14 +190,28 @@ def _dq_tma_kernel(
         hi, even_end = causal_keys_end(m0, seq_k, causal_shift, BLOCK_M, BLOCK_N)
         end = folded_keys_end(hi, even_end, seq_k, lse)
         mask_free_end = tl.minimum(mask_free_end, end)
+    key_lo = 0
+    if RANGES:
+        key_lo, end = load_range(Ranges, batch, head, m0 // BLOCK_M, stride_rb, stride_rh, stride_rq)
+        mask_free_end = tl.minimum(mask_free_end, end)
     dq = _accumulate_dq_tma(dq, q, do, lse, delta, k_desc, v_desc, mask_head, stride_mm, stride_mn, batch, kv_head, m0,
-                            0, mask_free_end, seq_q, seq_k, causal_shift, qk_scale, slope, causal_fill, HEAD_DIM,
+                            key_lo, mask_free_end, seq_q, seq_k, causal_shift, qk_scale, slope, causal_fill, HEAD_DIM,
                             BLOCK_M, BLOCK_N, False, False, HAS_SLOPES, HAS_MASK, MASK_ROW, EVEN_M, FOLD)
     if CAUSAL or not EVEN_N:
         dq = _accumulate_dq_tma(dq, q, do, lse, delta, k_desc, v_desc, mask_head, stride_mm, stride_mn, batch,
                                 kv_head, m0, mask_free_end, end, seq_q, seq_k, causal_shift, qk_scale, slope,
                                 causal_fill, HEAD_DIM, BLOCK_M, BLOCK_N, True, CAUSAL, HAS_SLOPES, HAS_MASK, MASK_ROW,
                                 EVEN_M, FOLD)
+    if RANGES:  # as flash_backward's kernel
+        lacks = lacks_real_score(lse)
+        dq = _accumulate_dq_tma(dq, q, do, lse, delta, k_desc, v_desc, mask_head, stride_mm, stride_mn, batch,
+                                kv_head, m0, 0, tl.where(lacks, key_lo, 0), seq_q, seq_k, causal_shift, qk_scale,
+                                slope, causal_fill, HEAD_DIM, BLOCK_M, BLOCK_N, True, False, HAS_SLOPES, HAS_MASK,
+                                MASK_ROW, EVEN_M, FOLD)
+        dq = _accumulate_dq_tma(dq, q, do, lse, delta, k_desc, v_desc, mask_head, stride_mm, stride_mn, batch,
+                                kv_head, m0, tl.where(lacks, end, seq_k), seq_k, seq_q, seq_k, causal_shift, qk_scale,
+                                slope, causal_fill, HEAD_DIM, BLOCK_M, BLOCK_N, True, False, HAS_SLOPES, HAS_MASK,
+                                MASK_ROW, EVEN_M, FOLD)
     if HAS_MASK == FILL_MASK:  # (as in _accumulate_dkdv_tma)
         dq = tl.where(lse[:, None] == float("-inf"), 0.0, dq)
     dq_desc.store([batch, head, m0, 0], (dq * sm_scale).to(dq_desc.dtype).reshape(1, 1, BLOCK_M, HEAD_DIM))

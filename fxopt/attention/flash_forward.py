@@ -38,7 +38,7 @@ from .flash_common import (
     key_ranges, launcher, load_tile, log_sum_exp, resolve_config, running_max, softmax_denominator, store_rows,
     store_tile, tile_ptrs, visible,
 )
-from .mask_blocks import mask_ranges, range_arguments, visible_key_range
+from .mask_blocks import mask_ranges, range_arguments, load_range
 from .mask_tiles import (
     add_mask, causal_keys_end, fold_causal, fold_mode, folded_keys_end, lacks_real_score, mask_arguments,
 )
@@ -80,7 +80,7 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool
     fold = fold_mode(causal_fold, mask, causal)
     use_tma, cfg = _forward_plan((q, k, v, mask, key_slopes), scale, causal, frozen(config))
     safe = safe_softmax and mask is not None  # without a mask every row sees a key (causal needs Tq <= Tk)
-    ranges = mask_ranges(mask, causal or fold != 0, cfg, q)
+    ranges = mask_ranges(mask, causal or fold != 0, cfg["BLOCK_M"], cfg["BLOCK_N"], q)
     if use_tma:
         return flash_forward_tma(q, k, v, scale=scale, causal=causal, cfg=cfg, store_lse=lse, key_slopes=key_slopes,
                                  mask=mask, safe_softmax=safe, fold=fold, causal_fill=causal_fill, ranges=ranges)
@@ -160,7 +160,7 @@ def _flash_forward_kernel(
     mask_free_end, end = key_ranges(m0, seq_k, causal_shift, BLOCK_M, BLOCK_N, CAUSAL or FOLD != 0)
     key_lo = 0
     if RANGES:  # the mask's visible range only: [key_lo, mask_free_end) whole blocks, then a ragged end
-        key_lo, end = visible_key_range(Ranges, batch, head, block_m, stride_rb, stride_rh, stride_rq, seq_k, BLOCK_N)
+        key_lo, end = load_range(Ranges, batch, head, block_m, stride_rb, stride_rh, stride_rq)
         mask_free_end = tl.minimum(mask_free_end, end)
     acc, row_sum, row_max = _attend_key_blocks(
         acc, row_sum, row_max, q, k_head, v_head, mask_head, m0, key_lo, mask_free_end, seq_q, seq_k, causal_shift,
