@@ -333,7 +333,11 @@ def _read_additive(facts: MaskFacts, mask: fx.Node, requires_grad) -> None:
 
 
 def _describe_read_mask(facts: MaskFacts, text: str) -> None:
-    facts.described = f"{facts.described} + {text}" if facts.causal else text
+    """(Without a causal fact the kernels walk each query block's visible key range: attention/mask_blocks.py.)"""
+    facts.described = f"{facts.described} + {text}" if facts.causal else f"{text}; {RANGES_NOTE}"
+
+
+RANGES_NOTE = "key blocks it drops outside each query block's visible range skipped at run time"
 
 
 def sdpa_mask_facts(facts: MaskFacts, mask: fx.Node, score_shape, requires_grad) -> None:
