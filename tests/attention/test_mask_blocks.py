@@ -241,3 +241,17 @@ def test_gpu_bf16_hd128_llama_mask_backward(mask_dtype):
     grads = flash_backward(dout, q, k, v, out, lse, scale=0.3, causal=False, mask=full)
     for got, want in zip(grads, reference_grads(q, k, v, mask, dout)):
         assert_close(got, want, GRAD_TOL[torch.bfloat16])
+
+
+def test_explain_says_the_mask_is_skipped_by_ranges():
+    """rep.attention tells a mask read at run time from the causal facts the graph settles."""
+    import fxopt
+
+    def attention(q, k, v, mask):
+        s = q @ k.transpose(-1, -2) * 0.25 + mask
+        return torch.softmax(s.float(), -1).to(q.dtype) @ v
+
+    q, k, v = make_qkv(2, 2, 2, 32, 32, 16, torch.float32, seed=1)
+    site, = fxopt.explain(attention, q, k, v, llama_mask(2, 32, 3, 4)).attention
+    assert site.fused and not site.causal and "read by the kernel" in site.mask
+    assert "skipped at run time" in site.mask, site.mask
