@@ -36,7 +36,7 @@ from .flash_common import (
 from .flash_backward_tma import flash_backward_tma
 from .flash_forward_tma import tiles_fit, tma_applies, tma_readable
 from .launch_plans import frozen, planned
-from .mask_blocks import load_range, mask_ranges, range_arguments
+from .mask_blocks import load_range, mask_ranges, range_arguments, visits_unwalked, walked_queries
 from .mask_tiles import (
     FILL_MASK, add_mask, causal_keys_end, fold_causal, fold_mode, folded_keys_end, future_queries_end,
     lacks_real_score, mask_arguments, mask_kind,
@@ -193,14 +193,11 @@ def _dkdv_kernel(
         mask_head = Mask + batch * stride_mb + head * stride_mh
         slope = head_slope(Slopes, head, HAS_SLOPES)
         rows_head = (batch * num_kv_heads * group_size + head) * seq_q  # lse and delta are contiguous [B, H, Tq]
-        query_lo, query_hi = mask_free_lo, ragged_lo
-        if RANGES:  # the query range the mask leaves visible to this key block (mask_blocks.py)
-            query_lo, query_hi = load_range(Ranges, batch, head, tl.program_id(0), stride_rb, stride_rh, stride_rk)
-            query_lo, query_hi = tl.minimum(query_lo, ragged_lo), tl.minimum(query_hi, ragged_lo)
-        if FOLD != 0 or RANGES:
+        query_lo, query_hi = walked_queries(Ranges, batch, head, tl.program_id(0), stride_rb, stride_rh, stride_rk,
+                                            mask_free_lo, ragged_lo, RANGES)
+        if FOLD != 0 or RANGES:  # the query blocks outside [query_lo, query_hi) where a row needs them
             for m0 in tl.range(0, ragged_lo, BLOCK_M, num_stages=1):
-                outside = (m0 < query_lo) | (m0 >= query_hi)
-                if outside & lacks_real_score(tl.load(Lse + rows_head + m0 + tl.arange(0, BLOCK_M)) * LOG2E):
+                if visits_unwalked(m0, query_lo, query_hi, tl.load(Lse + rows_head + m0 + tl.arange(0, BLOCK_M))):
                     dk, dv = _accumulate_dkdv(
                         dk, dv, k, v, q_head, do_head, mask_head, Lse + rows_head, Delta + rows_head, n0, m0,
                         m0 + BLOCK_M, seq_q, seq_k, causal_shift, qk_scale, slope, causal_fill, stride_qm, stride_qd,

@@ -26,7 +26,7 @@ from ..codegen.jit_keys import settle as settle_cache_keys
 from ..codegen.wrapper_runtime import cdiv
 from .flash_common import LOG2E, add_key_slope, head_slope, key_ranges, launcher, load_rows, query_ranges, visible
 from .flash_forward_tma import descriptor, query_block_program
-from .mask_blocks import load_range, range_arguments
+from .mask_blocks import load_range, range_arguments, visits_unwalked, walked_queries
 from .mask_tiles import (
     FILL_MASK, add_mask, causal_keys_end, fold_causal, folded_keys_end, future_queries_end, lacks_real_score,
     load_mask_block, mask_arguments, mask_kind, reads_mask_row,
@@ -97,14 +97,11 @@ def _dkdv_tma_kernel(
         rows_head = (batch * num_kv_heads * group_size + head).to(tl.int64) * seq_q  # lse, delta: [B, H, Tq]
         slope = head_slope(Slopes, head, HAS_SLOPES)
         mask_head = Mask + batch.to(tl.int64) * stride_mb + head.to(tl.int64) * stride_mh
-        query_lo, query_hi = mask_free_lo, ragged_lo
-        if RANGES:
-            query_lo, query_hi = load_range(Ranges, batch, head, tl.program_id(0), stride_rb, stride_rh, stride_rk)
-            query_lo, query_hi = tl.minimum(query_lo, ragged_lo), tl.minimum(query_hi, ragged_lo)
-        if FOLD != 0 or RANGES:
+        query_lo, query_hi = walked_queries(Ranges, batch, head, tl.program_id(0), stride_rb, stride_rh, stride_rk,
+                                            mask_free_lo, ragged_lo, RANGES)
+        if FOLD != 0 or RANGES:  # the query blocks outside [query_lo, query_hi) where a row needs them
             for m0 in tl.range(0, ragged_lo, BLOCK_M, num_stages=1):
-                outside = (m0 < query_lo) | (m0 >= query_hi)
-                if outside & lacks_real_score(tl.load(Lse + rows_head + m0 + tl.arange(0, BLOCK_M)) * LOG2E):
+                if visits_unwalked(m0, query_lo, query_hi, tl.load(Lse + rows_head + m0 + tl.arange(0, BLOCK_M))):
                     dk, dv = _accumulate_dkdv_tma(
                         dk, dv, k, v, q_desc, do_desc, Lse + rows_head, Delta + rows_head, mask_head, stride_mm,
                         stride_mn, batch, head, n0, m0, m0 + BLOCK_M, seq_q, seq_k, causal_shift, qk_scale, slope,

@@ -27,9 +27,11 @@ from torch import Tensor
 
 from ..codegen.jit_keys import settle as settle_cache_keys
 from ..codegen.wrapper_runtime import cdiv
-from .flash_common import launcher
+from .flash_common import LOG2E, launcher
+from .mask_tiles import lacks_real_score
 
-__all__ = ["drop_threshold", "visible_ranges", "mask_ranges", "range_arguments", "load_range", "MIN_KEY_BLOCKS"]
+__all__ = ["drop_threshold", "visible_ranges", "mask_ranges", "range_arguments", "load_range", "walked_queries",
+           "visits_unwalked", "MIN_KEY_BLOCKS"]
 
 # Below this many key blocks a query block has little to skip and the extra launch is not worth it
 MIN_KEY_BLOCKS = 4
@@ -115,6 +117,25 @@ def load_range(Ranges, batch, head, block, stride_rb, stride_rh, stride_rblock):
     """The (lo, hi) visible_ranges recorded for this block of this (batch, head)."""
     at = Ranges + batch.to(tl.int64) * stride_rb + head.to(tl.int64) * stride_rh + block.to(tl.int64) * stride_rblock
     return tl.load(at), tl.load(at + 1)
+
+
+@triton.jit
+def walked_queries(Ranges, batch, head, key_block, stride_rb, stride_rh, stride_rk, lo, ragged_lo,
+                   RANGES: tl.constexpr):
+    """The query blocks [lo, hi) the dK/dV kernels walk for one key block: the mask's visible range (RANGES),
+    else [lo, ragged_lo); capped at the ragged last query block, which they visit in a loop of its own."""
+    hi = ragged_lo
+    if RANGES:
+        lo, hi = load_range(Ranges, batch, head, key_block, stride_rb, stride_rh, stride_rk)
+        lo, hi = tl.minimum(lo, ragged_lo), tl.minimum(hi, ragged_lo)
+    return lo, hi
+
+
+@triton.jit
+def visits_unwalked(m0, query_lo, query_hi, lse_rows):
+    """Whether the dK/dV kernels visit the query block at m0 outside their walked range: only where one of
+    its rows saw no real score (lse_rows: the rows' natural-log log-sum-exp)."""
+    return ((m0 < query_lo) | (m0 >= query_hi)) & lacks_real_score(lse_rows * LOG2E)
 
 
 settle_cache_keys(globals())  # each kernel's Triton key the same in every process (codegen/jit_keys.py)
