@@ -20,6 +20,8 @@ skip changes nothing else. NaN is not dropped.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -40,8 +42,11 @@ MIN_KEY_BLOCKS = 4
 def mask_ranges(mask: Tensor | None, causal: bool, block_m: int, block_n: int, q: Tensor,
                 by_keys: bool = False) -> tuple | None:
     """visible_ranges for a kernel's blocks, or None where the kernels walk every key: no mask, a causal
-    or folded causal site (its own block skipping), or fewer than MIN_KEY_BLOCKS key blocks."""
+    or folded causal site (its own block skipping), fewer than MIN_KEY_BLOCKS key blocks, or the
+    environment's FXOPT_MASK_RANGES=0 (an escape hatch while the ranges are new)."""
     if mask is None or causal or cdiv(mask.shape[3], block_n) < MIN_KEY_BLOCKS:
+        return None
+    if os.environ.get("FXOPT_MASK_RANGES", "1") == "0":
         return None
     return visible_ranges(mask, block_m, block_n, q.dtype, by_keys)
 

@@ -107,7 +107,7 @@ def test_llama_mask_matches_float64(seq, pads, dtype, config):
 
 
 @pytest.mark.parametrize("config", [POINTER, TMA], ids=["pointer", "tma"])
-def test_blocks_outside_the_range_are_not_read(config):
+def test_blocks_outside_the_range_are_not_read(config, monkeypatch):
     """NaN values in keys a query block's range leaves out: the future keys (from key 32 on, for rows before
     32), and keys before a sliding window of 16: those rows stay finite and right. Batch 0's left-padded rows
     (0-3) need every key: NaN, as in eager."""
@@ -120,6 +120,9 @@ def test_blocks_outside_the_range_are_not_read(config):
     assert_close(out[1, :, :32], want[1, :, :32], OUT_TOL[torch.float16])
     assert_close(out[0, :, 16:32], want[0, :, 16:32], OUT_TOL[torch.float16])
     assert out[0, :, :4].isnan().all()
+    monkeypatch.setenv("FXOPT_MASK_RANGES", "0")  # the escape hatch: every key block walked
+    assert run(q, k, poisoned, mask, config)[1, :, :32].isnan().all()
+    monkeypatch.delenv("FXOPT_MASK_RANGES")
 
     rows, cols = torch.arange(64)[:, None], torch.arange(64)
     window = (cols <= rows) & (cols > rows - 16)
