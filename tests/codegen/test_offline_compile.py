@@ -165,8 +165,8 @@ OWN_KERNELS = textwrap.dedent("""\
 
 
 def test_fxopt_own_kernels_compile_for_an_h200_with_the_gpu_configs(tmp_path):
-    """Attention (pointer and TMA kernels, forward, backward, masked, decode with and without a mask) and
-    cross-entropy with the launch configs the GPU uses, compiled by this Triton for sm_90 (the GPU
+    """Attention (pointer and TMA kernels, forward, backward, masked with their visible key ranges, decode
+    with and without a mask) and cross-entropy with the launch configs the GPU uses, compiled by this Triton for sm_90 (the GPU
     sessions check them on the GPU machine's Triton; this checks CI's)."""
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "triton"),
                PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
@@ -175,7 +175,7 @@ def test_fxopt_own_kernels_compile_for_an_h200_with_the_gpu_configs(tmp_path):
     compiled = json.loads(done.stdout.split("COMPILED ")[-1])
     expected = {"_flash_forward_kernel", "_flash_forward_tma_kernel", "_dkdv_kernel", "_dq_kernel", "_delta_kernel",
                 "_dkdv_tma_kernel", "_dq_tma_kernel", "_split_partials_kernel", "_combine_splits_kernel",
-                "_forward_kernel", "_finish_kernel", "_backward_kernel"}
+                "_forward_kernel", "_finish_kernel", "_backward_kernel", "_visible_range_kernel"}
     assert expected <= set(compiled), sorted(expected - set(compiled))
     assert len(list((tmp_path / "triton").rglob("*.cubin"))) >= len(set(compiled))
 
