@@ -30,7 +30,7 @@ from torch import Tensor
 from ..codegen.jit_keys import settle as settle_cache_keys
 from ..codegen.wrapper_runtime import cdiv
 from .flash_common import LOG2E, launcher
-from .mask_tiles import lacks_real_score
+from .mask_tiles import MASK_DROPS_AT, lacks_real_score
 
 __all__ = ["drop_threshold", "visible_ranges", "mask_ranges", "range_arguments", "load_range", "walked_queries",
            "visits_unwalked", "MIN_KEY_BLOCKS"]
@@ -58,7 +58,7 @@ def range_arguments(ranges: tuple | None, placeholder: Tensor) -> tuple:
 
 def drop_threshold(dtype: torch.dtype) -> float:
     """Mask values at or below this drop their key (see the module docstring)."""
-    return -65504.0 if dtype == torch.float16 else -1e9
+    return -65504.0 if dtype == torch.float16 else MASK_DROPS_AT.value
 
 
 def visible_ranges(mask: Tensor, block_m: int, block_n: int, dtype: torch.dtype,
@@ -107,7 +107,7 @@ def _visible_range_kernel(Mask, stride_mb, stride_mh, stride_mm, stride_mn, Rang
         if IS_BOOL:
             keep = tl.load(ptrs, mask=inside, other=0) != 0
         else:
-            keep = ~(tl.load(ptrs, mask=inside, other=float("-inf")).to(tl.float32) <= threshold) & inside  # NaN kept
+            keep = ~(tl.load(ptrs, mask=inside, other=float("-inf")).to(tl.float32) <= threshold)  # NaN kept
         seen = tl.max(keep.to(tl.int32)) > 0
         lo = tl.where(seen, tl.minimum(lo, j), lo)
         hi = tl.where(seen, j + 1, hi)
