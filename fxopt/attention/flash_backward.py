@@ -29,14 +29,14 @@ from torch import Tensor
 from ..codegen.jit_keys import settle as settle_cache_keys
 from ..codegen.wrapper_runtime import cdiv, next_power_of_2
 from .flash_common import (
-    LOG2E, add_key_slope, backward_config, check_attention_inputs, check_device, check_key_slopes, dot_precision,
+    LOG2E, add_key_slope, backward_config, check_attention_inputs, check_key_slopes, check_saved, dot_precision,
     head_slope, key_ranges, launcher, load_rows, load_tile, query_ranges, resolve_config, store_rows, store_tile,
     tile_ptrs, visible,
 )
 from .flash_backward_tma import flash_backward_tma
 from .flash_forward_tma import tiles_fit, tma_applies, tma_readable
 from .launch_plans import frozen, planned
-from .mask_blocks import load_range, mask_ranges, range_arguments, visits_unwalked, walked_queries
+from .mask_blocks import load_range, load_whole_run, mask_ranges, range_arguments, visits_unwalked, walked_queries
 from .mask_tiles import (
     FILL_MASK, add_mask, causal_keys_end, fold_causal, fold_mode, folded_keys_end, future_queries_end,
     lacks_real_score, mask_arguments, mask_kind,
@@ -112,25 +112,13 @@ def _backward_plan(tensors: tuple, scale: float, causal: bool, config) -> tuple[
     dout, q, k, v, out, lse, mask, key_slopes = tensors
     check_attention_inputs("flash_backward", q, k, v, mask, causal, scale)
     check_key_slopes("flash_backward", q, key_slopes)
-    _check_saved(dout, out, lse, q)
+    check_saved(dout, out, lse, q)
     defaults = backward_config(q.shape[-1], causal, q.dtype, q.shape[2], k.shape[2], q.device.type)
     cfg = resolve_config(None if config is None else dict(config), defaults, "flash_backward")
     use_tma = (cfg.pop("TMA") and tma_applies(q, k, v) and tma_readable(dout)
                and tiles_fit(q, k, cfg["DKDV_BLOCK_M"], cfg["DKDV_BLOCK_N"])
                and tiles_fit(q, k, cfg["DQ_BLOCK_M"], cfg["DQ_BLOCK_N"]))
     return use_tma, cfg
-
-
-def _check_saved(dout, out, lse, q: Tensor) -> None:
-    """dout and out like q; lse float32 [B, H, Tq]."""
-    for name, t in (("dout", dout), ("out", out)):
-        if not isinstance(t, Tensor) or t.shape != q.shape or t.dtype != q.dtype:
-            raise ValueError(f"flash_backward: {name} must be {q.dtype} {list(q.shape)} like q, got "
-                             f"{getattr(t, 'dtype', type(t).__name__)} {list(getattr(t, 'shape', []))}")
-    if not isinstance(lse, Tensor) or lse.shape != q.shape[:3] or lse.dtype != torch.float32:
-        raise ValueError(f"flash_backward: lse must be float32 {list(q.shape[:3])} ([B, H, Tq]), got "
-                         f"{getattr(lse, 'dtype', type(lse).__name__)} {list(getattr(lse, 'shape', []))}")
-    check_device("flash_backward", q, dout=dout, out=out, lse=lse)
 
 
 @triton.jit
@@ -193,8 +181,8 @@ def _dkdv_kernel(
         mask_head = Mask + batch * stride_mb + head * stride_mh
         slope = head_slope(Slopes, head, HAS_SLOPES)
         rows_head = (batch * num_kv_heads * group_size + head) * seq_q  # lse and delta are contiguous [B, H, Tq]
-        query_lo, query_hi = walked_queries(Ranges, batch, head, tl.program_id(0), stride_rb, stride_rh, stride_rk,
-                                            mask_free_lo, ragged_lo, RANGES)
+        query_lo, whole_lo, whole_hi, query_hi = walked_queries(
+            Ranges, batch, head, tl.program_id(0), stride_rb, stride_rh, stride_rk, mask_free_lo, ragged_lo, RANGES)
         if FOLD != 0 or RANGES:  # the query blocks outside [query_lo, query_hi) where a row needs them
             for m0 in tl.range(0, ragged_lo, BLOCK_M, num_stages=1):
                 if visits_unwalked(m0, query_lo, query_hi, tl.load(Lse + rows_head + m0 + tl.arange(0, BLOCK_M))):
@@ -209,8 +197,19 @@ def _dkdv_kernel(
                 seq_q, seq_k, causal_shift, qk_scale, slope, causal_fill, stride_qm, stride_qd, stride_dom, stride_dod,
                 stride_mm, stride_mn, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_SLOPES,
                 True, EVEN_M, EVEN_N, EVEN_D, DOT_PRECISION, FOLD)
+        if RANGES:  # the run of query blocks the mask keeps whole, without reading it; then those before it
+            dk, dv = _accumulate_dkdv(
+                dk, dv, k, v, q_head, do_head, mask_head, Lse + rows_head, Delta + rows_head, n0, whole_lo, whole_hi,
+                seq_q, seq_k, causal_shift, qk_scale, slope, causal_fill, stride_qm, stride_qd, stride_dom, stride_dod,
+                stride_mm, stride_mn, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, 0, HAS_SLOPES, False, True, EVEN_N, EVEN_D,
+                DOT_PRECISION, 0)
+            dk, dv = _accumulate_dkdv(
+                dk, dv, k, v, q_head, do_head, mask_head, Lse + rows_head, Delta + rows_head, n0, query_lo, whole_lo,
+                seq_q, seq_k, causal_shift, qk_scale, slope, causal_fill, stride_qm, stride_qd, stride_dom, stride_dod,
+                stride_mm, stride_mn, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_SLOPES, False, True, EVEN_N,
+                EVEN_D, DOT_PRECISION, 0)
         dk, dv = _accumulate_dkdv(
-            dk, dv, k, v, q_head, do_head, mask_head, Lse + rows_head, Delta + rows_head, n0, query_lo, query_hi,
+            dk, dv, k, v, q_head, do_head, mask_head, Lse + rows_head, Delta + rows_head, n0, whole_hi, query_hi,
             seq_q, seq_k, causal_shift, qk_scale, slope, causal_fill, stride_qm, stride_qd, stride_dom, stride_dod,
             stride_mm, stride_mn, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_SLOPES,
             False, True, EVEN_N, EVEN_D, DOT_PRECISION, FOLD)
@@ -315,11 +314,21 @@ def _dq_kernel(
         end = folded_keys_end(hi, even_end, seq_k, lse)
         mask_free_end = tl.minimum(mask_free_end, end)
     key_lo = 0
-    if RANGES:
+    walk_lo = 0
+    if RANGES:  # as flash_forward's kernel: the run of blocks kept whole without reading the mask
         key_lo, end = load_range(Ranges, batch, head, block_m, stride_rb, stride_rh, stride_rq)
         mask_free_end = tl.minimum(mask_free_end, end)
+        whole_lo, walk_lo = load_whole_run(Ranges, batch, head, block_m, stride_rb, stride_rh, stride_rq)
+        dq = _accumulate_dq(
+            dq, q, do, lse, delta, k_head, v_head, mask_head, m0, whole_lo, walk_lo, seq_q, seq_k, causal_shift,
+            qk_scale, slope, causal_fill, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+            HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, 0, HAS_SLOPES, False, EVEN_M, True, EVEN_D, DOT_PRECISION, 0)
+        dq = _accumulate_dq(
+            dq, q, do, lse, delta, k_head, v_head, mask_head, m0, key_lo, whole_lo, seq_q, seq_k, causal_shift,
+            qk_scale, slope, causal_fill, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+            HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_SLOPES, False, EVEN_M, True, EVEN_D, DOT_PRECISION, 0)
     dq = _accumulate_dq(
-        dq, q, do, lse, delta, k_head, v_head, mask_head, m0, key_lo, mask_free_end, seq_q, seq_k, causal_shift,
+        dq, q, do, lse, delta, k_head, v_head, mask_head, m0, walk_lo, mask_free_end, seq_q, seq_k, causal_shift,
         qk_scale, slope, causal_fill, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
         HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_SLOPES, False, EVEN_M, True, EVEN_D, DOT_PRECISION, FOLD)
     if CAUSAL or not EVEN_N:

@@ -26,7 +26,7 @@ from ..codegen.jit_keys import settle as settle_cache_keys
 from ..codegen.wrapper_runtime import cdiv
 from .flash_common import LOG2E, add_key_slope, head_slope, key_ranges, launcher, load_rows, query_ranges, visible
 from .flash_forward_tma import descriptor, query_block_program
-from .mask_blocks import load_range, range_arguments, visits_unwalked, walked_queries
+from .mask_blocks import load_range, load_whole_run, range_arguments, visits_unwalked, walked_queries
 from .mask_tiles import (
     FILL_MASK, add_mask, causal_keys_end, fold_causal, folded_keys_end, future_queries_end, lacks_real_score,
     load_mask_block, mask_arguments, mask_kind, reads_mask_row,
@@ -97,8 +97,8 @@ def _dkdv_tma_kernel(
         rows_head = (batch * num_kv_heads * group_size + head).to(tl.int64) * seq_q  # lse, delta: [B, H, Tq]
         slope = head_slope(Slopes, head, HAS_SLOPES)
         mask_head = Mask + batch.to(tl.int64) * stride_mb + head.to(tl.int64) * stride_mh
-        query_lo, query_hi = walked_queries(Ranges, batch, head, tl.program_id(0), stride_rb, stride_rh, stride_rk,
-                                            mask_free_lo, ragged_lo, RANGES)
+        query_lo, whole_lo, whole_hi, query_hi = walked_queries(
+            Ranges, batch, head, tl.program_id(0), stride_rb, stride_rh, stride_rk, mask_free_lo, ragged_lo, RANGES)
         if FOLD != 0 or RANGES:  # the query blocks outside [query_lo, query_hi) where a row needs them
             for m0 in tl.range(0, ragged_lo, BLOCK_M, num_stages=1):
                 if visits_unwalked(m0, query_lo, query_hi, tl.load(Lse + rows_head + m0 + tl.arange(0, BLOCK_M))):
@@ -112,8 +112,17 @@ def _dkdv_tma_kernel(
                                           mask_head, stride_mm, stride_mn, batch, head, n0, first, mask_free_lo, seq_q,
                                           seq_k, causal_shift, qk_scale, slope, causal_fill, HEAD_DIM, BLOCK_M, BLOCK_N,
                                           True, True, HAS_SLOPES, HAS_MASK, MASK_ROW, EVEN_N, FOLD)
+        if RANGES:  # as flash_backward's kernel
+            dk, dv = _accumulate_dkdv_tma(dk, dv, k, v, q_desc, do_desc, Lse + rows_head, Delta + rows_head,
+                                          mask_head, stride_mm, stride_mn, batch, head, n0, whole_lo, whole_hi, seq_q,
+                                          seq_k, causal_shift, qk_scale, slope, causal_fill, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                          False, False, HAS_SLOPES, 0, MASK_ROW, EVEN_N, 0)
+            dk, dv = _accumulate_dkdv_tma(dk, dv, k, v, q_desc, do_desc, Lse + rows_head, Delta + rows_head,
+                                          mask_head, stride_mm, stride_mn, batch, head, n0, query_lo, whole_lo, seq_q,
+                                          seq_k, causal_shift, qk_scale, slope, causal_fill, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                          False, False, HAS_SLOPES, HAS_MASK, MASK_ROW, EVEN_N, 0)
         dk, dv = _accumulate_dkdv_tma(dk, dv, k, v, q_desc, do_desc, Lse + rows_head, Delta + rows_head, mask_head,
-                                      stride_mm, stride_mn, batch, head, n0, query_lo, query_hi, seq_q, seq_k,
+                                      stride_mm, stride_mn, batch, head, n0, whole_hi, query_hi, seq_q, seq_k,
                                       causal_shift, qk_scale, slope, causal_fill, HEAD_DIM, BLOCK_M, BLOCK_N, False,
                                       False, HAS_SLOPES, HAS_MASK, MASK_ROW, EVEN_N, FOLD)
         if not EVEN_M:
@@ -188,11 +197,21 @@ def _dq_tma_kernel(
         end = folded_keys_end(hi, even_end, seq_k, lse)
         mask_free_end = tl.minimum(mask_free_end, end)
     key_lo = 0
-    if RANGES:
+    walk_lo = 0
+    if RANGES:  # as flash_backward's kernel
         key_lo, end = load_range(Ranges, batch, head, m0 // BLOCK_M, stride_rb, stride_rh, stride_rq)
         mask_free_end = tl.minimum(mask_free_end, end)
+        whole_lo, walk_lo = load_whole_run(Ranges, batch, head, m0 // BLOCK_M, stride_rb, stride_rh, stride_rq)
+        dq = _accumulate_dq_tma(dq, q, do, lse, delta, k_desc, v_desc, mask_head, stride_mm, stride_mn, batch,
+                                kv_head, m0, whole_lo, walk_lo, seq_q, seq_k, causal_shift, qk_scale, slope,
+                                causal_fill, HEAD_DIM, BLOCK_M, BLOCK_N, False, False, HAS_SLOPES, 0, MASK_ROW,
+                                EVEN_M, 0)
+        dq = _accumulate_dq_tma(dq, q, do, lse, delta, k_desc, v_desc, mask_head, stride_mm, stride_mn, batch,
+                                kv_head, m0, key_lo, whole_lo, seq_q, seq_k, causal_shift, qk_scale, slope,
+                                causal_fill, HEAD_DIM, BLOCK_M, BLOCK_N, False, False, HAS_SLOPES, HAS_MASK, MASK_ROW,
+                                EVEN_M, 0)
     dq = _accumulate_dq_tma(dq, q, do, lse, delta, k_desc, v_desc, mask_head, stride_mm, stride_mn, batch, kv_head, m0,
-                            key_lo, mask_free_end, seq_q, seq_k, causal_shift, qk_scale, slope, causal_fill, HEAD_DIM,
+                            walk_lo, mask_free_end, seq_q, seq_k, causal_shift, qk_scale, slope, causal_fill, HEAD_DIM,
                             BLOCK_M, BLOCK_N, False, False, HAS_SLOPES, HAS_MASK, MASK_ROW, EVEN_M, FOLD)
     if CAUSAL or not EVEN_N:
         dq = _accumulate_dq_tma(dq, q, do, lse, delta, k_desc, v_desc, mask_head, stride_mm, stride_mn, batch,

@@ -196,6 +196,18 @@ def check_key_slopes(who: str, q: Tensor, key_slopes: Tensor | None) -> None:
     check_device(who, q, key_slopes=key_slopes)
 
 
+def check_saved(dout, out, lse, q: Tensor) -> None:
+    """flash_backward's saved tensors: dout and out like q; lse float32 [B, H, Tq]."""
+    for name, t in (("dout", dout), ("out", out)):
+        if not isinstance(t, Tensor) or t.shape != q.shape or t.dtype != q.dtype:
+            raise ValueError(f"flash_backward: {name} must be {q.dtype} {list(q.shape)} like q, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} {list(getattr(t, 'shape', []))}")
+    if not isinstance(lse, Tensor) or lse.shape != q.shape[:3] or lse.dtype != torch.float32:
+        raise ValueError(f"flash_backward: lse must be float32 {list(q.shape[:3])} ([B, H, Tq]), got "
+                         f"{getattr(lse, 'dtype', type(lse).__name__)} {list(getattr(lse, 'shape', []))}")
+    check_device("flash_backward", q, dout=dout, out=out, lse=lse)
+
+
 def check_device(who: str, q: Tensor, **others: Tensor) -> None:
     """Every tensor on q's device, which is a CUDA device or the CPU (the Triton interpreter)."""
     if q.device.type not in ("cpu", "cuda"):

@@ -38,7 +38,7 @@ from .flash_common import (
     key_ranges, launcher, load_tile, log_sum_exp, resolve_config, running_max, softmax_denominator, store_rows,
     store_tile, tile_ptrs, visible,
 )
-from .mask_blocks import mask_ranges, range_arguments, load_range
+from .mask_blocks import mask_ranges, range_arguments, load_range, load_whole_run
 from .mask_tiles import (
     add_mask, causal_keys_end, fold_causal, fold_mode, folded_keys_end, lacks_real_score, mask_arguments,
 )
@@ -159,11 +159,22 @@ def _flash_forward_kernel(
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     mask_free_end, end = key_ranges(m0, seq_k, causal_shift, BLOCK_M, BLOCK_N, CAUSAL or FOLD != 0)
     key_lo = 0
-    if RANGES:  # the mask's visible range only: [key_lo, mask_free_end) whole blocks, then a ragged end
+    walk_lo = 0
+    if RANGES:  # the mask's visible range only: its run of blocks kept whole without reading the mask, the
+        # blocks before that run, then [walk_lo, mask_free_end) and a ragged end
         key_lo, end = load_range(Ranges, batch, head, block_m, stride_rb, stride_rh, stride_rq)
         mask_free_end = tl.minimum(mask_free_end, end)
+        whole_lo, walk_lo = load_whole_run(Ranges, batch, head, block_m, stride_rb, stride_rh, stride_rq)
+        acc, row_sum, row_max = _attend_key_blocks(
+            acc, row_sum, row_max, q, k_head, v_head, mask_head, m0, whole_lo, walk_lo, seq_q, seq_k, causal_shift,
+            qk_scale, slope, causal_fill, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+            HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, HAS_SLOPES, False, EVEN_M, True, EVEN_D, DOT_PRECISION, 0)
+        acc, row_sum, row_max = _attend_key_blocks(
+            acc, row_sum, row_max, q, k_head, v_head, mask_head, m0, key_lo, whole_lo, seq_q, seq_k, causal_shift,
+            qk_scale, slope, causal_fill, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
+            HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_SLOPES, False, EVEN_M, True, EVEN_D, DOT_PRECISION, 0)
     acc, row_sum, row_max = _attend_key_blocks(
-        acc, row_sum, row_max, q, k_head, v_head, mask_head, m0, key_lo, mask_free_end, seq_q, seq_k, causal_shift,
+        acc, row_sum, row_max, q, k_head, v_head, mask_head, m0, walk_lo, mask_free_end, seq_q, seq_k, causal_shift,
         qk_scale, slope, causal_fill, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,
         HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_MASK, HAS_SLOPES, False, EVEN_M, True, EVEN_D, DOT_PRECISION, 0)
     if FOLD != 0:  # a finite causal fill: the diagonal's blocks, then those above it only if a row needs them

@@ -9,6 +9,9 @@ holding a key the mask does not drop. The forward's key loop walks only that ran
 outside only for a query block with a row that saw no real score there (mask_tiles.lacks_real_score):
 such a row is eager's average over keys at the fill, and needs them all. Blocks inside the range are
 walked whether or not the mask drops them (a range, not a block list: no branch in the hot loop).
+Most of a causal + padding mask's range is tiles it keeps whole (every value 0, or True): the longest
+run of them is recorded too and walked as an unmasked kernel would, without loading the mask (a tile's
+load and add is most of a masked loop's extra cost), the rest of the range with it.
 The backward does the same: its dQ kernel walks the key range of its query blocks, its dK/dV kernel the
 query range of its key blocks (`by_keys`), visiting a query block outside it only if one of its rows
 has no real score (its log-sum-exp, which is at least its max, below REAL_SCORE_FROM).
@@ -32,7 +35,7 @@ from ..codegen.wrapper_runtime import cdiv
 from .flash_common import LOG2E, launcher
 from .mask_tiles import MASK_DROPS_AT, lacks_real_score
 
-__all__ = ["drop_threshold", "visible_ranges", "mask_ranges", "range_arguments", "load_range", "walked_queries",
+__all__ = ["drop_threshold", "visible_ranges", "mask_ranges", "range_arguments", "load_range", "load_whole_run", "walked_queries",
            "visits_unwalked", "MIN_KEY_BLOCKS"]
 
 # Below this many key blocks a query block has little to skip and the extra launch is not worth it
@@ -64,17 +67,18 @@ def drop_threshold(dtype: torch.dtype) -> float:
 def visible_ranges(mask: Tensor, block_m: int, block_n: int, dtype: torch.dtype,
                    by_keys: bool = False) -> tuple[Tensor, tuple]:
     """(ranges, (stride_b, stride_h, stride_block)) for `mask` expanded to [B, H, Tq, Tk]. Without by_keys:
-    int32 [B, Hm, Qm, 2], per query block of block_m the keys [lo, hi) from the first to the last key block
+    int32 [B, Hm, Qm, 4], per query block of block_m the keys [lo, hi) from the first to the last key block
     of block_n holding a key the mask keeps, for the mask's own heads Hm and query blocks Qm (1 where it
-    broadcasts over them: strides 0). by_keys: [B, Hm, Kb, 2], per key block the rows [lo, hi) from the
-    first to the last query block holding a kept key. (0, 0) where nothing is kept. `dtype`: the attention
-    inputs' (drop_threshold)."""
+    broadcasts over them: strides 0), as (lo, whole_lo, whole_hi, hi): [whole_lo, whole_hi) the longest
+    run of key blocks (the first, among equals) whose tiles the mask keeps whole, every value 0 (True),
+    inside the keys ((lo, lo) where none is). by_keys: [B, Hm, Kb, 4], the same per key block over rows
+    in query blocks. (0, 0, 0, 0) where nothing is kept. `dtype`: the attention inputs' (drop_threshold)."""
     batch, heads, seq_q, seq_k = mask.shape
     mask_heads = 1 if mask.stride(1) == 0 else heads
     query_rows = 1 if mask.stride(2) == 0 else seq_q  # (one row serves every query)
     row_block = block_m if query_rows > 1 else 1
     blocks = cdiv(seq_k, block_n) if by_keys else cdiv(query_rows, row_block)
-    ranges = torch.empty(batch, mask_heads, blocks, 2, device=mask.device, dtype=torch.int32)
+    ranges = torch.empty(batch, mask_heads, blocks, 4, device=mask.device, dtype=torch.int32)
     launcher(_visible_range_kernel, (blocks, batch * mask_heads), mask.device)(
         mask, *mask.stride(), ranges, mask_heads, query_rows, seq_k, seq_q if by_keys else seq_k,
         drop_threshold(dtype), BLOCK_M=row_block, BLOCK_N=block_n, IS_BOOL=mask.dtype == torch.bool, BY_KEYS=by_keys)
@@ -88,13 +92,17 @@ def _visible_range_kernel(Mask, stride_mb, stride_mh, stride_mm, stride_mn, Rang
                           BY_KEYS: tl.constexpr):
     """One query block's key range (one key block's query range, BY_KEYS) of one (batch, mask head): from the
     first to the last block across holding a key the mask keeps, in elements, the last one ending at `span`
-    (the length across); (0, 0) when it keeps none. Rows and keys past the ends count as dropped."""
+    (the length across), and the longest run of blocks kept whole inside it; (0, 0, 0, 0) when it keeps none.
+    Rows and keys past the ends count as dropped, and a block holding them is never whole."""
     block = tl.program_id(0)
     bh = tl.program_id(1)
     base = Mask + (bh // mask_heads).to(tl.int64) * stride_mb + (bh % mask_heads).to(tl.int64) * stride_mh
     across = tl.cdiv(seq_q, BLOCK_M) if BY_KEYS else tl.cdiv(seq_k, BLOCK_N)
     lo = across
     hi = 0
+    run_lo = 0  # where the current run of whole blocks began
+    whole_lo = 0
+    whole_hi = 0
     for j in range(0, across):
         if BY_KEYS:
             rows = j * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -106,34 +114,59 @@ def _visible_range_kernel(Mask, stride_mb, stride_mh, stride_mm, stride_mn, Rang
         ptrs = base + rows[:, None].to(tl.int64) * stride_mm + keys[None, :] * stride_mn
         if IS_BOOL:
             keep = tl.load(ptrs, mask=inside, other=0) != 0
+            whole = keep
         else:
-            keep = ~(tl.load(ptrs, mask=inside, other=float("-inf")).to(tl.float32) <= threshold)  # NaN kept
+            value = tl.load(ptrs, mask=inside, other=float("-inf")).to(tl.float32)
+            keep = ~(value <= threshold)  # NaN kept
+            whole = value == 0.0
         seen = tl.max(keep.to(tl.int32)) > 0
         lo = tl.where(seen, tl.minimum(lo, j), lo)
         hi = tl.where(seen, j + 1, hi)
+        full = tl.min(whole.to(tl.int32)) > 0
+        run_lo = tl.where(full, run_lo, j + 1)
+        longer = full & (j + 1 - run_lo > whole_hi - whole_lo)
+        whole_lo = tl.where(longer, run_lo, whole_lo)
+        whole_hi = tl.where(longer, j + 1, whole_hi)
     unit = BLOCK_M if BY_KEYS else BLOCK_N
-    out = Ranges + (bh * tl.num_programs(0) + block).to(tl.int64) * 2
-    tl.store(out, tl.where(hi == 0, 0, lo * unit))
-    tl.store(out + 1, tl.where(hi == across, span, hi * unit))
+    out = Ranges + (bh * tl.num_programs(0) + block).to(tl.int64) * 4
+    lo = tl.where(hi == 0, 0, lo * unit)
+    tl.store(out, lo)
+    tl.store(out + 1, tl.where(whole_hi == 0, lo, whole_lo * unit))
+    tl.store(out + 2, tl.where(whole_hi == 0, lo, tl.where(whole_hi == across, span, whole_hi * unit)))
+    tl.store(out + 3, tl.where(hi == across, span, hi * unit))
 
 
 @triton.jit
 def load_range(Ranges, batch, head, block, stride_rb, stride_rh, stride_rblock):
     """The (lo, hi) visible_ranges recorded for this block of this (batch, head)."""
     at = Ranges + batch.to(tl.int64) * stride_rb + head.to(tl.int64) * stride_rh + block.to(tl.int64) * stride_rblock
-    return tl.load(at), tl.load(at + 1)
+    return tl.load(at), tl.load(at + 3)
+
+
+@triton.jit
+def load_whole_run(Ranges, batch, head, block, stride_rb, stride_rh, stride_rblock):
+    """The (lo, hi) of the longest run of blocks inside this block's range whose tiles the mask keeps whole
+    (every value 0, or True): walked without reading the mask; (lo, lo) where there is none."""
+    at = Ranges + batch.to(tl.int64) * stride_rb + head.to(tl.int64) * stride_rh + block.to(tl.int64) * stride_rblock
+    return tl.load(at + 1), tl.load(at + 2)
 
 
 @triton.jit
 def walked_queries(Ranges, batch, head, key_block, stride_rb, stride_rh, stride_rk, lo, ragged_lo,
                    RANGES: tl.constexpr):
-    """The query blocks [lo, hi) the dK/dV kernels walk for one key block: the mask's visible range (RANGES),
-    else [lo, ragged_lo); capped at the ragged last query block, which they visit in a loop of its own."""
+    """The query blocks (lo, whole_lo, whole_hi, hi) the dK/dV kernels walk for one key block: [lo, hi) the
+    mask's visible range (RANGES), else [lo, ragged_lo); [whole_lo, whole_hi) the run of it the mask keeps
+    whole (walked without reading the mask; (lo, lo) without RANGES); capped at the ragged last query
+    block, which they visit in a loop of its own."""
     hi = ragged_lo
+    whole_lo = lo
+    whole_hi = lo
     if RANGES:
         lo, hi = load_range(Ranges, batch, head, key_block, stride_rb, stride_rh, stride_rk)
+        whole_lo, whole_hi = load_whole_run(Ranges, batch, head, key_block, stride_rb, stride_rh, stride_rk)
         lo, hi = tl.minimum(lo, ragged_lo), tl.minimum(hi, ragged_lo)
-    return lo, hi
+        whole_lo, whole_hi = tl.minimum(whole_lo, ragged_lo), tl.minimum(whole_hi, ragged_lo)
+    return lo, whole_lo, whole_hi, hi
 
 
 @triton.jit

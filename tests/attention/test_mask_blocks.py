@@ -24,22 +24,38 @@ BACKWARD = dict(DKDV_BLOCK_M=16, DKDV_BLOCK_N=16, DQ_BLOCK_M=16, DQ_BLOCK_N=16, 
 
 
 def expected_ranges(mask, block_m, block_n, dtype, by_keys, seq_q):
-    """(lo, hi) per block from the mask's own tiles, in torch: keys per query block, or (by_keys) rows per key
-    block; seq_q: the queries the mask is expanded to."""
+    """(lo, whole_lo, whole_hi, hi) per block from the mask's own tiles, in torch: keys per query block, or
+    (by_keys) rows per key block; seq_q: the queries the mask is expanded to."""
     keep = mask if mask.dtype == torch.bool else ~(mask.float() <= drop_threshold(dtype))
+    whole = mask if mask.dtype == torch.bool else mask == 0
     b, h, tq, tk = keep.shape
     bm = block_m if tq > 1 else 1
-    keep = F.pad(keep, (0, -tk % block_n, 0, -tq % bm), value=False)
-    tiles = keep.reshape(b, h, keep.shape[2] // bm, bm, keep.shape[3] // block_n, block_n).any(3).any(-1)
     unit, span = (block_n, tk) if not by_keys else (bm, seq_q)
-    if by_keys:
-        tiles = tiles.transpose(2, 3)
-    out = torch.zeros(*tiles.shape[:3], 2, dtype=torch.int32)
-    for idx in torch.cartesian_prod(*(torch.arange(n) for n in tiles.shape[:3])):
-        seen = tiles[tuple(idx)].nonzero()
-        if len(seen):
-            hi = span if seen.max() + 1 == tiles.shape[3] else (seen.max() + 1) * unit
-            out[tuple(idx)] = torch.tensor([seen.min() * unit, hi], dtype=torch.int32)
+
+    def tiles(elements, reduce):
+        padded = F.pad(elements, (0, -tk % block_n, 0, -tq % bm), value=False)
+        shaped = padded.reshape(b, h, padded.shape[2] // bm, bm, padded.shape[3] // block_n, block_n)
+        per_tile = reduce(reduce(shaped, 3), -1)
+        return per_tile.transpose(2, 3) if by_keys else per_tile
+
+    seen_tiles, whole_tiles = tiles(keep, torch.any), tiles(whole, torch.all)
+    ends = lambda j: span if j == seen_tiles.shape[3] else j * unit  # noqa: E731
+    out = torch.zeros(*seen_tiles.shape[:3], 4, dtype=torch.int32)
+    for idx in torch.cartesian_prod(*(torch.arange(n) for n in seen_tiles.shape[:3])):
+        seen = seen_tiles[tuple(idx)].nonzero()
+        if not len(seen):
+            continue
+        lo, hi = seen.min().item() * unit, ends(seen.max().item() + 1)
+        runs, start = [], None  # the runs of whole tiles: the longest, the first among equals
+        for j, full in enumerate(whole_tiles[tuple(idx)].tolist() + [False]):
+            start = (j if start is None else start) if full else None
+            if start is not None:
+                runs.append((j + 1 - start, -start, j + 1))
+        if runs:
+            length, neg_start, stop = max(runs)
+            out[tuple(idx)] = torch.tensor([lo, -neg_start * unit, ends(stop), hi], dtype=torch.int32)
+        else:
+            out[tuple(idx)] = torch.tensor([lo, lo, lo, hi], dtype=torch.int32)
     return out
 
 
@@ -88,7 +104,7 @@ def test_ranges_match_the_masks_tiles(shape, kind):
             assert torch.equal(got, expected_ranges(mask, 16, 16, dtype, by_keys, expanded.shape[2])), (kind, by_keys)
     if kind == "fp16_min":
         got, _ = visible_ranges(mask, 16, 16, torch.bfloat16)
-        assert (got[..., 0] == 0).all() and (got[..., 1] == tk).all()  # -65504 kept beside bf16
+        assert (got[..., 0] == 0).all() and (got[..., 3] == tk).all()  # -65504 kept beside bf16
 
 
 @pytest.mark.parametrize("seq", [64, 77])
@@ -232,6 +248,27 @@ def test_backward_skips_what_the_ranges_leave_out(tma, bool_mask):
     dq, _, _ = backward(dout.nan_to_num(), q, k, v, mask, tma)
     assert_close(dq[1, :, :32], want_dq[1, :, :32], GRAD_TOL[dtype])
     assert_close(dq[0, :, 16:32], want_dq[0, :, 16:32], GRAD_TOL[dtype])
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["pointer", "tma"])
+def test_tiles_kept_whole_are_walked_without_the_mask(tma, monkeypatch):
+    """The ranges read from the clean mask, the kernels given one with NaN values in tiles the clean mask keeps
+    whole (batch 1, rows 32-47, keys 0-31: inside the runs before and below the diagonal): out, dQ, dK and dV
+    of batch 1 stay right, so neither the forward nor a backward kernel loads them."""
+    import fxopt.attention.mask_blocks as mask_blocks
+
+    dtype = torch.float16 if tma else torch.float32
+    q, k, v = make_qkv(2, 2, 2, 64, 64, 16, dtype, transposed=tma, seed=13)
+    clean = llama_mask(2, 64, 4, 0)
+    ranges_of = mask_blocks.visible_ranges
+    monkeypatch.setattr(mask_blocks, "visible_ranges", lambda mask, *a, **kw: ranges_of(clean.expand(mask.shape),
+                                                                                          *a, **kw))
+    poisoned = clean.clone()
+    poisoned[1, :, 32:48, :32] = float("nan")
+    assert_close(run(q, k, v, poisoned, TMA if tma else POINTER)[1], reference(q, k, v, clean)[1], OUT_TOL[dtype])
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(6)).to(dtype)
+    for got, want in zip(backward(dout, q, k, v, poisoned, tma), reference_grads(q, k, v, clean, dout)):
+        assert_close(got[1], want[1], GRAD_TOL[dtype])
 
 
 @pytest.mark.gpu
