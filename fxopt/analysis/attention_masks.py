@@ -337,7 +337,8 @@ def _describe_read_mask(facts: MaskFacts, text: str) -> None:
     facts.described = f"{facts.described} + {text}" if facts.causal else f"{text}; {RANGES_NOTE}"
 
 
-RANGES_NOTE = "key blocks it drops outside each query block's visible range skipped at run time"
+RANGES_NOTE = ("key blocks it drops outside each query block's visible range skipped at run time, tiles it keeps "
+               "whole walked without reading it")
 
 
 def sdpa_mask_facts(facts: MaskFacts, mask: fx.Node, score_shape, requires_grad) -> None:

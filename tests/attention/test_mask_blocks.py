@@ -298,4 +298,4 @@ def test_explain_says_the_mask_is_skipped_by_ranges():
     q, k, v = make_qkv(2, 2, 2, 32, 32, 16, torch.float32, seed=1)
     site, = fxopt.explain(attention, q, k, v, llama_mask(2, 32, 3, 4)).attention
     assert site.fused and not site.causal and "read by the kernel" in site.mask
-    assert "skipped at run time" in site.mask, site.mask
+    assert "skipped at run time" in site.mask and "keeps whole walked without reading it" in site.mask, site.mask
