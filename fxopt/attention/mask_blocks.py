@@ -46,10 +46,12 @@ def mask_ranges(mask: Tensor | None, causal: bool, block_m: int, block_n: int, q
                 by_keys: bool = False) -> tuple | None:
     """visible_ranges for a kernel's blocks, or None where the kernels walk every key: no mask, a causal
     or folded causal site (its own block skipping), fewer than MIN_KEY_BLOCKS key blocks, or the
-    environment's FXOPT_MASK_RANGES=0 (an escape hatch while the ranges are new)."""
-    if mask is None or causal or cdiv(mask.shape[3], block_n) < MIN_KEY_BLOCKS:
+    environment's FXOPT_MASK_RANGES=0 (an escape hatch while the ranges are new). FXOPT_MASK_RANGES=all
+    takes them at any length (how the fuzzer's short sequences reach them)."""
+    setting = os.environ.get("FXOPT_MASK_RANGES", "1")
+    if mask is None or causal or setting == "0":
         return None
-    if os.environ.get("FXOPT_MASK_RANGES", "1") == "0":
+    if setting != "all" and cdiv(mask.shape[3], block_n) < MIN_KEY_BLOCKS:
         return None
     return visible_ranges(mask, block_m, block_n, q.dtype, by_keys)
 

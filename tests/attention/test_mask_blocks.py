@@ -150,6 +150,22 @@ def test_blocks_outside_the_range_are_not_read(config, monkeypatch):
     assert_close(out[:, :, 32:], want[:, :, 32:], OUT_TOL[torch.float16])  # (rows 32 on see keys from 17)
 
 
+def test_the_environment_turns_ranges_off_or_on_at_any_length(monkeypatch):
+    """FXOPT_MASK_RANGES: 0 never, all at any number of key blocks, else from MIN_KEY_BLOCKS; never without a
+    mask or beside a causal site."""
+    from fxopt.attention.mask_blocks import MIN_KEY_BLOCKS, mask_ranges
+
+    q = torch.zeros(1, 1, 32, 16)
+    short, long = llama_mask(2, 32, 0, 3), llama_mask(2, 16 * MIN_KEY_BLOCKS, 0, 3)
+    assert mask_ranges(short, False, 16, 16, q) is None and mask_ranges(long, False, 16, 16, q) is not None
+    monkeypatch.setenv("FXOPT_MASK_RANGES", "all")
+    ranges, _ = mask_ranges(short, False, 16, 16, q)
+    assert torch.equal(ranges, expected_ranges(short, 16, 16, q.dtype, False, 32))
+    assert mask_ranges(short, True, 16, 16, q) is None and mask_ranges(None, False, 16, 16, q) is None
+    monkeypatch.setenv("FXOPT_MASK_RANGES", "0")
+    assert mask_ranges(long, False, 16, 16, q) is None
+
+
 @pytest.mark.parametrize("config", [POINTER, TMA], ids=["pointer", "tma"])
 def test_rows_that_see_no_key_keep_their_meaning(config):
     """A bool mask hiding every key of a row: NaN as eager's softmax, 0 with SDPA's safe softmax; a key padding
