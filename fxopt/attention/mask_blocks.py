@@ -35,8 +35,8 @@ from ..codegen.wrapper_runtime import cdiv
 from .flash_common import LOG2E, launcher
 from .mask_tiles import MASK_DROPS_AT, lacks_real_score
 
-__all__ = ["drop_threshold", "visible_ranges", "mask_ranges", "range_arguments", "load_range", "load_whole_run", "walked_queries",
-           "visits_unwalked", "MIN_KEY_BLOCKS"]
+__all__ = ["drop_threshold", "visible_ranges", "mask_ranges", "range_arguments", "load_range", "load_whole_run",
+           "walked_queries", "visits_unwalked", "MIN_KEY_BLOCKS"]
 
 # Below this many key blocks a query block has little to skip and the extra launch is not worth it
 MIN_KEY_BLOCKS = 4

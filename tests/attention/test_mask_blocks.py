@@ -192,8 +192,9 @@ def test_rows_that_see_no_key_keep_their_meaning(config):
 @pytest.mark.parametrize("mask_dtype", [torch.bfloat16, torch.float32, torch.bool])
 def test_gpu_bf16_hd128_llama_mask(pads, mask_dtype):
     """The real compiler (TMA where the GPU has it), bfloat16, head dim 128, the default blocks, T 512: right
-    against float64 (a bool mask's rows with no key NaN in both), and the values of keys 256 on (NaN) never read by the query blocks before row 256 of
-    the batch padded on the right (every default block divides 256)."""
+    against float64 (a bool mask's rows with no key NaN in both), and the values of keys 256 on (NaN) never
+    read by the query blocks before row 256 of the batch padded on the right (every default block divides
+    256)."""
     q, k, v = (t.cuda() for t in make_qkv(2, 4, 4, 512, 512, 128, torch.bfloat16, transposed=True, seed=pads[0]))
     mask = llama_mask(2, 512, *pads, dtype=torch.bfloat16 if mask_dtype == torch.bool else mask_dtype).cuda()
     if mask_dtype == torch.bool:
