@@ -58,6 +58,20 @@ def _gradients(out, inputs, dout):
     return torch.autograd.grad(out, inputs, dout)
 
 
+def _masked_fwd_bwd(attention):
+    """attention(q, k, v, mask) and its gradients (dq, dk, dv) for dout: a masked workload's training step."""
+    def fwd_bwd(q, k, v, mask, dout):
+        return _gradients(attention(q, k, v, mask), (q, k, v), dout)
+    fwd_bwd.__name__ = fwd_bwd.__qualname__ = f"{attention.__name__}_fwd_bwd"
+    return fwd_bwd
+
+
+def _masked_training_inputs(device, dtype, B, H, T, D, mask) -> tuple:
+    """(q, k, v, mask, dout) for a _masked_fwd_bwd workload, q, k and v leaves that require grad."""
+    q, k, v = _qkv(device, dtype, B, H, T, T, D, requires_grad=True)
+    return q, k, v, mask, randn(B, H, T, D, device=device, dtype=dtype)
+
+
 def _alibi_slopes(heads: int, device) -> torch.Tensor:
     """ALiBi's per-head slopes 2^(-8 h / H), h = 1..H (Press et al.; BLOOM and MPT use these)."""
     return torch.pow(2.0, -8.0 * torch.arange(1, heads + 1, device=device) / heads)
@@ -192,8 +206,7 @@ def make_attn_sdpa_padded(device, dtype, quick):
     return _sdpa_padded, (*_qkv(device, dtype, B, H, T, T, D), _padding_keep(B, T, device))
 
 
-def _sdpa_padded_fwd_bwd(q, k, v, keep, dout):
-    return _gradients(_sdpa_padded(q, k, v, keep), (q, k, v), dout)
+_sdpa_padded_fwd_bwd = _masked_fwd_bwd(_sdpa_padded)
 
 
 def _padded_fwd_bwd_flops(inputs) -> int:
@@ -205,8 +218,7 @@ def _padded_fwd_bwd_flops(inputs) -> int:
           flops=_padded_fwd_bwd_flops, anchor=_sdpa_padded_fwd_bwd, rtol=5e-2, atol=5e-2)
 def make_attn_sdpa_padded_bwd(device, dtype, quick):
     B, H, T, D = (2, 2, 64, 32) if quick else (8, 16, 2048, 128)
-    q, k, v = _qkv(device, dtype, B, H, T, T, D, requires_grad=True)
-    return _sdpa_padded_fwd_bwd, (q, k, v, _padding_keep(B, T, device), randn(B, H, T, D, device=device, dtype=dtype))
+    return _sdpa_padded_fwd_bwd, _masked_training_inputs(device, dtype, B, H, T, D, _padding_keep(B, T, device))
 
 
 def _llama_4d_mask(keep: torch.Tensor, dtype) -> torch.Tensor:
@@ -237,12 +249,10 @@ def make_attn_llama_mask(device, dtype, quick):
     return _hf_llama_masked, (*_qkv(device, dtype, B, H, T, T, D), mask)
 
 
-def _hf_llama_masked_fwd_bwd(q, k, v, causal_mask, dout):
-    return _gradients(_hf_llama_masked(q, k, v, causal_mask), (q, k, v), dout)
+_hf_llama_masked_fwd_bwd = _masked_fwd_bwd(_hf_llama_masked)
 
 
-def _sdpa_llama_masked_fwd_bwd(q, k, v, causal_mask, dout):
-    return _gradients(_sdpa_llama_masked(q, k, v, causal_mask), (q, k, v), dout)
+_sdpa_llama_masked_fwd_bwd = _masked_fwd_bwd(_sdpa_llama_masked)
 
 
 @workload("attn_llama_mask_bwd", "attn_llama_mask fwd+bwd (dq, dk, dv) via autograd (fxopt's backward kernels walk "
@@ -251,8 +261,7 @@ def _sdpa_llama_masked_fwd_bwd(q, k, v, causal_mask, dout):
 def make_attn_llama_mask_bwd(device, dtype, quick):
     B, H, T, D = (2, 2, 64, 32) if quick else (8, 16, 2048, 128)
     mask = _llama_4d_mask(_padding_keep(B, T, device), dtype)
-    q, k, v = _qkv(device, dtype, B, H, T, T, D, requires_grad=True)
-    return _hf_llama_masked_fwd_bwd, (q, k, v, mask, randn(B, H, T, D, device=device, dtype=dtype))
+    return _hf_llama_masked_fwd_bwd, _masked_training_inputs(device, dtype, B, H, T, D, mask)
 
 
 def _hf_gpt2_padded(q, k, v, attention_mask):
@@ -283,12 +292,10 @@ def make_attn_hf_padded(device, dtype, quick):
     return _hf_gpt2_padded, (*_qkv(device, dtype, B, H, T, T, D), attention_mask)
 
 
-def _hf_gpt2_padded_fwd_bwd(q, k, v, attention_mask, dout):
-    return _gradients(_hf_gpt2_padded(q, k, v, attention_mask), (q, k, v), dout)
+_hf_gpt2_padded_fwd_bwd = _masked_fwd_bwd(_hf_gpt2_padded)
 
 
-def _sdpa_causal_and_padded_fwd_bwd(q, k, v, attention_mask, dout):
-    return _gradients(_sdpa_causal_and_padded(q, k, v, attention_mask), (q, k, v), dout)
+_sdpa_causal_and_padded_fwd_bwd = _masked_fwd_bwd(_sdpa_causal_and_padded)
 
 
 @workload("attn_hf_padded_bwd", "attn_hf_padded fwd+bwd (dq, dk, dv) via autograd (fxopt's backward skips "
@@ -298,8 +305,7 @@ def _sdpa_causal_and_padded_fwd_bwd(q, k, v, attention_mask, dout):
 def make_attn_hf_padded_bwd(device, dtype, quick):
     B, H, T, D = (2, 2, 64, 32) if quick else (8, 16, 2048, 128)
     attention_mask = (1.0 - _padding_keep(B, T, device).to(dtype)) * torch.finfo(dtype).min
-    q, k, v = _qkv(device, dtype, B, H, T, T, D, requires_grad=True)
-    return _hf_gpt2_padded_fwd_bwd, (q, k, v, attention_mask, randn(B, H, T, D, device=device, dtype=dtype))
+    return _hf_gpt2_padded_fwd_bwd, _masked_training_inputs(device, dtype, B, H, T, D, attention_mask)
 
 
 # ---------------------------------------------------------------- GPT-2 block
