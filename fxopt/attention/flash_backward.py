@@ -36,7 +36,7 @@ from .flash_common import (
 from .flash_backward_tma import flash_backward_tma
 from .flash_forward_tma import tiles_fit, tma_applies, tma_readable
 from .launch_plans import frozen, planned
-from .mask_blocks import load_range, load_whole_run, mask_ranges, range_arguments, visits_unwalked, walked_queries
+from .mask_blocks import mask_ranges, range_arguments, visits_unwalked, walked_keys, walked_queries
 from .mask_tiles import (
     FILL_MASK, add_mask, causal_keys_end, fold_causal, fold_mode, folded_keys_end, future_queries_end,
     lacks_real_score, mask_arguments, mask_kind,
@@ -316,9 +316,8 @@ def _dq_kernel(
     key_lo = 0
     walk_lo = 0
     if RANGES:  # as flash_forward's kernel: the run of blocks kept whole without reading the mask
-        key_lo, end = load_range(Ranges, batch, head, block_m, stride_rb, stride_rh, stride_rq)
-        mask_free_end = tl.minimum(mask_free_end, end)
-        whole_lo, walk_lo = load_whole_run(Ranges, batch, head, block_m, stride_rb, stride_rh, stride_rq)
+        key_lo, whole_lo, walk_lo, end, mask_free_end = walked_keys(
+            Ranges, batch, head, block_m, stride_rb, stride_rh, stride_rq, mask_free_end)
         dq = _accumulate_dq(
             dq, q, do, lse, delta, k_head, v_head, mask_head, m0, whole_lo, walk_lo, seq_q, seq_k, causal_shift,
             qk_scale, slope, causal_fill, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,

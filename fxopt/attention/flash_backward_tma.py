@@ -26,7 +26,7 @@ from ..codegen.jit_keys import settle as settle_cache_keys
 from ..codegen.wrapper_runtime import cdiv
 from .flash_common import LOG2E, add_key_slope, head_slope, key_ranges, launcher, load_rows, query_ranges, visible
 from .flash_forward_tma import descriptor, query_block_program
-from .mask_blocks import load_range, load_whole_run, range_arguments, visits_unwalked, walked_queries
+from .mask_blocks import range_arguments, visits_unwalked, walked_keys, walked_queries
 from .mask_tiles import (
     FILL_MASK, add_mask, causal_keys_end, fold_causal, folded_keys_end, future_queries_end, lacks_real_score,
     load_mask_block, mask_arguments, mask_kind, reads_mask_row,
@@ -199,9 +199,8 @@ def _dq_tma_kernel(
     key_lo = 0
     walk_lo = 0
     if RANGES:  # as flash_backward's kernel
-        key_lo, end = load_range(Ranges, batch, head, m0 // BLOCK_M, stride_rb, stride_rh, stride_rq)
-        mask_free_end = tl.minimum(mask_free_end, end)
-        whole_lo, walk_lo = load_whole_run(Ranges, batch, head, m0 // BLOCK_M, stride_rb, stride_rh, stride_rq)
+        key_lo, whole_lo, walk_lo, end, mask_free_end = walked_keys(
+            Ranges, batch, head, m0 // BLOCK_M, stride_rb, stride_rh, stride_rq, mask_free_end)
         dq = _accumulate_dq_tma(dq, q, do, lse, delta, k_desc, v_desc, mask_head, stride_mm, stride_mn, batch,
                                 kv_head, m0, whole_lo, walk_lo, seq_q, seq_k, causal_shift, qk_scale, slope,
                                 causal_fill, HEAD_DIM, BLOCK_M, BLOCK_N, False, False, HAS_SLOPES, 0, MASK_ROW,

@@ -38,7 +38,7 @@ from .flash_common import (
     key_ranges, launcher, load_tile, log_sum_exp, resolve_config, running_max, softmax_denominator, store_rows,
     store_tile, tile_ptrs, visible,
 )
-from .mask_blocks import mask_ranges, range_arguments, load_range, load_whole_run
+from .mask_blocks import mask_ranges, range_arguments, walked_keys
 from .mask_tiles import (
     add_mask, causal_keys_end, fold_causal, fold_mode, folded_keys_end, lacks_real_score, mask_arguments,
 )
@@ -162,9 +162,8 @@ def _flash_forward_kernel(
     walk_lo = 0
     if RANGES:  # the mask's visible range only: its run of blocks kept whole without reading the mask, the
         # blocks before that run, then [walk_lo, mask_free_end) and a ragged end
-        key_lo, end = load_range(Ranges, batch, head, block_m, stride_rb, stride_rh, stride_rq)
-        mask_free_end = tl.minimum(mask_free_end, end)
-        whole_lo, walk_lo = load_whole_run(Ranges, batch, head, block_m, stride_rb, stride_rh, stride_rq)
+        key_lo, whole_lo, walk_lo, end, mask_free_end = walked_keys(
+            Ranges, batch, head, block_m, stride_rb, stride_rh, stride_rq, mask_free_end)
         acc, row_sum, row_max = _attend_key_blocks(
             acc, row_sum, row_max, q, k_head, v_head, mask_head, m0, whole_lo, walk_lo, seq_q, seq_k, causal_shift,
             qk_scale, slope, causal_fill, stride_kn, stride_kd, stride_vn, stride_vd, stride_mm, stride_mn,

@@ -38,7 +38,7 @@ from .flash_common import (
     add_key_slope, head_slope, key_ranges, launcher, log_sum_exp, running_max, softmax_denominator, store_rows,
     visible,
 )
-from .mask_blocks import range_arguments, load_range, load_whole_run
+from .mask_blocks import range_arguments, walked_keys
 from .mask_tiles import (
     add_mask, causal_keys_end, fold_causal, folded_keys_end, lacks_real_score, load_mask_block, mask_arguments,
     reads_mask_row,
@@ -142,9 +142,8 @@ def _flash_forward_tma_kernel(
     key_lo = 0
     walk_lo = 0
     if RANGES:  # as flash_forward's kernel
-        key_lo, end = load_range(Ranges, batch, head, m0 // BLOCK_M, stride_rb, stride_rh, stride_rq)
-        mask_free_end = tl.minimum(mask_free_end, end)
-        whole_lo, walk_lo = load_whole_run(Ranges, batch, head, m0 // BLOCK_M, stride_rb, stride_rh, stride_rq)
+        key_lo, whole_lo, walk_lo, end, mask_free_end = walked_keys(
+            Ranges, batch, head, m0 // BLOCK_M, stride_rb, stride_rh, stride_rq, mask_free_end)
         acc, row_sum, row_max = _tma_key_blocks(
             acc, row_sum, row_max, q, k_desc, v_desc, mask_head, stride_mm, stride_mn, batch, kv_head, m0, whole_lo,
             walk_lo, seq_q, seq_k, causal_shift, qk_scale, slope, causal_fill, HEAD_DIM, BLOCK_M, BLOCK_N, False,

@@ -36,7 +36,7 @@ from .flash_common import LOG2E, launcher
 from .mask_tiles import MASK_DROPS_AT, lacks_real_score
 
 __all__ = ["drop_threshold", "visible_ranges", "mask_ranges", "range_arguments", "load_range", "load_whole_run",
-           "walked_queries", "visits_unwalked", "MIN_KEY_BLOCKS"]
+           "walked_keys", "walked_queries", "visits_unwalked", "MIN_KEY_BLOCKS"]
 
 # Below this many key blocks a query block has little to skip and the extra launch is not worth it
 MIN_KEY_BLOCKS = 4
@@ -151,6 +151,16 @@ def load_whole_run(Ranges, batch, head, block, stride_rb, stride_rh, stride_rblo
     (every value 0, or True): walked without reading the mask; (lo, lo) where there is none."""
     at = Ranges + batch.to(tl.int64) * stride_rb + head.to(tl.int64) * stride_rh + block.to(tl.int64) * stride_rblock
     return tl.load(at + 1), tl.load(at + 2)
+
+
+@triton.jit
+def walked_keys(Ranges, batch, head, block, stride_rb, stride_rh, stride_rq, mask_free_end):
+    """The key blocks (lo, whole_lo, whole_hi, end, mask_free_end) the forward and dQ kernels walk for one
+    query block: [lo, end) its visible range, [whole_lo, whole_hi) the run of it the mask keeps whole
+    (walked without reading the mask), mask_free_end theirs capped at end."""
+    lo, end = load_range(Ranges, batch, head, block, stride_rb, stride_rh, stride_rq)
+    whole_lo, whole_hi = load_whole_run(Ranges, batch, head, block, stride_rb, stride_rh, stride_rq)
+    return lo, whole_lo, whole_hi, end, tl.minimum(mask_free_end, end)
 
 
 @triton.jit
