@@ -55,13 +55,14 @@ class LowerCtx:
         return self.target == "cuda" and self.out_dtype in (torch.float32, torch.float64)
 
 
-def _asm(instr: str, x: str) -> str:
+def ptx_unary(instr: str, x: str) -> str:
+    """One fp32 PTX instruction over x's elements (GPU only: the interpreter cannot run inline asm)."""
     return (f'tl.inline_asm_elementwise("{instr} $0, $1;", "=r,r", [{x}], dtype=tl.float32, '
             f"is_pure=True, pack=1)")
 
 
 def _tanh_approx(x: str) -> str:
-    return _asm("tanh.approx.f32", x)
+    return ptx_unary("tanh.approx.f32", x)
 
 
 def _libdevice_or(name: str, fallback):
@@ -85,8 +86,8 @@ def _sigmoid(c, x):
     # plus |x|*2^-24 from rounding the exponent: < 1e-5 for |x| < 87, far below bf16's 2^-9).
     # Below x = -87 the result (< 2^-126) flushes to 0.
     if c.approx_ok:
-        e = _asm("ex2.approx.ftz.f32", f"{x} * -1.4426950408889634")
-        return _asm("rcp.approx.ftz.f32", f"1.0 + {e}")
+        e = ptx_unary("ex2.approx.ftz.f32", f"{x} * -1.4426950408889634")
+        return ptx_unary("rcp.approx.ftz.f32", f"1.0 + {e}")
     return true_divide(c, "1.0", f"(1.0 + {_exp(c, f'-{x}')})")
 
 

@@ -19,7 +19,7 @@ from ..analysis.reductions import reduction_info
 from ..analysis.symbolic import is_symbolic, pexpr
 from .dtypes import TL_DTYPE, compute_dtype
 from .kernel import Kernel
-from .online_softmax import find_online_pairs, online_finish, online_init, online_update
+from .online_softmax import eager_sum, find_online_pairs, online_finish, online_init, online_update
 from .triton_pointwise import view_root
 
 
@@ -208,7 +208,7 @@ class LoopedSchedule:
         for r in reds:
             if r in self.pairs:
                 em.current_mapping = "full"
-                loop += online_update(r, self.pairs[r], em._var(self.pairs[r].args[0]), em._exp_of(r))
+                loop += online_update(r, self.pairs[r], em._var(self.pairs[r].args[0]), em._exp_of(r), em.target)
             elif r not in self.paired_max:
                 block, acc, kind = em._reduced_value(r)
                 if kind in ("amax", "amin"):
@@ -225,13 +225,14 @@ class LoopedSchedule:
         em.suffix, em.load_policy, em.store_hint = "", None, False
         return body, reds
 
-    def _lane_results(self, reds) -> list[tuple[fx.Node, str, str]]:
-        """(node, expression over the accumulators' lanes, kind) for each reduction a pass finished."""
+    def _lane_results(self, reds, final: bool = True) -> list[tuple[fx.Node, str, str]]:
+        """(node, expression over the accumulators' lanes, kind) for each reduction a pass finished;
+        `final`: the row's results, not a split row's chunk partials."""
         out = []
         for r in reds:
             if r in self.pairs:
                 mx, total = online_finish(r, self.pairs[r], self.em._exp_of(r),
-                                          lane_reduce("amax", f"acc_{self.pairs[r].name}", self.em.target))
+                                          lane_reduce("amax", f"acc_{self.pairs[r].name}", self.em.target), final)
                 out += [(self.pairs[r], mx, "amax"), (r, total, "sum")]
             elif r not in self.paired_max:
                 kind = reduction_info(r).kind
@@ -259,7 +260,7 @@ class LoopedSchedule:
         partial = chunk + self._scalar_leaves() + self._scalars_until(0, SPLIT_GUARD)
         lines, reds = self._pass(0, chunked=True)
         partial += lines + ["# -- this chunk's partial results ----"]
-        results = self._lane_results(reds)
+        results = self._lane_results(reds, final=False)
         for k, (node, expr, kind) in enumerate(results):
             partial.append(f"{node.name} = {expr}")
             partial.append(f"tl.store(ws_ptr{k} + (tl.program_id(1) * xnumel + xindex), {node.name}, xmask)")
@@ -289,7 +290,8 @@ class LoopedSchedule:
         pair_max = self.pairs.get(node)
         if pair_max is not None:  # online softmax partial sums were taken against each chunk's max
             m, pm = pair_max.name, partial_of[pair_max]
-            return f"tl.sum(tl.where({pm} == {m}, {v}, {v} * {self.em._exp_of(node)(f'{pm} - {m}')}), 1)[:, None]"
+            rescaled = f"{v} * {self.em._exp_of(node)(f'{pm} - {m}')}"
+            return eager_sum(f"tl.sum(tl.where({pm} == {m}, {v}, {rescaled}), 1)[:, None]", m)
         return f"tl.sum({v}, 1)[:, None]"
 
 

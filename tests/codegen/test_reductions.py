@@ -138,6 +138,23 @@ def test_logsumexp_uses_the_online_pair_in_every_schedule(device, schedule):
     torch.testing.assert_close(out.double(), torch.logsumexp(x.double(), -1, keepdim=True), rtol=1e-5, atol=1e-5)
 
 
+def test_online_softmax_infinities_and_max_jumps_match_eager(device, schedule):
+    """The online pass spends one exp per element (exp(-|m_old - x|), the other factor being 1): rows whose
+    max climbs or falls in every block, -inf prefixes and whole -inf rows, and +inf entries (NaN rows in
+    eager: exp(inf - inf)) must come out as eager's float64."""
+    x = torch.randn(8, 45, device=device) * 3
+    x[0] = torch.linspace(-30, 30, 45, device=device)  # the max grows at every element
+    x[1] = torch.linspace(30, -30, 45, device=device)  # set by the first element, never again
+    x[2, :30] = float("-inf")
+    x[3] = float("-inf")
+    x[4, 40] = float("inf")
+    x[5, 2], x[5, 44] = float("inf"), float("-inf")
+    x[6, ::2] = float("-inf")
+    for fn in (lambda t: torch.softmax(t, -1), lambda t: torch.log_softmax(t, -1), logsumexp):
+        out = compile_fxopt(fn)(x)
+        torch.testing.assert_close(out.double(), fn(x.double()), rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
 def test_log_softmax_and_nan_propagation(device, schedule):
     x = torch.randn(4, 30, device=device)
     x[1, 3] = float("nan")
