@@ -49,6 +49,12 @@ try:  # triton >= 3.4
 except ImportError:  # pragma: no cover - older triton
     TensorDescriptor = None
 
+# Stages of the loops that read [BLOCK_M, BLOCK_N] mask tiles. The hd128 config (64 x 64 tiles, 3 stages)
+# takes 115,712 bytes of shared memory, two programs per SM; pipelining the mask tiles beside three stages of
+# K and V took 131,128 (compiled for sm_90), one program per SM, and HF Llama's masked forward ran 1.6x
+# slower than causal for it (benchmarks/results/2026-12-08-h100.md). Two stages fit two programs again.
+MASK_TILE_STAGES = tl.constexpr(2)
+
 __all__ = ["tma_applies", "tma_readable", "tiles_fit", "descriptor", "flash_forward_tma", "query_block_program"]
 
 
@@ -209,10 +215,11 @@ def _tma_key_blocks(
         EVEN_KEYS: tl.constexpr, FOLD: tl.constexpr):
     """The online-softmax update over key blocks [key_lo, key_hi); MASKED blocks get the elementwise
     causal / ragged-end mask, the others none. HAS_MASK: the additive mask is added to the scaled scores
-    (MASK_ROW: one row of it serves every query), with the finite causal fill folded in (FOLD)."""
+    (MASK_ROW: one row of it serves every query), with the finite causal fill folded in (FOLD). A loop that
+    reads mask tiles pipelines MASK_TILE_STAGES of them, K and V too, whatever the kernel's num_stages."""
     rows = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
-    for n0 in range(key_lo, key_hi, BLOCK_N):
+    for n0 in tl.range(key_lo, key_hi, BLOCK_N, num_stages=MASK_TILE_STAGES if HAS_MASK and not MASK_ROW else None):
         n0 = tl.multiple_of(n0, BLOCK_N)
         k = k_desc.load([batch, kv_head, n0, 0]).reshape(BLOCK_N, HEAD_DIM)
         s = tl.dot(q, tl.trans(k))
