@@ -49,7 +49,7 @@ def online_init(s: fx.Node, m: fx.Node) -> list[str]:
 def online_update(s: fx.Node, m: fx.Node, u_expr: str, exp, target: str) -> list[str]:
     """Per-lane update with the block u_expr; `exp(x)` spells the exp the graph's exp node uses. One exp per
     element, not two: of exp(m_old - m_new) and exp(v - m_new) one is exp(0) = 1, the other exp(-|m_old - v|)
-    (a long row's online pass is bound by the SM's instruction issue as much as by memory). A lane that has
+    (a long row's online pass is bound partly by the SM's instruction issue, not only by memory). A lane that has
     seen only -inf adds 0: -inf - -inf is NaN, which fmax drops (a NaN in the max itself is carried by
     acc_max); a row whose max is infinite gets eager's NaN sum from online_finish (eager_sum)."""
     v, d, e = f"v_{m.name}", f"d_{m.name}", f"e_{m.name}"
@@ -65,7 +65,7 @@ def online_update(s: fx.Node, m: fx.Node, u_expr: str, exp, target: str) -> list
 def rescale_exp(exp, target: str, dtype: torch.dtype):
     """The exp of the online update's factors exp(-|d|) <= 1: where the graph's exp is Triton's approximate
     tl.exp on the GPU (ex2.approx of x * log2 e), the same instruction without its handling of results below
-    2^-126 (three instructions of the pass's ten), which a lane sum of at least 1 cannot hold anyway."""
+    2^-126 (three SASS instructions per element), which a lane sum of at least 1 cannot hold anyway."""
     if target != "cuda" or dtype != torch.float32 or not exp("x").startswith("tl.exp("):
         return exp
     return lambda x: ptx_unary("ex2.approx.ftz.f32", f"({x}) * 1.4426950408889634")
