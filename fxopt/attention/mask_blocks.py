@@ -35,8 +35,8 @@ from ..codegen.wrapper_runtime import cdiv
 from .flash_common import LOG2E, launcher
 from .mask_tiles import MASK_DROPS_AT, lacks_real_score
 
-__all__ = ["drop_threshold", "visible_ranges", "mask_ranges", "range_arguments", "load_range", "load_whole_run",
-           "walked_keys", "walked_queries", "visits_unwalked", "MIN_KEY_BLOCKS"]
+__all__ = ["drop_threshold", "visible_ranges", "mask_ranges", "range_arguments", "load_ranges", "walked_keys",
+           "walked_queries", "visits_unwalked", "MIN_KEY_BLOCKS"]
 
 # Below this many key blocks a query block has little to skip and the extra launch is not worth it
 MIN_KEY_BLOCKS = 4
@@ -139,18 +139,12 @@ def _visible_range_kernel(Mask, stride_mb, stride_mh, stride_mm, stride_mn, Rang
 
 
 @triton.jit
-def load_range(Ranges, batch, head, block, stride_rb, stride_rh, stride_rblock):
-    """The (lo, hi) visible_ranges recorded for this block of this (batch, head)."""
+def load_ranges(Ranges, batch, head, block, stride_rb, stride_rh, stride_rblock):
+    """(lo, whole_lo, whole_hi, hi) visible_ranges recorded for this block of this (batch, head): [lo, hi) its
+    range, [whole_lo, whole_hi) the longest run of blocks in it whose tiles the mask keeps whole (every value 0,
+    or True), walked without reading the mask; (lo, lo) where there is none."""
     at = Ranges + batch.to(tl.int64) * stride_rb + head.to(tl.int64) * stride_rh + block.to(tl.int64) * stride_rblock
-    return tl.load(at), tl.load(at + 3)
-
-
-@triton.jit
-def load_whole_run(Ranges, batch, head, block, stride_rb, stride_rh, stride_rblock):
-    """The (lo, hi) of the longest run of blocks inside this block's range whose tiles the mask keeps whole
-    (every value 0, or True): walked without reading the mask; (lo, lo) where there is none."""
-    at = Ranges + batch.to(tl.int64) * stride_rb + head.to(tl.int64) * stride_rh + block.to(tl.int64) * stride_rblock
-    return tl.load(at + 1), tl.load(at + 2)
+    return tl.load(at), tl.load(at + 1), tl.load(at + 2), tl.load(at + 3)
 
 
 @triton.jit
@@ -158,8 +152,7 @@ def walked_keys(Ranges, batch, head, block, stride_rb, stride_rh, stride_rq, mas
     """The key blocks (lo, whole_lo, whole_hi, end, mask_free_end) the forward and dQ kernels walk for one
     query block: [lo, end) its visible range, [whole_lo, whole_hi) the run of it the mask keeps whole
     (walked without reading the mask), mask_free_end theirs capped at end."""
-    lo, end = load_range(Ranges, batch, head, block, stride_rb, stride_rh, stride_rq)
-    whole_lo, whole_hi = load_whole_run(Ranges, batch, head, block, stride_rb, stride_rh, stride_rq)
+    lo, whole_lo, whole_hi, end = load_ranges(Ranges, batch, head, block, stride_rb, stride_rh, stride_rq)
     return lo, whole_lo, whole_hi, end, tl.minimum(mask_free_end, end)
 
 
@@ -174,8 +167,7 @@ def walked_queries(Ranges, batch, head, key_block, stride_rb, stride_rh, stride_
     whole_lo = lo
     whole_hi = lo
     if RANGES:
-        lo, hi = load_range(Ranges, batch, head, key_block, stride_rb, stride_rh, stride_rk)
-        whole_lo, whole_hi = load_whole_run(Ranges, batch, head, key_block, stride_rb, stride_rh, stride_rk)
+        lo, whole_lo, whole_hi, hi = load_ranges(Ranges, batch, head, key_block, stride_rb, stride_rh, stride_rk)
         lo, hi = tl.minimum(lo, ragged_lo), tl.minimum(hi, ragged_lo)
         whole_lo, whole_hi = tl.minimum(whole_lo, ragged_lo), tl.minimum(whole_hi, ragged_lo)
     return lo, whole_lo, whole_hi, hi
